@@ -1,0 +1,281 @@
+"""Public attention API: ``attention_forward`` / ``attention_backward`` as a
+JAX ``custom_vjp``-style pair, and ``attention`` for the forward alone.
+
+The forward returns ``(out, residuals)``; the backward takes the cotangent and
+the residuals and returns one gradient per differentiable input. The
+residuals record the path (``DenseResiduals`` or ``ChunkedResiduals``) and the
+validated options, so the backward always follows the forward that made them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from .dense import dense_backward, dense_forward
+from .namespace import resolve_namespace
+from .options import AttentionSpec, make_spec
+
+__all__ = [
+    "attention",
+    "attention_forward",
+    "attention_backward",
+    "AttentionGrads",
+    "AttentionResiduals",
+    "DenseResiduals",
+    "ChunkedResiduals",
+]
+
+
+class AttentionGrads(NamedTuple):
+    """Gradients of attention, each in its input's shape and dtype.
+
+    ``dq (..., N, T, H)``, ``dk (..., K, S, H)``, ``dv (..., K, S, Hv)``;
+    ``dbias`` has the bias's own shape and dtype, or is None without a bias.
+    """
+
+    dq: Any
+    dk: Any
+    dv: Any
+    dbias: Any
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionResiduals:
+    """What the backward needs, saved by the forward.
+
+    Attributes
+    ----------
+    spec : AttentionSpec
+        The validated options (path, masks, scale, dropout seed, ...).
+    q, k, v : arrays
+        The inputs in the compute dtype (the caller's arrays themselves when
+        no cast was needed; never modified).
+    out : array, (..., N, T, Hv)
+        The output in the compute dtype.
+    lse : array, (..., N, T)
+        Natural-log logsumexp of the scaled, biased, masked scores, in the
+        compute dtype; ``-inf`` on fully masked rows.
+    """
+
+    spec: AttentionSpec
+    q: Any
+    k: Any
+    v: Any
+    out: Any
+    lse: Any
+
+
+@dataclass(frozen=True, eq=False)
+class DenseResiduals(AttentionResiduals):
+    """Residuals of the dense path; also exposes the attention matrix.
+
+    probs : array, (..., N, T, S)
+        The softmax before dropout, per query head, in the compute dtype;
+        0 on hidden keys and on fully masked rows.
+    """
+
+    probs: Any = None
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkedResiduals(AttentionResiduals):
+    """Residuals of the chunked path: only ``out`` and ``lse``, never the
+    probabilities (memory linear in sequence length)."""
+
+
+def attention_forward(
+    q,
+    k,
+    v,
+    /,
+    *,
+    mask=None,
+    bias=None,
+    causal=False,
+    window=None,
+    align=None,
+    q_lengths=None,
+    kv_lengths=None,
+    scale=None,
+    dropout_p=0.0,
+    seed=None,
+    impl="auto",
+    block_q=None,
+    block_k=None,
+    xp=None,
+):
+    r"""Masked scaled dot-product attention, keeping residuals for the backward.
+
+    .. math::
+
+        \mathrm{out} = \mathrm{dropout}\big(\mathrm{softmax}(\mathrm{scale}\cdot QK^\top
+        + \mathrm{bias},\ \mathrm{masked})\big)\,V,\qquad
+        \mathrm{lse} = \log\sum_{j\ \mathrm{visible}} e^{\mathrm{scale}\cdot q\cdot k_j + \mathrm{bias}_j}
+
+    Dimension legend: B... batch axes, N query heads, K kv heads (N % K == 0;
+    K < N is GQA/MQA), T query length, S key length, H head dim, Hv value dim.
+
+    Parameters
+    ----------
+    q : array, (..., N, T, H)
+    k : array, (..., K, S, H)
+    v : array, (..., K, S, Hv)
+        Same floating dtype and equal leading axes. float16/bfloat16 compute
+        in float32 and return in the input dtype.
+    mask : bool array broadcastable to (..., N, T, S), optional
+        True = may attend (PyTorch SDPA, JAX, FlexAttention polarity).
+    bias : float array broadcastable to (..., N, T, S), optional
+        Added to the scaled scores; ``-inf`` entries act as a mask. Its
+        gradient is returned in its own shape.
+    causal : bool
+        Each query sees keys at or before its position (``window`` right = 0).
+    window : (left, right), ints >= 0 or None
+        Query at position p sees keys j with ``p - left <= j <= p + right``.
+    align : {"top_left", "bottom_right"}, optional
+        Query i sits at position i (top_left) or ``i + S - T`` (bottom_right;
+        with lengths, ``kv_len - q_len`` per batch element). Required for
+        ``causal``/``window`` when T != S; None with T == S means top_left.
+    q_lengths, kv_lengths : int arrays of shape ``q.shape[:-3]``, optional
+        Valid lengths; padded keys are never attended, padded query rows are
+        fully masked.
+    scale : float, optional
+        Defaults to ``1 / sqrt(H)``.
+    dropout_p : float in [0, 1)
+        Dropout on the probabilities after softmax, kept entries scaled by
+        ``1 / (1 - p)``. The keep mask is a pure function of ``seed`` and the
+        indices, identical on every path and backend.
+    seed : int >= 0
+        Required when ``dropout_p > 0``.
+    impl : {"auto", "dense", "chunked"}
+        ``"auto"`` is chunked once the score tensor would exceed
+        ``npattn.options.AUTO_CHUNKED_MIN_SCORES`` (2**24) entries.
+    block_q, block_k : int, optional
+        Tile sizes of the chunked path (default 128).
+    xp : namespace, optional
+        Array API namespace; inferred from the inputs by default.
+
+    Returns
+    -------
+    out : array, (..., N, T, Hv), in q's dtype
+        Fully masked rows are 0.
+    residuals : DenseResiduals or ChunkedResiduals
+        Carries ``lse`` (..., N, T), and for the dense path ``probs``.
+
+    Raises
+    ------
+    TypeError
+        Non-floating or mixed dtypes, a non-bool mask, arrays from two libraries.
+    ValueError
+        Shapes that do not fit, options out of range, arrays on two devices.
+
+    Examples
+    --------
+    >>> import numpy as np, npattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 4, 5, 8)) for _ in range(3))
+    >>> out, res = npattn.attention_forward(q, k, v, causal=True)
+    >>> out.shape, res.lse.shape
+    ((2, 4, 5, 8), (2, 4, 5))
+    >>> grads = npattn.attention_backward(np.ones_like(out), res)
+    >>> grads.dq.shape
+    (2, 4, 5, 8)
+    """
+    spec = make_spec(
+        q, k, v, mask=mask, bias=bias, causal=causal, window=window, align=align,
+        q_lengths=q_lengths, kv_lengths=kv_lengths, scale=scale, dropout_p=dropout_p,
+        seed=seed, impl=impl, block_q=block_q, block_k=block_k, xp=xp,
+    )
+    xp = spec.xp
+    qc, kc, vc = (xp.astype(a, spec.compute_dtype, copy=False) for a in (q, k, v))
+    if spec.impl == "dense":
+        out, lse, probs = dense_forward(spec, qc, kc, vc)
+        residuals = DenseResiduals(spec, qc, kc, vc, out, lse, probs)
+    else:
+        from .chunked import chunked_forward
+
+        out, lse = chunked_forward(spec, qc, kc, vc)
+        residuals = ChunkedResiduals(spec, qc, kc, vc, out, lse)
+    return xp.astype(out, spec.dtype, copy=False), residuals
+
+
+def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
+    r"""Gradients of :func:`attention_forward`, following its residuals.
+
+    With ``D = rowsum(dO * O) - dlse`` and ``P`` the pre-dropout
+    probabilities: ``dS = P * (dP - D)``, ``dQ = scale * dS K``,
+    ``dK = scale * dS^T Q``, ``dV = Pd^T dO``, ``dbias = dS`` (summed to the
+    bias's shape). Fully masked rows contribute nothing.
+
+    Parameters
+    ----------
+    dout : array, (..., N, T, Hv)
+        Cotangent of ``out``, in ``out``'s dtype.
+    residuals : AttentionResiduals
+        From :func:`attention_forward`; reusable (backward may run twice).
+    dlse : array, (..., N, T), optional
+        Cotangent of ``residuals.lse``.
+
+    Returns
+    -------
+    AttentionGrads
+        ``(dq, dk, dv, dbias)`` in the inputs' dtypes; ``dbias`` is None when
+        no bias was given.
+
+    Examples
+    --------
+    >>> import numpy as np, npattn
+    >>> q = k = v = np.ones((1, 2, 3))
+    >>> out, res = npattn.attention_forward(q, k, v)
+    >>> g = npattn.attention_backward(np.ones_like(out), res, dlse=np.zeros((1, 2)))
+    >>> g.dv.tolist()
+    [[[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]]
+    """
+    if not isinstance(residuals, AttentionResiduals):
+        raise TypeError(
+            f"residuals must come from npattn.attention_forward, got {type(residuals).__name__}"
+        )
+    spec = residuals.spec
+    xp = spec.xp
+    dout_c = _check_cotangent(residuals, "dout", dout, tuple(residuals.out.shape), spec.dtype)
+    dlse_c = None
+    if dlse is not None:
+        dlse_c = _check_cotangent(residuals, "dlse", dlse, tuple(residuals.lse.shape), spec.compute_dtype)
+    if isinstance(residuals, DenseResiduals):
+        dq, dk, dv, dbias = dense_backward(
+            spec, residuals.q, residuals.k, residuals.v, residuals.probs, dout_c, dlse_c
+        )
+    else:
+        from .chunked import chunked_backward
+
+        dq, dk, dv, dbias = chunked_backward(
+            spec, residuals.q, residuals.k, residuals.v, residuals.out, residuals.lse, dout_c, dlse_c
+        )
+    if dbias is not None:
+        dbias = xp.astype(dbias, spec.bias_dtype, copy=False)
+    return AttentionGrads(*(xp.astype(g, spec.dtype, copy=False) for g in (dq, dk, dv)), dbias)
+
+
+def _check_cotangent(residuals: AttentionResiduals, name: str, g: Any, shape: tuple, dtype: Any) -> Any:
+    """Check a cotangent against the forward's output; return it in the compute dtype."""
+    spec = residuals.spec
+    resolve_namespace({"the forward's inputs": residuals.q, name: g})
+    if tuple(g.shape) != shape:
+        raise ValueError(f"{name} must have the forward's shape {shape}, got {tuple(g.shape)}")
+    if g.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype} (as the forward's output), got {g.dtype}")
+    return spec.xp.astype(g, spec.compute_dtype, copy=False)
+
+
+def attention(q, k, v, /, **options):
+    """Forward only: ``attention_forward(q, k, v, **options)[0]``.
+
+    Takes the same keyword options as :func:`attention_forward`.
+
+    >>> import numpy as np, npattn
+    >>> x = np.zeros((1, 3, 4))
+    >>> npattn.attention(x, x, x + 1.0).tolist()[0][0]
+    [1.0, 1.0, 1.0, 1.0]
+    """
+    out, _ = attention_forward(q, k, v, **options)
+    return out

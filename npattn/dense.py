@@ -1,0 +1,107 @@
+"""The dense reference path: materializes the ``(..., N, T, S)`` scores.
+
+Forward (per batch element and query head ``n``, kv head ``n // G``)::
+
+    S   = scale * Q K^T + bias              (..., N, T, S)
+    P   = masked_softmax(S)                  hidden -> 0, fully masked row -> 0
+    lse = logsumexp(S over visible keys)     (..., N, T), -inf if none visible
+    Pd  = P * keep / (1 - p)                 dropout (keep = 1 when p = 0)
+    O   = Pd V                               (..., N, T, Hv)
+
+Backward, given ``dO`` and optionally ``dlse``::
+
+    dV  = Pd^T dO                            summed over the G heads sharing it
+    dPd = dO V^T
+    dP  = dPd * keep / (1 - p)
+    D   = rowsum(P * dP) - dlse              (= rowsum(dO * O) - dlse)
+    dS  = P * (dP - D)                       also dbias (summed to bias's shape)
+    dQ  = scale * dS K
+    dK  = scale * dS^T Q                     summed over the G heads sharing it
+
+This is the readable oracle the chunked path is tested against.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import dropout as _dropout
+from .masking import bias_tile, visible_tile
+from .namespace import sum_to_shape
+from .options import AttentionSpec
+from .softmax import masked_softmax
+
+__all__ = ["dense_forward", "dense_backward", "expand_kv_heads", "reduce_kv_heads"]
+
+
+def expand_kv_heads(xp: Any, x: Any, group_size: int) -> Any:
+    """Repeat each of the K key/value heads G times: ``(..., K, S, D) -> (..., K*G, S, D)``.
+
+    Query head ``n`` reads kv head ``n // G`` (PyTorch ``enable_gqa``, JAX).
+    """
+    if group_size == 1:
+        return x
+    *lead, K, S, D = x.shape
+    x = xp.reshape(x, (*lead, K, 1, S, D))  # (..., K, 1, S, D)
+    x = xp.broadcast_to(x, (*lead, K, group_size, S, D))  # (..., K, G, S, D)
+    return xp.reshape(x, (*lead, K * group_size, S, D))  # (..., N, S, D)
+
+
+def reduce_kv_heads(xp: Any, dx: Any, group_size: int) -> Any:
+    """Adjoint of :func:`expand_kv_heads`: ``(..., N, S, D) -> (..., K, S, D)``."""
+    if group_size == 1:
+        return dx
+    *lead, N, S, D = dx.shape
+    dx = xp.reshape(dx, (*lead, N // group_size, group_size, S, D))  # (..., K, G, S, D)
+    return xp.sum(dx, axis=-3)  # (..., K, S, D)
+
+
+def _dropout_scale(spec: AttentionSpec) -> Any | None:
+    """``keep / (1 - p)`` over the whole ``(..., N, T, S)``, or None without dropout."""
+    if spec.dropout_p == 0:
+        return None
+    xp = spec.xp
+    keep = _dropout.keep_tile(spec, 0, spec.q_len, 0, spec.kv_len)  # (..., N, T, S)
+    return xp.astype(keep, spec.compute_dtype) / (1.0 - spec.dropout_p)
+
+
+def _scores(spec: AttentionSpec, q: Any, k: Any) -> Any:
+    xp = spec.xp
+    k_heads = expand_kv_heads(xp, k, spec.group_size)  # (..., N, S, H)
+    s = spec.scale * (q @ xp.matrix_transpose(k_heads))  # (..., N, T, S)
+    bias = bias_tile(spec, 0, spec.q_len, 0, spec.kv_len)
+    return s if bias is None else s + bias
+
+
+def dense_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
+    """Return ``(out, lse, probs)`` in the compute dtype; inputs already cast."""
+    xp = spec.xp
+    s = _scores(spec, q, k)  # (..., N, T, S)
+    p, lse = masked_softmax(xp, s, visible_tile(spec, 0, spec.q_len, 0, spec.kv_len))
+    drop = _dropout_scale(spec)
+    p_dropped = p if drop is None else p * drop  # (..., N, T, S)
+    out = p_dropped @ expand_kv_heads(xp, v, spec.group_size)  # (..., N, T, Hv)
+    return out, lse, p
+
+
+def dense_backward(
+    spec: AttentionSpec, q: Any, k: Any, v: Any, p: Any, dout: Any, dlse: Any | None
+) -> tuple[Any, Any, Any, Any | None]:
+    """Return ``(dq, dk, dv, dbias)`` in the compute dtype (dbias in the
+    bias's shape, or None). ``p`` is the saved pre-dropout probabilities."""
+    xp = spec.xp
+    G = spec.group_size
+    drop = _dropout_scale(spec)
+    p_dropped = p if drop is None else p * drop  # (..., N, T, S)
+    dv = reduce_kv_heads(xp, xp.matrix_transpose(p_dropped) @ dout, G)  # (..., K, S, Hv)
+    dp = dout @ xp.matrix_transpose(expand_kv_heads(xp, v, G))  # (..., N, T, S)
+    if drop is not None:
+        dp = dp * drop
+    D = xp.sum(p * dp, axis=-1, keepdims=True)  # (..., N, T, 1)
+    if dlse is not None:
+        D = D - dlse[..., None]
+    ds = p * (dp - D)  # (..., N, T, S)
+    dq = spec.scale * (ds @ expand_kv_heads(xp, k, G))  # (..., N, T, H)
+    dk = reduce_kv_heads(xp, spec.scale * (xp.matrix_transpose(ds) @ q), G)  # (..., K, S, H)
+    dbias = None if spec.bias is None else sum_to_shape(xp, ds, spec.bias_shape)
+    return dq, dk, dv, dbias

@@ -1,0 +1,120 @@
+"""The array-module abstraction: which namespace and device the inputs live on,
+and the dtype policy.
+
+Every compute module in npattn receives an Array API namespace ``xp`` from
+:func:`resolve_namespace` and calls nothing but standard functions on it, so
+the same code runs on NumPy, CuPy, array-api-strict and PyTorch tensors.
+
+Dtype policy (CONVENTIONS §1)::
+
+    input dtype           compute dtype     returned dtype
+    float64               float64           float64
+    float32               float32           float32
+    float16 / bfloat16    float32           input dtype
+
+The compute dtype is also the dtype of ``lse`` and of the probabilities.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import array_api_compat
+
+__all__ = [
+    "resolve_namespace",
+    "array_device",
+    "compute_dtype",
+    "check_floating",
+    "sum_to_shape",
+]
+
+
+def _library_name(x: Any) -> str:
+    """A short human name for the library an array comes from."""
+    module = type(x).__module__.split(".")[0]
+    return module if module else type(x).__name__
+
+
+def resolve_namespace(named_arrays: dict[str, Any], xp: Any = None) -> Any:
+    """Return the Array API namespace shared by ``named_arrays``.
+
+    ``named_arrays`` maps argument names to arrays (``None`` entries are
+    skipped). Arrays from two libraries raise ``TypeError`` and arrays on two
+    devices raise ``ValueError``; both messages name the disagreeing arguments.
+    When ``xp`` is given it is used as the namespace, after the same checks.
+
+    >>> import numpy as np
+    >>> xp = resolve_namespace({"q": np.zeros(2), "k": np.ones(2)})
+    >>> xp.__name__
+    'array_api_compat.numpy'
+    """
+    present = {name: a for name, a in named_arrays.items() if a is not None}
+    first_name, first_ns, first_device = None, None, None
+    for name, a in present.items():
+        try:
+            ns = array_api_compat.array_namespace(a)
+        except TypeError as err:
+            raise TypeError(
+                f"{name} must be an array of an Array API library "
+                f"(NumPy, CuPy, array-api-strict, ...), got {type(a).__name__}"
+            ) from err
+        if first_ns is None:
+            first_name, first_ns, first_device = name, ns, array_api_compat.device(a)
+            continue
+        if ns is not first_ns:
+            raise TypeError(
+                f"{first_name} and {name} come from different array libraries "
+                f"({_library_name(present[first_name])} and {_library_name(a)}); "
+                "pass all arrays from one library"
+            )
+        device = array_api_compat.device(a)
+        if device != first_device:
+            raise ValueError(
+                f"{first_name} and {name} are on different devices "
+                f"({first_device} and {device}); move them to one device"
+            )
+    if xp is not None:
+        return xp
+    if first_ns is None:
+        raise TypeError("no array arguments were given to resolve a namespace from")
+    return first_ns
+
+
+def array_device(x: Any) -> Any:
+    """The device ``x`` lives on, for ``device=`` of new arrays."""
+    return array_api_compat.device(x)
+
+
+def compute_dtype(xp: Any, dtype: Any) -> Any:
+    """The dtype attention computes in for inputs of ``dtype``.
+
+    float64 and float32 compute in themselves; narrower floats (float16,
+    bfloat16) accumulate in float32.
+    """
+    if dtype == xp.float64 or dtype == xp.float32:
+        return dtype
+    return xp.float32
+
+
+def check_floating(xp: Any, name: str, x: Any) -> None:
+    """Raise ``TypeError`` unless ``x`` has a real floating dtype."""
+    if not xp.isdtype(x.dtype, "real floating"):
+        raise TypeError(f"{name} must have a real floating dtype, got {x.dtype}")
+
+
+def sum_to_shape(xp: Any, x: Any, shape: tuple[int, ...]) -> Any:
+    """Sum ``x`` over the axes that broadcasting added to reach ``x.shape``
+    from ``shape``: the adjoint of ``broadcast_to(·, x.shape)``.
+
+    >>> import numpy as np, array_api_compat.numpy as xp
+    >>> sum_to_shape(xp, np.ones((2, 3, 4)), (3, 1)).tolist()
+    [[4.0], [4.0], [4.0]]
+    """
+    extra = x.ndim - len(shape)
+    if extra > 0:
+        x = xp.sum(x, axis=tuple(range(extra)))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    if axes:
+        x = xp.sum(x, axis=axes, keepdims=True)
+    return x

@@ -1,0 +1,309 @@
+"""Argument checking for attention: turns the public keyword arguments into
+one validated, immutable :class:`AttentionSpec` that every path reads.
+
+All checks happen here, before any compute, so the dense and chunked paths
+see identical, already-normalized options and every bad input gets one clear
+``TypeError`` or ``ValueError`` that names the argument.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+from .namespace import array_device, compute_dtype, resolve_namespace
+
+__all__ = ["AttentionSpec", "make_spec", "IMPLS", "ALIGNS"]
+
+IMPLS = ("auto", "dense", "chunked")
+ALIGNS = ("top_left", "bottom_right")
+
+#: ``impl="auto"`` switches to the chunked path once the dense score tensor
+#: ``(..., N, T, S)`` would hold more than this many entries (per call, all
+#: heads and batch elements together): 2**24 entries is 64 MiB in float32.
+AUTO_CHUNKED_MIN_SCORES = 2**24
+
+DEFAULT_BLOCK_Q = 128
+DEFAULT_BLOCK_K = 128
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Validated attention options, shared by the forward and the backward.
+
+    Dimension legend: B... batch axes, N query heads, K key/value heads,
+    T query length, S key length, H head dim, Hv value head dim.
+
+    ``mask`` and ``bias`` are the user's arrays reshaped (a view, never a copy)
+    to rank ``len(batch_shape) + 3`` so that tiles can be sliced uniformly;
+    ``bias_shape`` and ``bias_dtype`` remember the original for ``dbias``.
+    ``window_left``/``window_right`` already include ``causal`` (right = 0).
+    ``q_offset`` is the position of query 0: ``0`` (top_left), an int
+    (bottom_right without lengths) or an int64 array of shape ``batch_shape``
+    (bottom_right with lengths). ``offset_bounds`` and the ``*_len_bounds``
+    are its host-side (min, max), used to classify tiles without a sync.
+    """
+
+    xp: Any
+    device: Any
+    batch_shape: tuple[int, ...]
+    num_heads: int
+    num_kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    value_dim: int
+    dtype: Any
+    compute_dtype: Any
+    scale: float
+    mask: Any
+    bias: Any
+    bias_shape: tuple[int, ...] | None
+    bias_dtype: Any
+    window_left: int | None
+    window_right: int | None
+    align: str | None
+    q_lengths: Any
+    kv_lengths: Any
+    q_offset: Any
+    offset_bounds: tuple[int, int]
+    q_len_bounds: tuple[int, int]
+    kv_len_bounds: tuple[int, int]
+    dropout_p: float
+    seed: int | None
+    impl: str
+    block_q: int
+    block_k: int
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head, ``G = N // K``."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def has_positional_mask(self) -> bool:
+        """Whether causal/window or lengths restrict which keys are visible."""
+        return (
+            self.window_left is not None
+            or self.window_right is not None
+            or self.q_lengths is not None
+            or self.kv_lengths is not None
+        )
+
+    @property
+    def num_batch(self) -> int:
+        return math.prod(self.batch_shape)
+
+
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(s == t or s == 1 for s, t in zip(shape[::-1], target[::-1]))
+
+
+def _check_int(name: str, value: Any, *, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        expected = "an int or None" if allow_none else "an int"
+        raise TypeError(f"{name} must be {expected}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_lengths(xp, name, lengths, batch_shape, limit, device):
+    """Validate ``q_lengths``/``kv_lengths``; returns (array, (min, max))."""
+    if lengths is None:
+        return None, (limit, limit)
+    if isinstance(lengths, numbers.Integral) and not isinstance(lengths, bool):
+        lengths = xp.asarray(lengths, dtype=xp.int64, device=device)
+    if not hasattr(lengths, "shape") or not hasattr(lengths, "dtype"):
+        raise TypeError(f"{name} must be an integer array of shape {batch_shape}, got {type(lengths).__name__}")
+    if not xp.isdtype(lengths.dtype, "integral"):
+        raise TypeError(f"{name} must have an integer dtype, got {lengths.dtype}")
+    if tuple(lengths.shape) != batch_shape:
+        raise ValueError(
+            f"{name} must have the inputs' batch shape {batch_shape} (q.shape[:-3]), "
+            f"got shape {tuple(lengths.shape)}"
+        )
+    if math.prod(batch_shape) == 0:
+        return xp.astype(lengths, xp.int64), (limit, limit)
+    lo, hi = int(xp.min(lengths)), int(xp.max(lengths))
+    if lo < 0 or hi > limit:
+        raise ValueError(f"{name} must lie in [0, {limit}], got values in [{lo}, {hi}]")
+    return xp.astype(lengths, xp.int64), (lo, hi)
+
+
+def make_spec(
+    q,
+    k,
+    v,
+    *,
+    mask=None,
+    bias=None,
+    causal=False,
+    window=None,
+    align=None,
+    q_lengths=None,
+    kv_lengths=None,
+    scale=None,
+    dropout_p=0.0,
+    seed=None,
+    impl="auto",
+    block_q=None,
+    block_k=None,
+    xp=None,
+) -> AttentionSpec:
+    """Check every argument of :func:`npattn.attention_forward` and return the
+    normalized :class:`AttentionSpec`. Raises ``TypeError``/``ValueError``
+    naming the offending argument."""
+    xp = resolve_namespace(
+        {"q": q, "k": k, "v": v, "mask": mask, "bias": bias,
+         "q_lengths": q_lengths if hasattr(q_lengths, "shape") else None,
+         "kv_lengths": kv_lengths if hasattr(kv_lengths, "shape") else None},
+        xp,
+    )
+    # --- ranks and shapes -------------------------------------------------
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.ndim < 3:
+            raise ValueError(
+                f"{name} must have rank >= 3 with layout (..., heads, length, dim), "
+                f"got shape {tuple(a.shape)}"
+            )
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError(
+            f"q, k and v must have the same rank, got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    batch_shape = tuple(q.shape[:-3])
+    if tuple(k.shape[:-3]) != batch_shape or tuple(v.shape[:-3]) != batch_shape:
+        raise ValueError(
+            f"q, k and v must have equal leading (batch) axes, got "
+            f"{batch_shape}, {tuple(k.shape[:-3])}, {tuple(v.shape[:-3])}"
+        )
+    N, T, H = q.shape[-3:]
+    K, S, Hk = k.shape[-3:]
+    Kv, Sv, Hv = v.shape[-3:]
+    if Hk != H:
+        raise ValueError(f"k's head dim (last axis) must equal q's: q has H={H}, k has {Hk}")
+    if (Kv, Sv) != (K, S):
+        raise ValueError(
+            f"v must have k's heads and length (axes -3, -2): k has (K={K}, S={S}), v has ({Kv}, {Sv})"
+        )
+    if S == 0:
+        raise ValueError("k and v must hold at least one key (S >= 1); use kv_lengths=0 for an empty sequence")
+    if K == 0 or N % K != 0:
+        raise ValueError(
+            f"the number of query heads N={N} must be a multiple of the number of "
+            f"key/value heads K={K} (axis -3 of q and k)"
+        )
+    # --- dtypes -----------------------------------------------------------
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if not xp.isdtype(a.dtype, "real floating"):
+            raise TypeError(f"{name} must have a real floating dtype, got {a.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    device = array_device(q)
+    cdtype = compute_dtype(xp, q.dtype)
+    full = batch_shape + (N, T, S)
+    rank = len(full)
+
+    # --- mask and bias ----------------------------------------------------
+    if mask is not None:
+        if mask.dtype != xp.bool:
+            raise TypeError(
+                f"mask must be a bool array (True = may attend), got dtype {mask.dtype}; "
+                "pass additive float scores as bias="
+            )
+        if not _broadcasts_to(tuple(mask.shape), full):
+            raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (..., N, T, S) = {full}")
+        mask = xp.reshape(mask, (1,) * (rank - mask.ndim) + tuple(mask.shape))
+    bias_shape = bias_dtype = None
+    if bias is not None:
+        if not xp.isdtype(bias.dtype, "real floating"):
+            raise TypeError(f"bias must have a real floating dtype, got {bias.dtype}; pass booleans as mask=")
+        if not _broadcasts_to(tuple(bias.shape), full):
+            raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to (..., N, T, S) = {full}")
+        bias_shape, bias_dtype = tuple(bias.shape), bias.dtype
+        bias = xp.reshape(bias, (1,) * (rank - bias.ndim) + bias_shape)
+
+    # --- causal / window / align -------------------------------------------
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    left = right = None
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
+        left, right = window
+        _check_int("window[0] (left)", left, minimum=0, allow_none=True)
+        _check_int("window[1] (right)", right, minimum=0, allow_none=True)
+    if causal:
+        right = 0
+    if align is not None and align not in ALIGNS:
+        raise ValueError(f"align must be one of {ALIGNS} or None, got {align!r}")
+    positional = left is not None or right is not None
+    if positional and align is None:
+        if T != S:
+            raise ValueError(
+                f"causal/window with T={T} != S={S} needs an explicit alignment: "
+                "align='top_left' (query i at position i, PyTorch is_causal) or "
+                "align='bottom_right' (query i at position i + S - T, FlashAttention-2 / KV cache)"
+            )
+        align = "top_left"
+
+    # --- lengths ------------------------------------------------------------
+    q_lengths, q_len_bounds = _check_lengths(xp, "q_lengths", q_lengths, batch_shape, T, device)
+    kv_lengths, kv_len_bounds = _check_lengths(xp, "kv_lengths", kv_lengths, batch_shape, S, device)
+
+    # Position of query 0 (only matters for causal/window).
+    q_offset: Any = 0
+    offset_bounds = (0, 0)
+    if positional and align == "bottom_right":
+        if q_lengths is None and kv_lengths is None:
+            q_offset = S - T
+            offset_bounds = (S - T, S - T)
+        else:
+            kv_valid = kv_lengths if kv_lengths is not None else S
+            q_valid = q_lengths if q_lengths is not None else T
+            q_offset = kv_valid - q_valid  # int64, shape batch_shape
+            if math.prod(batch_shape) == 0:
+                offset_bounds = (0, 0)
+            else:
+                offset_bounds = (int(xp.min(q_offset)), int(xp.max(q_offset)))
+
+    # --- scale, dropout, impl -----------------------------------------------
+    if scale is None:
+        scale = 1.0 / math.sqrt(H) if H > 0 else 1.0
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite real number or None, got {scale!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
+    if dropout_p > 0:
+        if seed is None:
+            raise ValueError("seed is required when dropout_p > 0: the keep mask is a pure function of the seed")
+        _check_int("seed", seed, minimum=0)
+    elif seed is not None:
+        _check_int("seed", seed, minimum=0)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = "chunked" if math.prod(full) > AUTO_CHUNKED_MIN_SCORES else "dense"
+    block_q = DEFAULT_BLOCK_Q if block_q is None else block_q
+    block_k = DEFAULT_BLOCK_K if block_k is None else block_k
+    _check_int("block_q", block_q, minimum=1)
+    _check_int("block_k", block_k, minimum=1)
+
+    return AttentionSpec(
+        xp=xp, device=device, batch_shape=batch_shape, num_heads=N, num_kv_heads=K,
+        q_len=T, kv_len=S, head_dim=H, value_dim=Hv, dtype=q.dtype, compute_dtype=cdtype,
+        scale=float(scale), mask=mask, bias=bias, bias_shape=bias_shape, bias_dtype=bias_dtype,
+        window_left=left, window_right=right, align=align,
+        q_lengths=q_lengths, kv_lengths=kv_lengths, q_offset=q_offset,
+        offset_bounds=offset_bounds, q_len_bounds=q_len_bounds, kv_len_bounds=kv_len_bounds,
+        dropout_p=float(dropout_p), seed=None if seed is None else int(seed), impl=impl,
+        block_q=int(block_q), block_k=int(block_k),
+    )
