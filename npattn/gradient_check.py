@@ -181,12 +181,14 @@ def check_gradients(
 
     result = GradcheckResult(names=[names[i] for i in wrt])
     grads = call_backward(cotangents)
+    well_shaped = []
     for i in wrt:
         name = names[i]
         if grads[i] is None or tuple(grads[i].shape) != tuple(inputs[i].shape):
             got = None if grads[i] is None else tuple(grads[i].shape)
             result.failures.append(f"{name}: gradient has shape {got}, input has {tuple(inputs[i].shape)}")
             continue
+        well_shaped.append(i)
         w = random_like(inputs[i])
         analytic = float(xp.sum(xp.astype(grads[i], xp.float64) * w))
         plus, minus = outputs_at(i, w, eps), outputs_at(i, w, -eps)
@@ -206,7 +208,7 @@ def check_gradients(
         jacobian = max(sizes, default=0) <= max_jacobian_elements
     if jacobian:
         result.jacobian_checked = True
-        _check_full_jacobian(xp, device, inputs, names, wrt, outputs, finite, call_backward,
+        _check_full_jacobian(xp, device, inputs, names, well_shaped, outputs, finite, call_backward,
                              outputs_at, eps, atol, rtol, result)
     if raise_on_failure and result.failures:
         raise GradcheckError(str(result))
@@ -256,9 +258,10 @@ def _check_full_jacobian(xp, device, inputs, names, wrt, outputs, finite, call_b
             o_row, e = np.unravel_index(np.argmax(np.where(bad, diff, -1)), bad.shape)
             o_index = int(np.searchsorted(np.cumsum(out_sizes), o_row, side="right"))
             o_elem = o_row - sum(out_sizes[:o_index])
+            in_index = tuple(int(i) for i in np.unravel_index(e, shape))
+            out_index = tuple(int(i) for i in np.unravel_index(o_elem, tuple(outputs[o_index].shape)))
             result.failures.append(
-                f"{name}[{np.unravel_index(e, shape)}] -> output {o_index}"
-                f"[{np.unravel_index(o_elem, tuple(outputs[o_index].shape))}]: "
+                f"{name}[{in_index}] -> output {o_index}[{out_index}]: "
                 f"numeric {numeric[o_row, e]:.12g} vs analytic {analytic[i][o_row, e]:.12g} "
                 f"({int(bad.sum())} of {bad.size} Jacobian entries fail)"
             )

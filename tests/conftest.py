@@ -1,0 +1,113 @@
+"""Shared test fixtures: the backend matrix of CONVENTIONS §4.
+
+``backend`` is a session-scoped parametrized fixture (safe with hypothesis's
+``@given``) yielding a :class:`Backend` that converts NumPy arrays into the
+backend's arrays and back:
+
+- ``numpy``, ``numpy-readonly`` (read-only inputs catch mutation),
+- ``strict`` and ``strict-device1`` (array-api-strict; catches NumPy-only
+  calls and missing ``device=``),
+- ``cupy`` (``gpu`` marker; skipped without CuPy and a device),
+- ``torch`` (CPU tensors; skipped where torch is not installed).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+from hypothesis import settings
+
+settings.register_profile("dev", max_examples=30, deadline=None)
+settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True, print_blob=True)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    asarray: Callable[[np.ndarray], Any]
+    to_numpy: Callable[[Any], np.ndarray]
+    xp: Any
+
+    def __repr__(self) -> str:  # shows in test ids
+        return self.name
+
+
+def _numpy_backend(readonly: bool) -> Backend:
+    def asarray(a):
+        a = np.array(a)  # a private copy the test can freeze
+        if readonly:
+            a.flags.writeable = False
+        return a
+
+    return Backend("numpy-readonly" if readonly else "numpy", asarray, np.asarray, np)
+
+
+def _strict_backend(device_name: str | None) -> Backend:
+    xps = pytest.importorskip("array_api_strict")
+    device = xps.Device(device_name) if device_name else None
+
+    def asarray(a):
+        a = np.asarray(a)
+        return xps.asarray(a, device=device) if device is not None else xps.asarray(a)
+
+    def to_numpy(x):
+        if hasattr(x, "device") and device is not None:
+            x = xps.asarray(x, device=xps.Device("CPU_DEVICE"), copy=True)
+        return np.asarray(x)
+
+    return Backend(f"strict-{device_name}" if device_name else "strict", asarray, to_numpy, xps)
+
+
+def _cupy_backend() -> Backend:
+    try:
+        cp = importlib.import_module("cupy")
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no device")
+    except Exception:
+        pytest.skip("CuPy with a CUDA device is not available")
+    return Backend("cupy", cp.asarray, cp.asnumpy, cp)
+
+
+def _torch_backend() -> Backend:
+    torch = pytest.importorskip("torch")
+    return Backend("torch", lambda a: torch.asarray(np.asarray(a).copy()),
+                   lambda x: x.detach().cpu().numpy(), torch)
+
+
+BACKEND_PARAMS = [
+    "numpy",
+    "numpy-readonly",
+    "strict",
+    "strict-device1",
+    pytest.param("cupy", marks=pytest.mark.gpu),
+    "torch",
+]
+
+
+def make_backend(name: str) -> Backend:
+    if name in ("numpy", "numpy-readonly"):
+        return _numpy_backend(name == "numpy-readonly")
+    if name.startswith("strict"):
+        return _strict_backend("device1" if name.endswith("device1") else None)
+    if name == "cupy":
+        return _cupy_backend()
+    if name == "torch":
+        return _torch_backend()
+    raise ValueError(name)
+
+
+@pytest.fixture(scope="session", params=BACKEND_PARAMS)
+def backend(request) -> Backend:
+    """Every backend of the test matrix."""
+    return make_backend(request.param)
+
+
+@pytest.fixture(scope="session")
+def numpy_backend() -> Backend:
+    return make_backend("numpy")

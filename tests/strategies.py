@@ -1,0 +1,82 @@
+"""Hypothesis strategies for attention problems: shapes, masks and options.
+
+``attention_cases()`` draws an :class:`AttentionCase`: float64 NumPy inputs
+plus a dict of keyword options covering every mask feature of CONVENTIONS §1
+(bool mask, bias with ``-inf`` entries, causal, window, both alignments,
+lengths, GQA/MQA, dropout) and their combinations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from hypothesis import strategies as st
+
+
+@dataclass
+class AttentionCase:
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    options: dict = field(default_factory=dict)
+
+    @property
+    def arrays(self):
+        return self.q, self.k, self.v
+
+    def __repr__(self) -> str:
+        opts = {key: (f"array{np.shape(val)}" if hasattr(val, "shape") else val) for key, val in self.options.items()}
+        return f"AttentionCase(q{self.q.shape}, k{self.k.shape}, v{self.v.shape}, {opts})"
+
+
+def _broadcast_shape(draw, full):
+    """A shape that broadcasts to ``full``: some leading axes dropped, some axes set to 1."""
+    drop = draw(st.integers(0, len(full) - 2))
+    return tuple(n if draw(st.booleans()) else 1 for n in full[drop:])
+
+
+@st.composite
+def attention_cases(draw, *, max_len=6, features=("mask", "bias", "causal", "window", "lengths", "dropout"),
+                    min_batch_ndim=0):
+    batch_shape = tuple(draw(st.lists(st.integers(1, 2), min_size=min_batch_ndim, max_size=2)))
+    K = draw(st.sampled_from([1, 2]))
+    N = K * draw(st.sampled_from([1, 2, 3]))
+    T = draw(st.integers(1, max_len))
+    S = draw(st.integers(1, max_len + 1))
+    H = draw(st.integers(1, 4))
+    Hv = draw(st.integers(1, 4))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = rng.standard_normal((*batch_shape, N, T, H))
+    k = rng.standard_normal((*batch_shape, K, S, H))
+    v = rng.standard_normal((*batch_shape, K, S, Hv))
+    full = (*batch_shape, N, T, S)
+    options: dict = {}
+    if "mask" in features and draw(st.booleans()):
+        options["mask"] = rng.random(_broadcast_shape(draw, full)) < 0.7
+    if "bias" in features and draw(st.booleans()):
+        bias = rng.standard_normal(_broadcast_shape(draw, full))
+        if draw(st.booleans()):
+            bias = np.where(rng.random(bias.shape) < 0.15, -np.inf, bias)
+        options["bias"] = bias
+    positional = False
+    if "causal" in features and draw(st.booleans()):
+        options["causal"] = True
+        positional = True
+    if "window" in features and draw(st.booleans()):
+        side = st.one_of(st.none(), st.integers(0, max_len))
+        options["window"] = (draw(side), draw(side))
+        positional = True
+    if positional and (T != S or draw(st.booleans())):
+        options["align"] = draw(st.sampled_from(["top_left", "bottom_right"]))
+    if "lengths" in features and draw(st.booleans()):
+        if draw(st.booleans()):
+            options["q_lengths"] = rng.integers(0, T + 1, size=batch_shape)
+        if draw(st.booleans()):
+            options["kv_lengths"] = rng.integers(0, S + 1, size=batch_shape)
+    if "dropout" in features and draw(st.booleans()):
+        options["dropout_p"] = draw(st.sampled_from([0.1, 0.5]))
+        options["seed"] = draw(st.integers(0, 2**40))
+    if draw(st.booleans()):
+        options["scale"] = draw(st.sampled_from([0.3, 1.0, 2.5]))
+    return AttentionCase(q, k, v, options)

@@ -1,0 +1,118 @@
+"""Bad input to attention_forward / attention_backward: each case raises the
+named exception type with a message that names the argument."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import npattn
+
+RNG = np.random.default_rng(0)
+Q = RNG.standard_normal((2, 4, 3, 5))
+K = RNG.standard_normal((2, 2, 6, 5))
+V = RNG.standard_normal((2, 2, 6, 7))
+Q_SQUARE = RNG.standard_normal((2, 4, 6, 5))
+
+
+def _strict(a, device=None):
+    xps = pytest.importorskip("array_api_strict")
+    return xps.asarray(a, device=xps.Device(device)) if device else xps.asarray(a)
+
+
+# (id, callable producing the arguments, exception type, message fragment)
+FORWARD_CASES = [
+    ("rank q", lambda: ((Q[0, 0], K, V), {}), ValueError, "q must have rank >= 3"),
+    ("rank mismatch", lambda: ((Q, K[0], V), {}), ValueError, "same rank"),
+    ("head dim", lambda: ((Q, K[..., :4], V), {}), ValueError, "head dim"),
+    ("leading axes", lambda: ((Q, K[:1], V[:1]), {}), ValueError, "leading (batch) axes"),
+    ("v heads/length", lambda: ((Q, K, V[..., :5, :]), {}), ValueError, "v must have k's heads and length"),
+    ("N not multiple of K", lambda: ((Q[:, :3], K, V), {}), ValueError, "multiple of the number of key/value heads"),
+    ("empty keys", lambda: ((Q, K[..., :0, :], V[..., :0, :]), {}), ValueError, "at least one key"),
+    ("integer q", lambda: ((Q.astype(np.int64), K, V), {}), TypeError, "q must have a real floating dtype"),
+    ("bool v", lambda: ((Q, K, V > 0), {}), TypeError, "v must have a real floating dtype"),
+    ("mixed dtypes", lambda: ((Q.astype(np.float32), K, V), {}), TypeError, "share one dtype"),
+    ("not an array", lambda: (([[[1.0]]], K, V), {}), TypeError, "q must be an array"),
+    ("mask not bool", lambda: ((Q, K, V), {"mask": np.ones((3, 6))}), TypeError, "mask must be a bool array"),
+    ("mask shape", lambda: ((Q, K, V), {"mask": np.ones((3, 5), bool)}), ValueError, "mask of shape (3, 5)"),
+    ("mask rank", lambda: ((Q, K, V), {"mask": np.ones((1, 1, 2, 4, 3, 6), bool)}), ValueError, "mask of shape"),
+    ("bias shape", lambda: ((Q, K, V), {"bias": np.ones((4, 1, 2))}), ValueError, "bias of shape (4, 1, 2)"),
+    ("bias bool", lambda: ((Q, K, V), {"bias": np.ones((3, 6), bool)}), TypeError, "bias must have a real floating"),
+    ("causal T!=S no align", lambda: ((Q, K, V), {"causal": True}), ValueError, "align='bottom_right'"),
+    ("window T!=S no align", lambda: ((Q, K, V), {"window": (1, 1)}), ValueError, "align='top_left'"),
+    ("unknown align", lambda: ((Q, K, V), {"align": "center"}), ValueError, "align must be one of"),
+    ("unknown impl", lambda: ((Q, K, V), {"impl": "flash"}), ValueError, "impl must be one of"),
+    ("negative window", lambda: ((Q_SQUARE, K, V), {"window": (-1, 0)}), ValueError, "window[0] (left) must be >= 0"),
+    ("window not pair", lambda: ((Q_SQUARE, K, V), {"window": 3}), TypeError, "window must be a pair"),
+    ("window float", lambda: ((Q_SQUARE, K, V), {"window": (1.5, 0)}), TypeError, "window[0] (left) must be an int"),
+    ("causal not bool", lambda: ((Q_SQUARE, K, V), {"causal": 1}), TypeError, "causal must be a bool"),
+    ("lengths shape", lambda: ((Q, K, V), {"kv_lengths": np.array([6, 6, 6])}), ValueError,
+     "kv_lengths must have the inputs' batch shape (2,)"),
+    ("lengths scalar for batch", lambda: ((Q, K, V), {"q_lengths": 3}), ValueError, "q_lengths must have"),
+    ("lengths dtype", lambda: ((Q, K, V), {"q_lengths": np.array([1.0, 2.0])}), TypeError,
+     "q_lengths must have an integer dtype"),
+    ("lengths too large", lambda: ((Q, K, V), {"kv_lengths": np.array([7, 1])}), ValueError,
+     "kv_lengths must lie in [0, 6]"),
+    ("lengths negative", lambda: ((Q, K, V), {"q_lengths": np.array([-1, 1])}), ValueError,
+     "q_lengths must lie in [0, 3]"),
+    ("dropout too large", lambda: ((Q, K, V), {"dropout_p": 1.0, "seed": 0}), ValueError, "dropout_p must lie in [0, 1)"),
+    ("dropout negative", lambda: ((Q, K, V), {"dropout_p": -0.1, "seed": 0}), ValueError, "dropout_p must lie"),
+    ("dropout no seed", lambda: ((Q, K, V), {"dropout_p": 0.1}), ValueError, "seed is required"),
+    ("seed negative", lambda: ((Q, K, V), {"dropout_p": 0.1, "seed": -3}), ValueError, "seed must be >= 0"),
+    ("scale nan", lambda: ((Q, K, V), {"scale": float("nan")}), TypeError, "scale must be a finite real"),
+    ("block_q zero", lambda: ((Q, K, V), {"block_q": 0}), ValueError, "block_q must be >= 1"),
+    ("mixed libraries", lambda: ((Q, _strict(K), V), {}), TypeError, "q and k come from different array libraries"),
+    ("mixed devices", lambda: ((_strict(Q), _strict(K, "device1"), _strict(V)), {}), ValueError,
+     "q and k are on different devices"),
+    ("mask other library", lambda: ((_strict(Q), _strict(K), _strict(V)), {"mask": np.ones((3, 6), bool)}),
+     TypeError, "q and mask come from different array libraries"),
+]
+
+
+@pytest.mark.parametrize("make, error, fragment", [c[1:] for c in FORWARD_CASES], ids=[c[0] for c in FORWARD_CASES])
+def test_forward_rejects_bad_input(make, error, fragment):
+    args, kwargs = make()
+    with pytest.raises(error) as info:
+        npattn.attention_forward(*args, **kwargs)
+    assert fragment in str(info.value)
+
+
+def _residuals():
+    out, res = npattn.attention_forward(Q, K, V)
+    return out, res
+
+
+BACKWARD_CASES = [
+    ("dout shape", lambda out: (out[..., :2],), {}, ValueError, "dout must have the forward's shape"),
+    ("dout dtype", lambda out: (out.astype(np.float32),), {}, TypeError, "dout must have dtype float64"),
+    ("dout library", lambda out: (_strict(out),), {}, TypeError, "come from different array libraries"),
+    ("dlse shape", lambda out: (out,), {"dlse": np.zeros((2, 4))}, ValueError, "dlse must have the forward's shape"),
+]
+
+
+@pytest.mark.parametrize("make, kwargs, error, fragment", [c[1:] for c in BACKWARD_CASES],
+                         ids=[c[0] for c in BACKWARD_CASES])
+def test_backward_rejects_bad_cotangents(make, kwargs, error, fragment):
+    out, res = _residuals()
+    with pytest.raises(error) as info:
+        npattn.attention_backward(*make(out), res, **kwargs)
+    assert fragment in str(info.value)
+
+
+def test_backward_rejects_foreign_residuals():
+    with pytest.raises(TypeError, match="residuals must come from npattn.attention_forward"):
+        npattn.attention_backward(np.zeros((2, 4, 3, 7)), {"lse": None})
+
+
+def test_align_none_with_equal_lengths_means_top_left():
+    k, v = K[..., :3, :], V[..., :3, :]
+    np.testing.assert_array_equal(npattn.attention(Q, k, v, causal=True),
+                                  npattn.attention(Q, k, v, causal=True, align="top_left"))
+
+
+def test_error_leaves_inputs_untouched():
+    q = Q.copy()
+    q.flags.writeable = False
+    with pytest.raises(ValueError):
+        npattn.attention_forward(q, K, V, causal=True)
+    np.testing.assert_array_equal(q, Q)

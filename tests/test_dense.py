@@ -1,0 +1,198 @@
+"""The dense path against the independent float64 oracle, its gradients by
+central differences for every mask feature, and the semantic properties of
+CONVENTIONS §1."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from pairs import check_attention_gradients
+from reference import reference_attention
+from strategies import attention_cases
+
+import npattn
+
+RNG = np.random.default_rng(1234)
+
+
+def _qkv(batch=(2,), N=2, K=2, T=3, S=4, H=2, Hv=3, rng=RNG):
+    return (rng.standard_normal((*batch, N, T, H)), rng.standard_normal((*batch, K, S, H)),
+            rng.standard_normal((*batch, K, S, Hv)))
+
+
+@given(case=attention_cases())
+def test_forward_matches_independent_reference(case):
+    out, res = npattn.attention_forward(*case.arrays, impl="dense", **case.options)
+    ref_out, ref_lse, ref_probs = reference_attention(*case.arrays, **case.options)
+    np.testing.assert_allclose(out, ref_out, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(res.lse), np.isneginf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(res.lse[finite], ref_lse[finite], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(res.probs, ref_probs, rtol=0, atol=1e-12)
+
+
+@settings(max_examples=15)
+@given(case=attention_cases(max_len=4))
+def test_gradients_by_central_differences(case):
+    check_attention_gradients(*case.arrays, {**case.options, "impl": "dense"}, jacobian=False)
+
+
+# One named case per mask feature (and combinations), small enough for the full Jacobian.
+FEATURES = {
+    "plain": dict(),
+    "bool mask": dict(mask=RNG.random((2, 1, 3, 4)) < 0.6),
+    "bias": dict(bias=RNG.standard_normal((2, 3, 4))),
+    "bias -inf entries": dict(bias=np.where(RNG.random((3, 4)) < 0.3, -np.inf, 0.5)),
+    "causal top_left T<S": dict(causal=True, align="top_left"),
+    "causal bottom_right T<S": dict(causal=True, align="bottom_right"),
+    "causal top_left T>S": dict(causal=True, align="top_left", _T=5, _S=3),
+    "causal bottom_right T>S": dict(causal=True, align="bottom_right", _T=5, _S=3),
+    "window": dict(window=(1, 1), align="top_left"),
+    "window one-sided": dict(window=(None, 1), align="bottom_right"),
+    "lengths": dict(q_lengths=np.array([3, 2]), kv_lengths=np.array([4, 2])),
+    "lengths + causal bottom_right": dict(causal=True, align="bottom_right", q_lengths=np.array([2, 3]),
+                                          kv_lengths=np.array([3, 4])),
+    "combined mask+bias+window+lengths": dict(mask=RNG.random((2, 2, 3, 4)) < 0.8, bias=RNG.standard_normal((4,)),
+                                              window=(2, 0), align="bottom_right", kv_lengths=np.array([4, 3])),
+    "GQA (N=4, K=2)": dict(_N=4, _K=2, causal=True, align="bottom_right"),
+    "MQA (N=3, K=1)": dict(_N=3, _K=1, bias=RNG.standard_normal((3, 1, 4))),
+    "dropout": dict(dropout_p=0.3, seed=11),
+    "dropout + GQA + mask": dict(dropout_p=0.5, seed=5, _N=4, _K=2, mask=RNG.random((3, 4)) < 0.7),
+    "fully masked rows": dict(mask=np.array([[True, False, True, True], [False] * 4, [True] * 4]),
+                              q_lengths=np.array([3, 1])),
+    "scale": dict(scale=1.7),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_gradients_full_jacobian_per_feature(feature):
+    options = dict(FEATURES[feature])
+    shape = {key[1:]: options.pop(key) for key in list(options) if key.startswith("_")}
+    q, k, v = _qkv(**shape)
+    result = check_attention_gradients(q, k, v, {**options, "impl": "dense"}, jacobian=True)
+    assert result.jacobian_checked and result.ok
+    assert max(result.max_abs_error.values()) < 1e-6
+
+
+def test_unmasked_rows_sum_to_one_and_masked_rows_to_zero():
+    q, k, v = _qkv(T=5, S=5)
+    mask = RNG.random((2, 2, 5, 5)) < 0.5
+    mask[0, 0, 1] = False
+    _, res = npattn.attention_forward(q, k, v, mask=mask, causal=True)
+    sums = res.probs.sum(-1)
+    has_visible = (mask & np.tril(np.ones((5, 5), bool))).any(-1)
+    np.testing.assert_allclose(sums[has_visible], 1.0, atol=1e-14)
+    np.testing.assert_array_equal(sums[~has_visible], 0.0)
+    assert np.all(np.isneginf(res.lse[~has_visible]))
+
+
+def test_permuting_keys_and_values_together_leaves_output_unchanged():
+    q, k, v = _qkv(S=6)
+    perm = RNG.permutation(6)
+    out = npattn.attention(q, k, v)
+    out_perm = npattn.attention(q, k[..., perm, :], v[..., perm, :])
+    np.testing.assert_allclose(out, out_perm, atol=1e-13)
+
+
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+def test_causal_output_has_no_gradient_from_later_keys(align):
+    T, S = 4, 6
+    q, k, v = _qkv(T=T, S=S)
+    offset = 0 if align == "top_left" else S - T
+    for i in range(T):
+        out, res = npattn.attention_forward(q, k, v, causal=True, align=align)
+        dout = np.zeros_like(out)
+        dout[..., i, :] = RNG.standard_normal(dout[..., i, :].shape)
+        g = npattn.attention_backward(dout, res)
+        later = slice(i + offset + 1, None)
+        assert np.all(g.dk[..., later, :] == 0) and np.all(g.dv[..., later, :] == 0)
+        assert np.any(g.dv[..., : i + offset + 1, :] != 0)
+
+
+def test_fully_masked_rows_give_zero_output_neginf_lse_zero_gradients():
+    q, k, v = _qkv()
+    bias = RNG.standard_normal((2, 2, 3, 4))
+    mask = np.ones((2, 2, 3, 4), bool)
+    mask[1, 0, 2] = False
+    bias[0, 1, 0] = -np.inf  # a row masked by the bias alone
+    out, res = npattn.attention_forward(q, k, v, mask=mask, bias=bias)
+    g = npattn.attention_backward(np.ones_like(out), res, dlse=np.ones_like(res.lse))
+    for b, n, i in [(1, 0, 2), (0, 1, 0)]:
+        assert np.all(out[b, n, i] == 0) and res.lse[b, n, i] == -np.inf
+        assert np.all(g.dq[b, n, i] == 0) and np.all(g.dbias[b, n, i] == 0)
+    for arr in (out, g.dq, g.dk, g.dv, g.dbias):
+        assert np.all(np.isfinite(arr))
+
+
+def test_every_row_masked_gives_zero_dk_dv():
+    q, k, v = _qkv()
+    out, res = npattn.attention_forward(q, k, v, kv_lengths=np.array([0, 0]))
+    g = npattn.attention_backward(np.ones_like(out), res, dlse=np.ones_like(res.lse))
+    assert np.all(out == 0) and np.all(np.isneginf(res.lse))
+    assert all(np.all(x == 0) for x in (g.dq, g.dk, g.dv))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_dtype_policy_narrow_inputs_accumulate_in_float32(dtype):
+    q, k, v = (a.astype(dtype) for a in _qkv(H=8, T=6, S=6))
+    bias = RNG.standard_normal((6, 6)).astype(np.float64)
+    out, res = npattn.attention_forward(q, k, v, bias=bias, causal=True)
+    assert out.dtype == dtype
+    assert res.lse.dtype == np.float32 and res.probs.dtype == np.float32
+    g = npattn.attention_backward(np.ones_like(out), res)
+    assert g.dq.dtype == g.dk.dtype == g.dv.dtype == dtype
+    assert g.dbias.dtype == np.float64 and g.dbias.shape == (6, 6)
+    ref_out, ref_lse, _ = reference_attention(q, k, v, bias=bias, causal=True)
+    tol = 2e-3 if dtype == np.float16 else 1e-5
+    np.testing.assert_allclose(out.astype(np.float64), ref_out, atol=tol)
+    np.testing.assert_allclose(res.lse, ref_lse, atol=tol)
+
+
+def test_default_scale_is_inverse_sqrt_head_dim():
+    q, k, v = _qkv(H=4)
+    np.testing.assert_allclose(npattn.attention(q, k, v), npattn.attention(q, k, v, scale=0.5), atol=0)
+
+
+def test_backward_can_run_twice_on_the_same_residuals():
+    q, k, v = _qkv()
+    out, res = npattn.attention_forward(q, k, v, dropout_p=0.2, seed=3)
+    g1 = npattn.attention_backward(np.ones_like(out), res)
+    g2 = npattn.attention_backward(np.ones_like(out), res)
+    for a, b in zip(g1[:3], g2[:3]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bias_gradient_is_summed_to_the_bias_shape():
+    q, k, v = _qkv()
+    full_bias = np.broadcast_to(RNG.standard_normal((1, 4)), (2, 2, 3, 4))
+    out, res = npattn.attention_forward(q, k, v, bias=full_bias[0, 0, :1])
+    out_full, res_full = npattn.attention_forward(q, k, v, bias=np.array(full_bias))
+    dout = RNG.standard_normal(out.shape)
+    small = npattn.attention_backward(dout, res).dbias
+    big = npattn.attention_backward(dout, res_full).dbias
+    assert small.shape == (1, 4)
+    np.testing.assert_allclose(small, big.sum(axis=(0, 1, 2), keepdims=True)[0, 0], atol=1e-12)
+
+
+def test_backend_matrix_forward_backward_and_no_mutation(backend):
+    q, k, v = (a.astype(np.float32) for a in _qkv(batch=(2,), N=4, K=2, T=5, S=6, H=3))
+    mask = RNG.random((5, 6)) < 0.8
+    bias = RNG.standard_normal((2, 1, 5, 6)).astype(np.float32)
+    kv_lengths = np.array([6, 4])
+    dout = RNG.standard_normal((2, 4, 5, 3)).astype(np.float32)
+    options = dict(causal=True, window=(3, None), align="bottom_right", dropout_p=0.25, seed=9)
+    ref_out, ref_res = npattn.attention_forward(q, k, v, mask=mask, bias=bias, kv_lengths=kv_lengths, **options)
+    ref_g = npattn.attention_backward(dout, ref_res)
+
+    inputs = [backend.asarray(a) for a in (q, k, v, mask, bias, kv_lengths, dout)]
+    before = [backend.to_numpy(a).copy() for a in inputs]
+    bq, bk, bv, bmask, bbias, blen, bdout = inputs
+    out, res = npattn.attention_forward(bq, bk, bv, mask=bmask, bias=bbias, kv_lengths=blen, **options)
+    g = npattn.attention_backward(bdout, res)
+    np.testing.assert_allclose(backend.to_numpy(out), ref_out, atol=1e-5)
+    np.testing.assert_allclose(backend.to_numpy(res.lse), ref_res.lse, atol=1e-5)
+    for got, want in zip(g, ref_g):
+        np.testing.assert_allclose(backend.to_numpy(got), want, atol=1e-5)
+    for arr, orig in zip(inputs, before):
+        np.testing.assert_array_equal(backend.to_numpy(arr), orig)
