@@ -1,0 +1,135 @@
+"""The runnable examples in examples/, each in its --quick mode: in-process
+through ``main(argv)`` (loaded with runpy) to check what they print and
+return, and once each as a script in a subprocess."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import runpy
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import npattn
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+SCRIPTS = ["quickstart", "gpu_swap", "gradcheck_custom_layer", "attention_maps"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _load(name: str) -> dict:
+    """The example's module globals (its ``__main__`` block does not run)."""
+    return runpy.run_path(str(EXAMPLES / f"{name}.py"), run_name=f"npattn_example_{name}")
+
+
+def _has_cuda_cupy() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def test_quickstart(capsys):
+    assert _load("quickstart")["main"](["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "out  (2, 2, 6, 8) float32" in out and "lse  (2, 2, 6) float32" in out
+    assert "gradient reaching the padded keys of batch element 1: 0.0" in out
+
+
+def test_gpu_swap_runs_numpy_and_says_why_cupy_is_missing(capsys):
+    assert _load("gpu_swap")["main"](["--quick"]) == 0
+    out = capsys.readouterr().out
+    ran = out.split("ran on:")[1].split()
+    assert "numpy" in ran[0]
+    if _has_cuda_cupy():
+        assert "cupy" in out and "max |cupy - numpy|" in out and "(agree)" in out
+    else:
+        assert "CuPy with a CUDA GPU is not available here" in out and 'pip install "npattn[cuda12]"' in out
+    if importlib.util.find_spec("array_api_strict"):
+        assert "max |array-api-strict - numpy|" in out and "(agree)" in out
+
+
+def test_gpu_swap_step_is_library_agnostic():
+    step = _load("gpu_swap")["step"]
+    xps = pytest.importorskip("array_api_strict")
+    rng = np.random.default_rng(0)
+    arrays = dict(q=rng.standard_normal((2, 4, 5, 3)), k=rng.standard_normal((2, 2, 5, 3)),
+                  v=rng.standard_normal((2, 2, 5, 3)), dout=rng.standard_normal((2, 4, 5, 3)),
+                  kv_lengths=np.array([5, 2]))
+    ref = step(**arrays)
+    got = step(**{key: xps.asarray(a) for key, a in arrays.items()})
+    for key in ref:
+        assert type(got[key]).__module__.startswith("array_api_strict")
+        np.testing.assert_allclose(np.asarray(got[key]), ref[key], rtol=0, atol=1e-13)
+
+
+def test_gradcheck_custom_layer(capsys):
+    ns = _load("gradcheck_custom_layer")
+    assert ns["main"](["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "gradient check passed (full Jacobian: yes)" in out
+    assert "gradient check FAILED" in out and "wrong backward caught, blamed on x" in out
+
+    good = ns["check"](ns["layer_norm_backward"], (3, 4))
+    assert good.ok and good.jacobian_checked and set(good.names) == {"x", "gamma", "beta"}
+    bad = ns["check"](ns["layer_norm_backward_wrong"], (3, 4))
+    assert not bad.ok
+    # Only x is wrong; the full-Jacobian failure names the input element.
+    assert all(msg.startswith("x") for msg in bad.failures)
+    assert any(msg.startswith("x[") and "-> output 0[" in msg for msg in bad.failures)
+    assert bad.max_abs_error["gamma"] < 1e-6 and bad.max_abs_error["beta"] < 1e-6
+    rng = np.random.default_rng(1)
+    inputs = [rng.standard_normal((2, 5)), np.ones(5), np.zeros(5)]
+    with pytest.raises(npattn.GradcheckError, match="x"):
+        npattn.check_gradients(ns["layer_norm_forward"], ns["layer_norm_backward_wrong"], inputs,
+                               names=["x", "gamma", "beta"])
+
+
+def test_attention_maps_writes_pngs_and_catches_bugs(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    out_dir = tmp_path / "maps"  # created by the example
+    assert _load("attention_maps")["main"](["--quick", "--out", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    for name in ("attention_maps_b0.png", "attention_maps_b1_padded.png"):
+        data = (out_dir / name).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 5000
+    assert "row sums: ok" in out and "12 fully masked" in out  # 3 padded rows x 4 heads
+    assert out.count("row sums: FAILED") == 2  # both hand-written bugs caught
+    assert "-inf=12 (allowed)" in out
+    assert "clean example passes, both bugs caught" in out
+
+
+def test_attention_maps_structure_is_what_the_heads_claim():
+    ns = _load("attention_maps")
+    tokens = ns["SENTENCE"][:7]
+    q, k, v = ns["build_qkv"](tokens)
+    _, res = npattn.attention_forward(q, k, v, causal=True, scale=1.0)
+    p = res.probs[0]  # (4, T, S)
+    T = len(tokens)
+    assert np.all(p[0, np.arange(1, T), np.arange(T - 1)] > 0.99)  # previous token
+    assert np.all(p[1, :, 0] > 0.99)  # first token
+    the = [i for i, t in enumerate(tokens) if t == "the"]
+    np.testing.assert_allclose(p[2, the[1], the], 0.5, atol=1e-3)  # earlier copies of itself
+    np.testing.assert_allclose(p[3], np.tril(np.ones((T, T))) / np.arange(1, T + 1)[:, None])  # uniform
+
+
+def test_attention_maps_without_matplotlib(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert _load("attention_maps")["main"](["--quick", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert 'no heatmaps: plot_attention needs matplotlib: pip install "npattn[plot]"' in out
+    assert not list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_example_runs_as_a_script(name, tmp_path):
+    extra = ["--out", str(tmp_path)] if name == "attention_maps" else []
+    proc = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), "--quick", *extra],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip()
