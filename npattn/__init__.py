@@ -7,6 +7,8 @@ attention_forward, attention_backward, attention
     Masked scaled dot-product attention (dense or chunked online-softmax).
 check_gradients
     Central-difference gradient checker for any forward/backward pair.
+diagnostics
+    Entropy, peak, row sums, NaN/inf reports and heatmaps of attention weights.
 """
 
 from .attention import (
@@ -17,6 +19,15 @@ from .attention import (
     attention,
     attention_backward,
     attention_forward,
+)
+from . import diagnostics
+from .diagnostics import (
+    attention_entropy,
+    attention_peak,
+    check_finite,
+    plot_attention,
+    row_sum_check,
+    summarize,
 )
 from .gradient_check import GradcheckError, GradcheckResult, check_gradients
 
@@ -33,4 +44,11 @@ __all__ = [
     "check_gradients",
     "GradcheckResult",
     "GradcheckError",
+    "diagnostics",
+    "attention_entropy",
+    "attention_peak",
+    "row_sum_check",
+    "check_finite",
+    "summarize",
+    "plot_attention",
 ]

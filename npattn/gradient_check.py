@@ -261,7 +261,7 @@ def _check_full_jacobian(xp, device, inputs, names, wrt, outputs, finite, call_b
             in_index = tuple(int(i) for i in np.unravel_index(e, shape))
             out_index = tuple(int(i) for i in np.unravel_index(o_elem, tuple(outputs[o_index].shape)))
             result.failures.append(
-                f"{name}[{in_index}] -> output {o_index}[{out_index}]: "
+                f"{name}{list(in_index)} -> output {o_index}{list(out_index)}: "
                 f"numeric {numeric[o_row, e]:.12g} vs analytic {analytic[i][o_row, e]:.12g} "
                 f"({int(bad.sum())} of {bad.size} Jacobian entries fail)"
             )

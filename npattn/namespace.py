@@ -109,7 +109,7 @@ def sum_to_shape(xp: Any, x: Any, shape: tuple[int, ...]) -> Any:
 
     >>> import numpy as np, array_api_compat.numpy as xp
     >>> sum_to_shape(xp, np.ones((2, 3, 4)), (3, 1)).tolist()
-    [[4.0], [4.0], [4.0]]
+    [[8.0], [8.0], [8.0]]
     """
     extra = x.ndim - len(shape)
     if extra > 0:
