@@ -1,0 +1,766 @@
+r"""The multi-head attention layer: projections around the attention core,
+as a JAX ``custom_vjp``-style pair with a hand-derived backward.
+
+Forward (``W`` in PyTorch's ``(out_features, in_features)`` layout)::
+
+    Q = x  Wq^T + bq          (B, T, E)     -> split heads (B, N, T, H)
+    K = xk Wk^T + bk          (B, S, K*H)   -> split heads (B, K, S, H)
+    V = xv Wv^T + bv          (B, S, K*H)   -> split heads (B, K, S, H)
+    O = attention(Q, K, V)    (B, N, T, H)  -> merge heads (B, T, E)
+    y = O  Wo^T + bo          (B, T, E)
+
+``xk = xv = x`` for self-attention, ``xk = xv = context`` for cross-attention
+with one context, ``(xk, xv) = context`` for a pair.
+
+Backward, each linear ``Y = A W^T + b`` giving ``dA = dY W``,
+``dW = dY^T A`` (summed over batch and positions) and ``db = sum(dY)``::
+
+    dO  = dy Wo               dWo = dy^T O          dbo = sum(dy)
+    dQ, dK, dV, dbias = attention_backward(dO)      (heads split / merged)
+    dx  = dQ Wq  [+ dK Wk + dV Wv for self-attention]
+    dWq = dQ^T x    dWk = dK^T xk    dWv = dV^T xv  dbq, dbk, dbv = sums
+    dcontext = dK Wk + dV Wv   (one context)   or   (dK Wk, dV Wv)   (a pair)
+
+Dimension legend: B batch, T query length, S key length, E embed_dim,
+N num_heads, K num_kv_heads (N % K == 0; K < N is GQA/MQA), H = E // N head
+dim, kdim/vdim the widths of the key/value sources.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .attention import AttentionResiduals, DenseResiduals, attention_backward, attention_forward
+from .dense import expand_kv_heads
+from .kv_cache import KVCache, default_float_dtype
+from .masking import bias_tile, visible_tile
+from .namespace import compute_dtype, resolve_namespace
+
+__all__ = [
+    "mha_init",
+    "mha_forward",
+    "mha_backward",
+    "MHAGrads",
+    "MHAResiduals",
+    "MultiheadAttention",
+    "LayerDims",
+    "layer_dims",
+    "PARAM_KEYS",
+]
+
+#: Every key a params dict may hold; the ``*_weight`` keys are required, a
+#: missing ``*_bias`` key means that projection has no bias.
+PARAM_KEYS = ("q_weight", "q_bias", "k_weight", "k_bias", "v_weight", "v_bias", "out_weight", "out_bias")
+WEIGHT_KEYS = ("q_weight", "k_weight", "v_weight", "out_weight")
+
+
+def _check_int(name: str, value: Any, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_heads(embed_dim: int, num_heads: Any, num_kv_heads: Any) -> tuple[int, int]:
+    """Validate the head counts; returns ``(N, K)`` with ``K`` defaulting to ``N``."""
+    N = _check_int("num_heads", num_heads)
+    K = N if num_kv_heads is None else _check_int("num_kv_heads", num_kv_heads)
+    if embed_dim % N:
+        raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={N}")
+    if N % K:
+        raise ValueError(f"num_heads={N} must be divisible by num_kv_heads={K}")
+    return N, K
+
+
+# --- parameters -------------------------------------------------------------
+
+
+def mha_init(embed_dim, num_heads, *, num_kv_heads=None, kdim=None, vdim=None, bias=True, dtype=None,
+             device=None, xp=None, seed=0):
+    r"""Parameters of a multi-head attention layer, initialized as PyTorch's
+    ``nn.MultiheadAttention``.
+
+    .. math::
+
+        W_{q,k,v} \sim \mathcal U(-a, a),\ a = \sqrt{6 / (\mathrm{fan\_in} + \mathrm{fan\_out})}
+        \qquad W_o \sim \mathcal U(-1/\sqrt E, 1/\sqrt E) \qquad b = 0
+
+    Xavier-uniform in-projections: when ``kdim == vdim == E`` PyTorch packs
+    them into one ``(E + 2 K H, E)`` matrix (``in_proj_weight``) and so does
+    the bound here, ``a = sqrt(6 / (2 E + 2 K H))`` (``sqrt(6 / 4E)`` without
+    GQA); otherwise each gets its own bound (``q_proj_weight`` etc.). The out
+    projection keeps ``nn.Linear``'s default (Kaiming-uniform with
+    ``a = sqrt(5)``, i.e. the bound ``1/sqrt(E)``); every bias is zero.
+    Values are drawn on the host with ``numpy.random.default_rng(seed)`` in
+    the order q, k, v, out, so a seed gives the same weights on every backend.
+
+    Dimension legend: E embed_dim, N num_heads, K num_kv_heads, H = E // N.
+
+    Parameters
+    ----------
+    embed_dim : int
+        E, width of the queries and of the output.
+    num_heads : int
+        N, query heads; must divide E.
+    num_kv_heads : int, optional
+        K, key/value heads (GQA; 1 is MQA); must divide N. Defaults to N.
+    kdim, vdim : int, optional
+        Widths of the key and value sources of cross-attention (default E).
+    bias : bool
+        Whether the four projections have biases.
+    dtype : dtype, optional
+        Defaults to the namespace's default float dtype.
+    device : device, optional
+        Defaults to the namespace's default device.
+    xp : namespace, optional
+        Array API namespace; NumPy (through ``array_api_compat``) by default.
+    seed : int
+        Seeds the host random generator.
+
+    Returns
+    -------
+    params : dict of arrays
+        ``"q_weight"`` (E, E), ``"k_weight"`` (K*H, kdim), ``"v_weight"``
+        (K*H, vdim), ``"out_weight"`` (E, E), each ``(out, in)`` so that a
+        projection is ``x @ W^T + b``; with ``bias=True`` also ``"q_bias"``
+        (E,), ``"k_bias"`` (K*H,), ``"v_bias"`` (K*H,), ``"out_bias"`` (E,).
+
+    Raises
+    ------
+    ValueError
+        E not divisible by N, N not divisible by K, sizes < 1.
+
+    Examples
+    --------
+    >>> from npattn.mha import mha_init
+    >>> params = mha_init(8, 4, num_kv_heads=2, kdim=5)
+    >>> {name: a.shape for name, a in params.items()}  # doctest: +NORMALIZE_WHITESPACE
+    {'q_weight': (8, 8), 'k_weight': (4, 5), 'v_weight': (4, 8), 'out_weight': (8, 8),
+     'q_bias': (8,), 'k_bias': (4,), 'v_bias': (4,), 'out_bias': (8,)}
+    """
+    E = _check_int("embed_dim", embed_dim)
+    N, K = _check_heads(E, num_heads, num_kv_heads)
+    kdim = E if kdim is None else _check_int("kdim", kdim)
+    vdim = E if vdim is None else _check_int("vdim", vdim)
+    if not isinstance(bias, bool):
+        raise TypeError(f"bias must be a bool, got {bias!r}")
+    _check_int("seed", seed, minimum=0)
+    if xp is None:
+        import array_api_compat.numpy as xp
+    dtype = default_float_dtype(xp, device) if dtype is None else dtype
+    if not xp.isdtype(dtype, "real floating"):
+        raise TypeError(f"dtype must be a real floating dtype, got {dtype}")
+    Kd = K * (E // N)
+    rng = np.random.default_rng(seed)
+    if kdim == E and vdim == E:  # PyTorch's packed in_proj_weight (E + 2 Kd, E)
+        a = math.sqrt(6.0 / (E + E + 2 * Kd))
+        bounds = (a, a, a)
+    else:  # separate q_proj_weight, k_proj_weight, v_proj_weight
+        bounds = (math.sqrt(6.0 / (E + E)), math.sqrt(6.0 / (kdim + Kd)), math.sqrt(6.0 / (vdim + Kd)))
+    shapes = {"q_weight": (E, E), "k_weight": (Kd, kdim), "v_weight": (Kd, vdim), "out_weight": (E, E)}
+    host = {
+        name: rng.uniform(-bound, bound, size=shapes[name])
+        for name, bound in zip(WEIGHT_KEYS, bounds + (1.0 / math.sqrt(E),))
+    }
+    params = {name: xp.asarray(w, dtype=dtype, device=device) for name, w in host.items()}
+    if bias:
+        for name, size in (("q_bias", E), ("k_bias", Kd), ("v_bias", Kd), ("out_bias", E)):
+            params[name] = xp.zeros((size,), dtype=dtype, device=device)
+    return params
+
+
+class LayerDims(NamedTuple):
+    """Sizes of a layer, read from its params and head counts."""
+
+    embed_dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kdim: int
+    vdim: int
+
+
+def layer_dims(params, /, *, num_heads, num_kv_heads=None) -> LayerDims:
+    """Check a params dict and return its :class:`LayerDims`.
+
+    ``num_kv_heads=None`` reads K from ``params["k_weight"]`` (``K*H`` rows);
+    given, it must agree. Every error names the key and the expected shape.
+
+    >>> from npattn.mha import layer_dims, mha_init
+    >>> layer_dims(mha_init(8, 4, num_kv_heads=1, vdim=3), num_heads=4)
+    LayerDims(embed_dim=8, num_heads=4, num_kv_heads=1, head_dim=2, kdim=8, vdim=3)
+    """
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a dict of arrays as made by npattn.mha_init, got {type(params).__name__}")
+    unknown = sorted(set(params) - set(PARAM_KEYS), key=str)
+    if unknown:
+        raise ValueError(f"params has unknown keys {unknown}; the keys are {PARAM_KEYS}")
+    missing = [name for name in WEIGHT_KEYS if name not in params]
+    if missing:
+        raise ValueError(f"params is missing {missing} (required: {WEIGHT_KEYS}; biases are optional)")
+    for name in params:
+        if not hasattr(params[name], "shape") or not hasattr(params[name], "dtype"):
+            raise TypeError(f"params[{name!r}] must be an array, got {type(params[name]).__name__}")
+
+    def shape(name):
+        return tuple(params[name].shape)
+
+    if len(shape("q_weight")) != 2 or shape("q_weight")[0] != shape("q_weight")[1]:
+        raise ValueError(f"params['q_weight'] must have shape (embed_dim, embed_dim), got {shape('q_weight')}")
+    E = shape("q_weight")[0]
+    N = _check_int("num_heads", num_heads)
+    if E % N:
+        raise ValueError(f"embed_dim={E} (params['q_weight'].shape) must be divisible by num_heads={N}")
+    H = E // N
+    if len(shape("k_weight")) != 2 or shape("k_weight")[0] == 0 or shape("k_weight")[0] % H:
+        raise ValueError(
+            f"params['k_weight'] must have shape (num_kv_heads * head_dim, kdim) with head_dim={H} "
+            f"(embed_dim {E} / num_heads {N}), got {shape('k_weight')}"
+        )
+    Kd, kdim = shape("k_weight")
+    K = Kd // H
+    if num_kv_heads is not None and _check_int("num_kv_heads", num_kv_heads) != K:
+        raise ValueError(
+            f"num_kv_heads={num_kv_heads}, but params['k_weight'] has {Kd} rows = {K} heads of head_dim {H}"
+        )
+    if N % K:
+        raise ValueError(f"num_heads={N} must be divisible by num_kv_heads={K} (params['k_weight'] rows / head_dim)")
+    if len(shape("v_weight")) != 2 or shape("v_weight")[0] != Kd:
+        raise ValueError(
+            f"params['v_weight'] must have shape ({Kd}, vdim) like params['k_weight'], got {shape('v_weight')}"
+        )
+    vdim = shape("v_weight")[1]
+    expected = {"out_weight": (E, E), "q_bias": (E,), "k_bias": (Kd,), "v_bias": (Kd,), "out_bias": (E,)}
+    for name, want in expected.items():
+        if name in params and shape(name) != want:
+            raise ValueError(f"params[{name!r}] must have shape {want}, got {shape(name)}")
+    return LayerDims(E, N, K, H, kdim, vdim)
+
+
+# --- shape helpers ----------------------------------------------------------
+
+
+def _linear(xp, a, w, b):
+    """``a W^T + b``: ``(B, L, in) -> (B, L, out)``."""
+    y = a @ xp.matrix_transpose(w)  # (B, L, out)
+    return y if b is None else y + b
+
+
+def _linear_backward(xp, dy, a, w, with_bias):
+    """Adjoint of :func:`_linear`: ``(dA, dW, db)`` with ``dA = dY W``,
+    ``dW = dY^T A`` over all batch rows and positions, ``db = sum(dY)``."""
+    B, L, out = dy.shape
+    da = dy @ w  # (B, L, in)
+    dy_rows = xp.reshape(dy, (B * L, out))  # (B*L, out)
+    a_rows = xp.reshape(a, (B * L, a.shape[-1]))  # (B*L, in)
+    dw = xp.matrix_transpose(dy_rows) @ a_rows  # (out, in)
+    db = xp.sum(dy_rows, axis=0) if with_bias else None  # (out,)
+    return da, dw, db
+
+
+def _split_heads(xp, y, heads):
+    """``(B, L, heads*H) -> (B, heads, L, H)``."""
+    B, L, width = y.shape
+    y = xp.reshape(y, (B, L, heads, width // heads))  # (B, L, heads, H)
+    return xp.permute_dims(y, (0, 2, 1, 3))  # (B, heads, L, H)
+
+
+def _merge_heads(xp, o):
+    """``(B, heads, L, H) -> (B, L, heads*H)``; the adjoint of :func:`_split_heads`."""
+    B, heads, L, H = o.shape
+    o = xp.permute_dims(o, (0, 2, 1, 3))  # (B, L, heads, H)
+    return xp.reshape(o, (B, L, heads * H))  # (B, L, heads*H)
+
+
+def _check_source(name: str, a: Any, width: int, width_name: str, batch: int | None) -> None:
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(a).__name__}")
+    if a.ndim != 3:
+        raise ValueError(f"{name} must have shape (B, length, width) (batch first), got {tuple(a.shape)}")
+    if a.shape[-1] != width:
+        raise ValueError(f"{name} has width {a.shape[-1]} (last axis), but params expect {width_name}={width}")
+    if batch is not None and a.shape[0] != batch:
+        raise ValueError(f"{name} has batch size {a.shape[0]}, but x has {batch}")
+
+
+def _recompute_weights(attn: AttentionResiduals) -> Any:
+    """``P = exp(scale Q K^T + bias - lse)`` on visible keys, 0 elsewhere and
+    on fully masked rows: the chunked path's probabilities, rebuilt from its
+    saved ``lse`` (materializes ``(B, N, T, S)``)."""
+    spec = attn.spec
+    xp = spec.xp
+    k_heads = expand_kv_heads(xp, attn.k, spec.group_size)  # (B, N, S, H)
+    s = spec.scale * (attn.q @ xp.matrix_transpose(k_heads))  # (B, N, T, S)
+    b = bias_tile(spec, 0, spec.q_len, 0, spec.kv_len)
+    if b is not None:
+        s = s + b  # (B, N, T, S)
+    visible = visible_tile(spec, 0, spec.q_len, 0, spec.kv_len)
+    if visible is not None:
+        s = xp.where(visible, s, -xp.inf)  # (B, N, T, S)
+    lse = attn.lse[..., None]  # (B, N, T, 1)
+    finite = xp.isfinite(lse)
+    lse_safe = xp.where(finite, lse, xp.zeros_like(lse))
+    p = xp.exp(s - lse_safe)  # (B, N, T, S), exactly 0 where hidden
+    return xp.where(finite, p, xp.zeros_like(p))
+
+
+# --- forward and backward ---------------------------------------------------
+
+
+class MHAGrads(NamedTuple):
+    """Gradients of :func:`mha_forward`, each in its input's shape and dtype.
+
+    dx : array, (B, T, E)
+    dcontext : None (self-attention), an array (B, S, kdim) (one context),
+        or a pair ``(dkey_source, dvalue_source)`` (a pair context).
+    dparams : dict
+        Same keys as ``params``.
+    dbias : array or None
+        Gradient of the additive attention ``bias``, in its own shape.
+    """
+
+    dx: Any
+    dcontext: Any
+    dparams: dict
+    dbias: Any
+
+
+@dataclass(frozen=True, eq=False)
+class MHAResiduals:
+    """What :func:`mha_backward` needs, saved by :func:`mha_forward`.
+
+    Attributes
+    ----------
+    attention : DenseResiduals or ChunkedResiduals
+        The core's residuals (heads split: ``q (B, N, T, H)``, ``k``, ``v``
+        ``(B, K, S, H)``, ``lse (B, N, T)``, the validated ``spec``).
+    x, key_source, value_source : arrays, (B, T, E), (B, S, kdim), (B, S, vdim)
+        The projections' inputs in the compute dtype (``x`` itself for
+        self-attention; None for the sources of a cached forward).
+    context_kind : {"self", "single", "pair"}
+    merged : array, (B, T, E)
+        The attention output with heads merged: the out projection's input.
+    params : dict
+        The params in the compute dtype.
+    dims : LayerDims
+        ``(embed_dim, num_heads, num_kv_heads, head_dim, kdim, vdim)``.
+    dtype, param_dtypes : dtype, dict of dtypes
+        The caller's dtypes, in which the gradients are returned.
+    weights : array (B, N, T, S) or None
+        With ``need_weights=True``: per-head softmax before dropout, in the
+        compute dtype (not differentiated through).
+    cached : bool
+        Made with ``cache=``: forward only, :func:`mha_backward` refuses it.
+    """
+
+    attention: AttentionResiduals
+    x: Any
+    key_source: Any
+    value_source: Any
+    context_kind: str
+    merged: Any
+    params: dict
+    dims: LayerDims
+    dtype: Any
+    param_dtypes: dict
+    weights: Any = None
+    cached: bool = False
+
+    @property
+    def lse(self) -> Any:
+        """Logsumexp of the attention scores, ``(B, N, T)``."""
+        return self.attention.lse
+
+    @property
+    def spec(self):
+        """The core's validated options (path, masks, dropout, ...)."""
+        return self.attention.spec
+
+
+def mha_forward(
+    params,
+    x,
+    context=None,
+    /,
+    *,
+    num_heads,
+    num_kv_heads=None,
+    mask=None,
+    bias=None,
+    causal=False,
+    window=None,
+    align=None,
+    q_lengths=None,
+    kv_lengths=None,
+    scale=None,
+    dropout_p=0.0,
+    seed=None,
+    impl="auto",
+    block_q=None,
+    block_k=None,
+    need_weights=False,
+    cache=None,
+    xp=None,
+):
+    r"""Multi-head attention (self- or cross-), keeping residuals for the backward.
+
+    .. math::
+
+        y = \mathrm{concat}_n\big(\mathrm{attention}(x W_{q,n}^\top + b_{q,n},\
+        x_k W_{k,g(n)}^\top + b_{k,g(n)},\ x_v W_{v,g(n)}^\top + b_{v,g(n)})\big) W_o^\top + b_o
+
+    with ``g(n) = n // (N / K)`` the key/value head that query head ``n``
+    reads, and ``attention`` :func:`npattn.attention_forward` (scaled,
+    masked, biased softmax, seeded dropout on the probabilities).
+
+    Dimension legend: B batch, T query length, S key length, E embed_dim,
+    N num_heads, K num_kv_heads, H = E // N, kdim/vdim source widths.
+
+    Parameters
+    ----------
+    params : dict of arrays
+        As made by :func:`mha_init` (keys documented there); one floating
+        dtype shared with ``x`` and the context.
+    x : array, (B, T, E)
+        Queries' source, batch first. Also the keys' and values' source when
+        ``context`` is None (self-attention).
+    context : array (B, S, kdim), or pair of arrays ((B, S, kdim), (B, S, vdim)), optional
+        Cross-attention source of keys and values; a pair
+        ``(key_source, value_source)`` when ``kdim != vdim`` (PyTorch's
+        separate ``key``/``value``).
+    num_heads : int
+        N; must divide E.
+    num_kv_heads : int, optional
+        K; None reads it from ``params["k_weight"]``, given it must agree.
+    mask, bias, causal, window, align, q_lengths, kv_lengths, scale, dropout_p, seed, impl, block_q, block_k
+        Passed to :func:`npattn.attention_forward` unchanged, same semantics:
+        bool ``mask`` broadcastable to (B, N, T, S) with True = may attend
+        (``nn.MultiheadAttention``'s masks are the opposite; see
+        :func:`npattn.mha_masks_from_torch`), additive float ``bias``,
+        ``q_lengths``/``kv_lengths`` of shape (B,), ``dropout_p`` with a
+        ``seed`` on the probabilities.
+    need_weights : bool
+        Keep the per-head attention probabilities (softmax before dropout) as
+        ``residuals.weights``, (B, N, T, S). The dense path has them already.
+        On the chunked path (``impl="chunked"``, or ``"auto"`` choosing it)
+        they are recomputed after the forward as
+        ``P = exp(scale Q K^T + bias - lse)`` on visible keys from the saved
+        ``lse``; this materializes the (B, N, T, S) tensor the chunked path
+        otherwise avoids, but leaves its output and backward unchanged.
+    cache : KVCache, optional
+        Incremental decoding, forward only (self-attention): the new
+        positions' keys and values are appended to ``cache`` and the queries
+        attend over all cached positions with ``align="bottom_right"``
+        (``align`` must be None or ``"bottom_right"``); with ``causal=True``
+        the outputs equal one causal forward over the whole sequence. ``mask``,
+        ``bias`` and lengths then refer to the (T new, S cached) scores. The
+        cache is only advanced when the forward succeeds.
+    xp : namespace, optional
+        Inferred from the arrays by default.
+
+    Returns
+    -------
+    y : array, (B, T, E), in x's dtype
+    residuals : MHAResiduals
+        For :func:`mha_backward`; ``residuals.weights`` with ``need_weights``,
+        ``residuals.lse`` (B, N, T).
+
+    Raises
+    ------
+    TypeError
+        Arrays of other dtypes or libraries, a params value that is not an array.
+    ValueError
+        E not divisible by N, N not divisible by K, params with missing,
+        unknown or misshapen keys, ``x``/``context`` widths that do not match
+        the params, a cache that is full or made for another batch size, and
+        every invalid attention option (named by the core).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn.mha import mha_init, mha_forward, mha_backward
+    >>> params = mha_init(8, 2, num_kv_heads=1)
+    >>> x = np.random.default_rng(0).standard_normal((3, 5, 8))
+    >>> y, res = mha_forward(params, x, num_heads=2, causal=True, need_weights=True)
+    >>> y.shape, res.weights.shape
+    ((3, 5, 8), (3, 2, 5, 5))
+    >>> grads = mha_backward(np.ones_like(y), res)
+    >>> grads.dx.shape, grads.dcontext, grads.dparams["k_weight"].shape
+    ((3, 5, 8), None, (4, 8))
+    """
+    if isinstance(context, (tuple, list)):
+        if len(context) != 2:
+            raise ValueError(
+                f"context must be an array or a pair (key_source, value_source), got {len(context)} items"
+            )
+        kind, key_source, value_source = "pair", context[0], context[1]
+        names = ("context[0] (key source)", "context[1] (value source)")
+    elif context is None:
+        kind, key_source, value_source = "self", x, x
+        names = ("x", "x")
+    else:
+        kind, key_source, value_source = "single", context, context
+        names = ("context", "context")
+    arrays = {"x": x, names[0]: key_source, names[1]: value_source, "mask": mask, "bias": bias}
+    if isinstance(params, Mapping):
+        arrays.update({f"params[{name!r}]": a for name, a in params.items() if hasattr(a, "shape")})
+    xp = resolve_namespace(arrays, xp)
+    dims = layer_dims(params, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    E, N, K, H, kdim, vdim = dims
+
+    # --- shapes --------------------------------------------------------------
+    _check_source("x", x, E, "embed_dim", None)
+    B, T = x.shape[0], x.shape[1]
+    if kind == "self":
+        if (kdim, vdim) != (E, E):
+            raise ValueError(
+                f"params were made for cross-attention (kdim={kdim}, vdim={vdim}, embed_dim={E}); pass context"
+            )
+    elif kind == "single":
+        if kdim != vdim:
+            raise ValueError(
+                f"params have kdim={kdim} != vdim={vdim}: pass context as a pair (key_source, value_source)"
+            )
+        _check_source("context", context, kdim, "kdim", B)
+    else:
+        _check_source(names[0], key_source, kdim, "kdim", B)
+        _check_source(names[1], value_source, vdim, "vdim", B)
+        if key_source.shape[1] != value_source.shape[1]:
+            raise ValueError(
+                f"context[0] and context[1] must have one length S (axis 1), got "
+                f"{key_source.shape[1]} and {value_source.shape[1]}"
+            )
+
+    # --- dtypes --------------------------------------------------------------
+    if not xp.isdtype(x.dtype, "real floating"):
+        raise TypeError(f"x must have a real floating dtype, got {x.dtype}")
+    for name, a in [(names[0], key_source), (names[1], value_source)] + [
+        (f"params[{key!r}]", a) for key, a in params.items()
+    ]:
+        if a.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {a.dtype} but x has {x.dtype}; the layer needs one dtype")
+    cdtype = compute_dtype(xp, x.dtype)
+
+    # --- cache ---------------------------------------------------------------
+    if cache is not None:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be an npattn KVCache, got {type(cache).__name__}")
+        if kind != "self":
+            raise ValueError("cache= decodes self-attention only: context must be None")
+        if align not in (None, "bottom_right"):
+            raise ValueError(
+                f"with a cache the new queries sit at the end of the cached keys: align must be "
+                f"None or 'bottom_right', got {align!r}"
+            )
+        align = "bottom_right"
+        if (cache.num_kv_heads, cache.head_dim) != (K, H):
+            raise ValueError(
+                f"cache holds num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim}, "
+                f"but the layer has {K} and {H}"
+            )
+        if cache.dtype != cdtype:
+            raise TypeError(f"cache stores {cache.dtype}, but the layer computes in {cdtype}")
+        cache.check_new(B, T)
+
+    # --- projections and attention --------------------------------------------
+    P = {name: xp.astype(a, cdtype, copy=False) for name, a in params.items()}
+    xc = xp.astype(x, cdtype, copy=False)
+    ks = xc if kind == "self" else xp.astype(key_source, cdtype, copy=False)
+    vs = ks if kind != "pair" else xp.astype(value_source, cdtype, copy=False)
+    q = _split_heads(xp, _linear(xp, xc, P["q_weight"], P.get("q_bias")), N)  # (B, N, T, H)
+    k = _split_heads(xp, _linear(xp, ks, P["k_weight"], P.get("k_bias")), K)  # (B, K, S, H)
+    v = _split_heads(xp, _linear(xp, vs, P["v_weight"], P.get("v_bias")), K)  # (B, K, S, H)
+    state = None
+    if cache is not None:
+        k, v, state = cache._stage(k, v)  # (B, K, L + T, H) each
+    o, attn = attention_forward(
+        q, k, v, mask=mask, bias=bias, causal=causal, window=window, align=align,
+        q_lengths=q_lengths, kv_lengths=kv_lengths, scale=scale, dropout_p=dropout_p, seed=seed,
+        impl=impl, block_q=block_q, block_k=block_k, xp=xp,
+    )  # o: (B, N, T, H)
+    merged = _merge_heads(xp, o)  # (B, T, E)
+    y = _linear(xp, merged, P["out_weight"], P.get("out_bias"))  # (B, T, E)
+    weights = None
+    if need_weights:
+        weights = attn.probs if isinstance(attn, DenseResiduals) else _recompute_weights(attn)
+    if state is not None:
+        cache._commit(state)
+    residuals = MHAResiduals(
+        attention=attn, x=xc,
+        key_source=None if cache is not None else ks,
+        value_source=None if cache is not None else vs,
+        context_kind=kind, merged=merged, params=P, dims=dims, dtype=x.dtype,
+        param_dtypes={name: a.dtype for name, a in params.items()},
+        weights=weights, cached=cache is not None,
+    )
+    return xp.astype(y, x.dtype, copy=False), residuals
+
+
+def mha_backward(dy, residuals, /) -> MHAGrads:
+    r"""Gradients of :func:`mha_forward` through every input and parameter.
+
+    .. math::
+
+        dO = dy\,W_o,\quad dW_o = dy^\top O,\quad db_o = \textstyle\sum dy,\qquad
+        (dQ, dK, dV, d\mathrm{bias}) = \mathrm{attention\_backward}(dO)
+
+        dx = dQ\,W_q\ [+\,dK\,W_k + dV\,W_v],\quad dW_q = dQ^\top x,\quad
+        dW_k = dK^\top x_k,\quad dW_v = dV^\top x_v
+
+    (sums over batch and positions; heads split and merged around the core).
+
+    Parameters
+    ----------
+    dy : array, (B, T, E)
+        Cotangent of ``y``, in ``y``'s dtype.
+    residuals : MHAResiduals
+        From :func:`mha_forward` without ``cache``; reusable.
+
+    Returns
+    -------
+    MHAGrads
+        ``(dx, dcontext, dparams, dbias)``: ``dcontext`` is None for
+        self-attention, an array for one context, a pair for a pair;
+        ``dparams`` has the keys of ``params``; ``dbias`` is the attention
+        bias's gradient in its own shape, or None.
+
+    Raises
+    ------
+    TypeError
+        ``residuals`` not from :func:`mha_forward`, ``dy`` of another dtype
+        or library.
+    ValueError
+        ``dy`` of another shape, or residuals of a cached (decoding) forward.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn.mha import mha_init, mha_forward, mha_backward
+    >>> params = mha_init(4, 2, kdim=3, vdim=5, bias=False)
+    >>> rng = np.random.default_rng(0)
+    >>> x, xk, xv = rng.random((2, 6, 4)), rng.random((2, 7, 3)), rng.random((2, 7, 5))
+    >>> y, res = mha_forward(params, x, (xk, xv), num_heads=2)
+    >>> g = mha_backward(np.ones_like(y), res)
+    >>> g.dcontext[0].shape, g.dcontext[1].shape, sorted(g.dparams)
+    ((2, 7, 3), (2, 7, 5), ['k_weight', 'out_weight', 'q_weight', 'v_weight'])
+    """
+    if not isinstance(residuals, MHAResiduals):
+        raise TypeError(f"residuals must come from npattn.mha_forward, got {type(residuals).__name__}")
+    if residuals.cached:
+        raise ValueError(
+            "residuals come from a forward with cache= (incremental decoding), which is forward only; "
+            "run mha_forward over the whole sequence without a cache to get gradients"
+        )
+    xp = residuals.spec.xp
+    resolve_namespace({"the forward's x": residuals.x, "dy": dy})
+    expected = tuple(residuals.merged.shape)
+    if tuple(dy.shape) != expected:
+        raise ValueError(f"dy must have y's shape {expected}, got {tuple(dy.shape)}")
+    if dy.dtype != residuals.dtype:
+        raise TypeError(f"dy must have y's dtype {residuals.dtype}, got {dy.dtype}")
+    P, (E, N, K, H, kdim, vdim) = residuals.params, residuals.dims
+    dy_c = xp.astype(dy, residuals.params["q_weight"].dtype, copy=False)  # (B, T, E), compute dtype
+
+    # y = O Wo^T + bo
+    d_merged, d_out_weight, d_out_bias = _linear_backward(
+        xp, dy_c, residuals.merged, P["out_weight"], "out_bias" in P)  # (B, T, E), (E, E), (E,)
+    g = attention_backward(_split_heads(xp, d_merged, N), residuals.attention)  # dO: (B, N, T, H)
+    dq = _merge_heads(xp, g.dq)  # (B, T, E)
+    dk = _merge_heads(xp, g.dk)  # (B, S, K*H)
+    dv = _merge_heads(xp, g.dv)  # (B, S, K*H)
+    # Q = x Wq^T + bq,  K = xk Wk^T + bk,  V = xv Wv^T + bv
+    dx, d_q_weight, d_q_bias = _linear_backward(xp, dq, residuals.x, P["q_weight"], "q_bias" in P)
+    d_key_source, d_k_weight, d_k_bias = _linear_backward(
+        xp, dk, residuals.key_source, P["k_weight"], "k_bias" in P)  # (B, S, kdim), (K*H, kdim), (K*H,)
+    d_value_source, d_v_weight, d_v_bias = _linear_backward(
+        xp, dv, residuals.value_source, P["v_weight"], "v_bias" in P)  # (B, S, vdim), (K*H, vdim), (K*H,)
+
+    by_name = {
+        "q_weight": d_q_weight, "q_bias": d_q_bias, "k_weight": d_k_weight, "k_bias": d_k_bias,
+        "v_weight": d_v_weight, "v_bias": d_v_bias, "out_weight": d_out_weight, "out_bias": d_out_bias,
+    }
+    dparams = {name: xp.astype(by_name[name], dtype, copy=False) for name, dtype in residuals.param_dtypes.items()}
+    kind = residuals.context_kind
+    if kind == "self":
+        dx = dx + d_key_source + d_value_source  # x fed queries, keys and values
+        dcontext = None
+    elif kind == "single":
+        dcontext = xp.astype(d_key_source + d_value_source, residuals.dtype, copy=False)
+    else:
+        dcontext = (xp.astype(d_key_source, residuals.dtype, copy=False),
+                    xp.astype(d_value_source, residuals.dtype, copy=False))
+    return MHAGrads(xp.astype(dx, residuals.dtype, copy=False), dcontext, dparams, g.dbias)
+
+
+# --- a thin object wrapper --------------------------------------------------
+
+
+class MultiheadAttention:
+    """A thin holder of ``params`` and head counts around :func:`mha_forward`
+    and :func:`mha_backward`; the functions remain the API.
+
+    Parameters are those of :func:`mha_init`; ``params=`` adopts an existing
+    dict instead of initializing one.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn.mha import MultiheadAttention
+    >>> layer = MultiheadAttention(8, 4, num_kv_heads=2)
+    >>> x = np.zeros((1, 3, 8))
+    >>> y, res = layer(x, causal=True)
+    >>> layer.backward(np.ones_like(y), res).dx.shape
+    (1, 3, 8)
+    >>> cache = layer.new_cache(1, max_length=3)
+    >>> [layer(x[:, i:i + 1], cache=cache, causal=True)[0].shape for i in range(3)]
+    [(1, 1, 8), (1, 1, 8), (1, 1, 8)]
+    """
+
+    def __init__(self, embed_dim=None, num_heads=None, *, num_kv_heads=None, kdim=None, vdim=None,
+                 bias=True, dtype=None, device=None, xp=None, seed=0, params=None):
+        if num_heads is None:
+            raise TypeError("num_heads is required")
+        if params is None:
+            if embed_dim is None:
+                raise TypeError("embed_dim is required unless params= is given")
+            params = mha_init(embed_dim, num_heads, num_kv_heads=num_kv_heads, kdim=kdim, vdim=vdim,
+                              bias=bias, dtype=dtype, device=device, xp=xp, seed=seed)
+        self.dims = layer_dims(params, num_heads=num_heads, num_kv_heads=num_kv_heads)
+        if embed_dim is not None and embed_dim != self.dims.embed_dim:
+            raise ValueError(f"embed_dim={embed_dim}, but params have embed_dim={self.dims.embed_dim}")
+        self.params = params
+
+    @property
+    def num_heads(self) -> int:
+        return self.dims.num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.dims.num_kv_heads
+
+    def forward(self, x, context=None, /, **options):
+        """``mha_forward(self.params, x, context, num_heads=..., **options)``."""
+        return mha_forward(self.params, x, context, num_heads=self.num_heads,
+                           num_kv_heads=self.num_kv_heads, **options)
+
+    __call__ = forward
+
+    def backward(self, dy, residuals, /) -> MHAGrads:
+        """``mha_backward(dy, residuals)``."""
+        return mha_backward(dy, residuals)
+
+    def new_cache(self, batch_size, /, *, max_length=None) -> KVCache:
+        """A :class:`KVCache` for this layer (growing, or preallocated with ``max_length``)."""
+        return KVCache.for_mha(self.params, batch_size, num_heads=self.num_heads,
+                               num_kv_heads=self.num_kv_heads, max_length=max_length)
+
+    def __repr__(self) -> str:
+        E, N, K, H, kdim, vdim = self.dims
+        return f"MultiheadAttention(embed_dim={E}, num_heads={N}, num_kv_heads={K}, kdim={kdim}, vdim={vdim})"
