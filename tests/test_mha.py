@@ -1,0 +1,542 @@
+"""The multi-head attention layer (npattn.mha): gradients of every input and
+parameter by central differences, an independent NumPy oracle for the
+forward, the dense and chunked paths against each other, need_weights, the
+initialization, bad input, and the backend matrix."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import numpy as np
+import pytest
+
+import npattn
+from npattn.mha import MHAGrads, MultiheadAttention, layer_dims, mha_backward, mha_forward, mha_init
+
+HAS_CHUNKED = importlib.util.find_spec("npattn.chunked") is not None
+NO_CHUNKED = pytest.mark.skipif(not HAS_CHUNKED, reason="npattn.chunked not there yet")
+IMPLS = ["dense", pytest.param("chunked", marks=NO_CHUNKED)]
+CHUNKED_BLOCKS = {"block_q": 2, "block_k": 3}  # tiles that do not divide T or S
+
+
+def random_params(rng, E, N, *, K=None, kdim=None, vdim=None, bias=True, dtype=np.float64):
+    """mha_init's params with every entry random (zero biases test nothing)."""
+    params = mha_init(E, N, num_kv_heads=K, kdim=kdim, vdim=vdim, bias=bias, seed=int(rng.integers(1 << 30)))
+    return {name: rng.standard_normal(a.shape).astype(dtype) * 0.5 for name, a in params.items()}
+
+
+def reference_mha(params, x, key_source, value_source, *, num_heads, mask=None, bias=None, causal=False):
+    """Plain float64 NumPy MHA, one (batch, head) at a time; no code shared
+    with npattn. Returns ``(y, weights)``; top-left causal only."""
+    p = {name: np.asarray(a, np.float64) for name, a in params.items()}
+    B, T, E = x.shape
+    S = key_source.shape[1]
+    N = num_heads
+    H = E // N
+    K = p["k_weight"].shape[0] // H
+    q = x @ p["q_weight"].T + p.get("q_bias", 0.0)
+    k = key_source @ p["k_weight"].T + p.get("k_bias", 0.0)
+    v = value_source @ p["v_weight"].T + p.get("v_bias", 0.0)
+    full_mask = np.ones((B, N, T, S), bool) if mask is None else np.broadcast_to(mask, (B, N, T, S))
+    full_bias = np.zeros((B, N, T, S)) if bias is None else np.broadcast_to(bias, (B, N, T, S))
+    merged = np.zeros((B, T, E))
+    weights = np.zeros((B, N, T, S))
+    for b in range(B):
+        for n in range(N):
+            g = n // (N // K)
+            qh, kh, vh = q[b, :, n * H:(n + 1) * H], k[b, :, g * H:(g + 1) * H], v[b, :, g * H:(g + 1) * H]
+            for i in range(T):
+                scores = qh[i] @ kh.T / math.sqrt(H) + full_bias[b, n, i]
+                visible = full_mask[b, n, i] & (np.arange(S) <= i if causal else True)
+                if not visible.any():
+                    continue
+                e = np.where(visible, np.exp(scores - scores[visible].max()), 0.0)
+                weights[b, n, i] = e / e.sum()
+                merged[b, i, n * H:(n + 1) * H] = weights[b, n, i] @ vh
+    y = merged @ p["out_weight"].T + p.get("out_bias", 0.0)
+    return y, weights
+
+
+def mha_pair(param_names, kind, options):
+    """``forward(x, [context...], *params[, bias])`` and its backward, for
+    check_gradients; the attention bias is the last input when given."""
+    with_bias = "bias" in options
+    options = {k: v for k, v in options.items() if k != "bias"}
+    n_ctx = {"self": 0, "single": 1, "pair": 2}[kind]
+
+    def split(inputs):
+        x, rest = inputs[0], inputs[1:]
+        ctx, rest = rest[:n_ctx], rest[n_ctx:]
+        params = dict(zip(param_names, rest[: len(param_names)]))
+        bias = rest[len(param_names)] if with_bias else None
+        context = None if kind == "self" else (ctx[0] if kind == "single" else tuple(ctx))
+        return x, context, params, bias
+
+    def forward(*inputs):
+        x, context, params, bias = split(inputs)
+        extra = {"bias": bias} if with_bias else {}
+        return mha_forward(params, x, context, **options, **extra)
+
+    def backward(dy, res):
+        g = mha_backward(dy, res)
+        ctx = () if g.dcontext is None else (g.dcontext,) if kind == "single" else tuple(g.dcontext)
+        return (g.dx, *ctx, *(g.dparams[name] for name in param_names)) + ((g.dbias,) if with_bias else ())
+
+    return forward, backward
+
+
+def gradcheck_mha(params, x, context, options, **check):
+    kind = "self" if context is None else "pair" if isinstance(context, tuple) else "single"
+    ctx = [] if context is None else list(context) if kind == "pair" else [context]
+    names = list(params)
+    forward, backward = mha_pair(names, kind, options)
+    inputs = [x, *ctx, *(params[n] for n in names)] + ([options["bias"]] if "bias" in options else [])
+    labels = ["x", *[f"context{i}" for i in range(len(ctx))], *names] + (["bias"] if "bias" in options else [])
+    return npattn.check_gradients(forward, backward, inputs, names=labels, **check)
+
+
+# One row per feature: (kind, E, N, K, kdim, vdim, B, T, S, attention options builder)
+def _opts_plain(rng, B, N, T, S):
+    return {}
+
+
+def _opts_causal_lengths(rng, B, N, T, S):
+    return {"causal": True, "align": "bottom_right",
+            "q_lengths": np.array([T, T - 1]), "kv_lengths": np.array([S, S - 2])}
+
+
+def _opts_mask_bias(rng, B, N, T, S):
+    mask = rng.random((B, 1, T, S)) > 0.3
+    mask[..., 0] = True
+    return {"mask": mask, "bias": rng.standard_normal((N, T, S))}
+
+
+def _opts_dropout(rng, B, N, T, S):
+    return {"dropout_p": 0.3, "seed": 1234, "causal": True, "align": "top_left"}
+
+
+def _opts_window_bias_lengths(rng, B, N, T, S):
+    return {"window": (1, 1), "align": "bottom_right", "bias": rng.standard_normal((B, 1, 1, S)),
+            "kv_lengths": np.array([S - 1, S])}
+
+
+GRAD_CASES = {
+    "self": ("self", 8, 2, 2, None, None, 2, 3, 3, _opts_plain),
+    "self-gqa-causal-lengths": ("self", 8, 4, 2, None, None, 2, 4, 4, _opts_causal_lengths),
+    "self-mqa-mask-bias": ("self", 8, 4, 1, None, None, 2, 3, 3, _opts_mask_bias),
+    "self-dropout": ("self", 8, 2, 2, None, None, 2, 4, 4, _opts_dropout),
+    "single-context-mask-bias": ("single", 8, 2, 2, 6, 6, 2, 3, 4, _opts_mask_bias),
+    "single-context-causal-lengths": ("single", 8, 2, 1, 8, 8, 2, 3, 5, _opts_causal_lengths),
+    "pair-context-gqa-window": ("pair", 8, 4, 2, 5, 3, 2, 3, 4, _opts_window_bias_lengths),
+    "pair-context-dropout-nobias": ("pair", 4, 2, 2, 3, 5, 2, 2, 3, _opts_dropout),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", list(GRAD_CASES))
+def test_gradients_central_differences(case, impl):
+    kind, E, N, K, kdim, vdim, B, T, S, make_options = GRAD_CASES[case]
+    rng = np.random.default_rng(sum(map(ord, case)))
+    params = random_params(rng, E, N, K=K, kdim=kdim, vdim=vdim, bias="nobias" not in case)
+    x = rng.standard_normal((B, T, E))
+    context = None
+    if kind == "single":
+        context = rng.standard_normal((B, S, kdim))
+    elif kind == "pair":
+        context = (rng.standard_normal((B, S, kdim)), rng.standard_normal((B, S, vdim)))
+    options = {"num_heads": N, "num_kv_heads": K, "impl": impl, **make_options(rng, B, N, T, S)}
+    if impl == "chunked":
+        options.update(CHUNKED_BLOCKS)
+    result = gradcheck_mha(params, x, context, options)
+    assert result.ok
+    assert result.jacobian_checked  # the shapes are small enough for the full Jacobian
+    assert max(result.max_abs_error.values()) < 1e-7
+
+
+def test_forward_matches_independent_oracle():
+    rng = np.random.default_rng(1)
+    B, T, S, E, N, K = 2, 4, 5, 12, 4, 2
+    params = random_params(rng, E, N, K=K, kdim=7, vdim=3)
+    x, xk, xv = rng.standard_normal((B, T, E)), rng.standard_normal((B, S, 7)), rng.standard_normal((B, S, 3))
+    mask = rng.random((B, 1, T, S)) > 0.4
+    bias = rng.standard_normal((N, T, S))
+    y, res = mha_forward(params, x, (xk, xv), num_heads=N, mask=mask, bias=bias, need_weights=True)
+    y_ref, w_ref = reference_mha(params, x, xk, xv, num_heads=N, mask=mask, bias=bias)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(res.weights, w_ref, rtol=1e-12, atol=1e-14)
+    # self-attention, causal, no biases, GQA
+    params = random_params(rng, E, N, K=1, bias=False)
+    y, res = mha_forward(params, x, num_heads=N, causal=True, need_weights=True)
+    y_ref, w_ref = reference_mha(params, x, x, x, num_heads=N, causal=True)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(res.weights, w_ref, rtol=1e-12, atol=1e-14)
+
+
+@NO_CHUNKED
+@pytest.mark.parametrize(
+    "case", ["self-gqa-causal-lengths", "pair-context-gqa-window", "self-dropout", "single-context-mask-bias"])
+def test_chunked_equals_dense(case):
+    kind, E, N, K, kdim, vdim, B, T, S, make_options = GRAD_CASES[case]
+    rng = np.random.default_rng(7)
+    params = random_params(rng, E, N, K=K, kdim=kdim, vdim=vdim)
+    x = rng.standard_normal((B, T, E))
+    context = {"self": None, "single": rng.standard_normal((B, S, kdim or E)),
+               "pair": (rng.standard_normal((B, S, kdim or E)), rng.standard_normal((B, S, vdim or E)))}[kind]
+    options = {"num_heads": N, **make_options(rng, B, N, T, S), "need_weights": True}
+    y_d, res_d = mha_forward(params, x, context, impl="dense", **options)
+    y_c, res_c = mha_forward(params, x, context, impl="chunked", **CHUNKED_BLOCKS, **options)
+    assert res_c.spec.impl == "chunked" and res_d.spec.impl == "dense"
+    np.testing.assert_allclose(y_c, y_d, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(res_c.weights, res_d.weights, rtol=0, atol=1e-12)
+    dy = rng.standard_normal(y_d.shape)
+    g_d, g_c = mha_backward(dy, res_d), mha_backward(dy, res_c)
+    np.testing.assert_allclose(g_c.dx, g_d.dx, rtol=0, atol=1e-12)
+    for name in params:
+        np.testing.assert_allclose(g_c.dparams[name], g_d.dparams[name], rtol=0, atol=1e-11, err_msg=name)
+    if g_d.dbias is not None:
+        np.testing.assert_allclose(g_c.dbias, g_d.dbias, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_need_weights_fully_masked_rows_and_pre_dropout(impl):
+    """Weights are the softmax before dropout; fully masked rows (q_lengths)
+    and -inf bias entries give 0, never NaN, on both paths."""
+    rng = np.random.default_rng(3)
+    B, T, E, N = 2, 5, 8, 2
+    params = random_params(rng, E, N)
+    x = rng.standard_normal((B, T, E))
+    bias = np.where(rng.random((1, N, T, T)) > 0.8, -np.inf, 0.0)
+    bias[..., 0] = 0.0
+    opts = dict(num_heads=N, causal=True, bias=bias, q_lengths=np.array([3, 5]), impl=impl, need_weights=True,
+                block_q=2, block_k=2)
+    y0, res0 = mha_forward(params, x, **opts)
+    y1, res1 = mha_forward(params, x, dropout_p=0.5, seed=9, **opts)
+    w = res0.weights
+    assert w.shape == (B, N, T, T) and np.isfinite(w).all()
+    np.testing.assert_array_equal(w[0, :, 3:], 0.0)  # padded queries
+    np.testing.assert_allclose(w[1].sum(-1), 1.0, rtol=1e-13)
+    assert (w[np.broadcast_to(bias, w.shape) == -np.inf] == 0).all()
+    np.testing.assert_allclose(res1.weights, w, rtol=0, atol=1e-15)  # before dropout
+    assert not np.allclose(y0, y1)  # ... but dropout did act on the output
+    np.testing.assert_array_equal(y0[0, 3:], np.broadcast_to(params["out_bias"], (2, E)))  # masked rows: O = 0
+
+
+def test_need_weights_false_keeps_none():
+    params = mha_init(4, 2)
+    _, res = mha_forward(params, np.ones((1, 2, 4)), num_heads=2)
+    assert res.weights is None
+
+
+def test_dropout_seeded_and_deterministic():
+    rng = np.random.default_rng(4)
+    params = random_params(rng, 8, 2)
+    x = rng.standard_normal((2, 6, 8))
+    a, _ = mha_forward(params, x, num_heads=2, dropout_p=0.4, seed=5)
+    b, _ = mha_forward(params, x, num_heads=2, dropout_p=0.4, seed=5)
+    c, _ = mha_forward(params, x, num_heads=2, dropout_p=0.4, seed=6)
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a, c)
+    with pytest.raises(ValueError, match="seed"):
+        mha_forward(params, x, num_heads=2, dropout_p=0.4)
+
+
+def test_options_pass_through_to_core():
+    """The layer's attention is exactly attention_forward on the projected heads."""
+    rng = np.random.default_rng(5)
+    B, T, S, E, N, K = 2, 3, 6, 8, 4, 2
+    params = random_params(rng, E, N, K=K)
+    x, ctx = rng.standard_normal((B, T, E)), rng.standard_normal((B, S, E))
+    options = dict(causal=True, align="bottom_right", window=(2, None), kv_lengths=np.array([6, 4]),
+                   scale=0.3, dropout_p=0.2, seed=3)
+    y, res = mha_forward(params, x, ctx, num_heads=N, **options)
+    H = E // N
+    q = (x @ params["q_weight"].T + params["q_bias"]).reshape(B, T, N, H).transpose(0, 2, 1, 3)
+    k = (ctx @ params["k_weight"].T + params["k_bias"]).reshape(B, S, K, H).transpose(0, 2, 1, 3)
+    v = (ctx @ params["v_weight"].T + params["v_bias"]).reshape(B, S, K, H).transpose(0, 2, 1, 3)
+    o, _ = npattn.attention_forward(q, k, v, **options)
+    y_ref = o.transpose(0, 2, 1, 3).reshape(B, T, E) @ params["out_weight"].T + params["out_bias"]
+    np.testing.assert_allclose(y, y_ref, rtol=1e-13, atol=1e-13)
+    assert res.lse.shape == (B, N, T) and res.spec.scale == 0.3
+    with pytest.raises(ValueError, match="align"):  # T != S causal without align: the core's error
+        mha_forward(params, x, ctx, num_heads=N, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_dtypes(dtype):
+    rng = np.random.default_rng(6)
+    params64 = random_params(rng, 8, 2)
+    x64 = rng.standard_normal((2, 3, 8))
+    params = {n: a.astype(dtype) for n, a in params64.items()}
+    y, res = mha_forward(params, x64.astype(dtype), num_heads=2, need_weights=True)
+    assert y.dtype == dtype and res.weights.dtype == np.float32
+    g = mha_backward(np.ones_like(y), res)
+    assert g.dx.dtype == dtype and all(a.dtype == dtype for a in g.dparams.values())
+    y_ref, _ = mha_forward({n: a.astype(np.float64) for n, a in params.items()}, x64.astype(dtype).astype(np.float64),
+                           num_heads=2)
+    tol = 1e-5 if dtype == np.float32 else 3e-3
+    np.testing.assert_allclose(y.astype(np.float64), y_ref, rtol=tol, atol=tol)
+
+
+def test_inputs_not_mutated_and_backward_reusable():
+    rng = np.random.default_rng(8)
+    params = random_params(rng, 8, 4, K=2, kdim=5, vdim=3)
+    for a in params.values():
+        a.flags.writeable = False
+    x, xk, xv = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 4, 5)), rng.standard_normal((2, 4, 3))
+    for a in (x, xk, xv):
+        a.flags.writeable = False
+    y, res = mha_forward(params, x, (xk, xv), num_heads=4)
+    dy = rng.standard_normal(y.shape)
+    g1, g2 = mha_backward(dy, res), mha_backward(dy, res)
+    for name in params:
+        np.testing.assert_array_equal(g1.dparams[name], g2.dparams[name])
+    assert isinstance(g1, MHAGrads) and list(g1.dparams) == list(params)
+
+
+# --- initialization -----------------------------------------------------------
+
+
+def test_init_shapes_bounds_and_defaults():
+    E, N = 64, 8
+    p = mha_init(E, N)
+    assert p["q_weight"].dtype == np.float64
+    assert set(p) == {"q_weight", "k_weight", "v_weight", "out_weight", "q_bias", "k_bias", "v_bias", "out_bias"}
+    packed = math.sqrt(6 / (E + 3 * E))  # xavier on PyTorch's (3E, E) in_proj_weight
+    for name in ("q_weight", "k_weight", "v_weight"):
+        assert np.abs(p[name]).max() <= packed and np.abs(p[name]).max() > 0.95 * packed
+    assert np.abs(p["out_weight"]).max() <= 1 / math.sqrt(E)
+    assert all((p[b] == 0).all() for b in ("q_bias", "k_bias", "v_bias", "out_bias"))
+    sep = mha_init(E, N, kdim=16, vdim=32, bias=False, seed=1)
+    assert set(sep) == {"q_weight", "k_weight", "v_weight", "out_weight"}
+    assert sep["k_weight"].shape == (E, 16) and sep["v_weight"].shape == (E, 32)
+    assert np.abs(sep["k_weight"]).max() <= math.sqrt(6 / (16 + E))
+    assert np.abs(sep["q_weight"]).max() <= math.sqrt(6 / (2 * E))
+    gqa = mha_init(E, N, num_kv_heads=2, dtype=np.float32)
+    assert gqa["k_weight"].shape == (16, E) and gqa["k_bias"].shape == (16,) and gqa["q_weight"].dtype == np.float32
+    np.testing.assert_array_equal(mha_init(E, N, seed=3)["q_weight"], mha_init(E, N, seed=3)["q_weight"])
+    assert not np.array_equal(mha_init(E, N, seed=3)["q_weight"], mha_init(E, N, seed=4)["q_weight"])
+
+
+def test_class_wrapper():
+    layer = MultiheadAttention(8, 4, num_kv_heads=2, seed=2)
+    x = np.random.default_rng(0).standard_normal((2, 3, 8))
+    y, res = layer(x, causal=True)
+    y2, _ = mha_forward(mha_init(8, 4, num_kv_heads=2, seed=2), x, num_heads=4, causal=True)
+    np.testing.assert_array_equal(y, y2)
+    assert layer.backward(np.ones_like(y), res).dx.shape == x.shape
+    adopted = MultiheadAttention(num_heads=4, params=layer.params)
+    assert adopted.num_kv_heads == 2 and "num_kv_heads=2" in repr(adopted)
+
+
+# --- bad input ------------------------------------------------------------------
+
+
+def _gqa_rows(p, rows):
+    """``p`` with key/value projections of ``rows`` rows."""
+    return {**p, "k_weight": np.ones((rows, 8)), "k_bias": np.ones(rows), "v_weight": np.ones((rows, 8)),
+            "v_bias": np.ones(rows)}
+
+
+# name: (call(params, x), error, message pattern); params = mha_init(8, 2), x (2, 3, 8)
+BAD_INPUTS = {
+    "init embed_dim % num_heads": (
+        lambda p, x: mha_init(10, 3), ValueError, r"embed_dim=10 must be divisible by num_heads=3"),
+    "init num_heads % num_kv_heads": (
+        lambda p, x: mha_init(8, 4, num_kv_heads=3), ValueError, r"num_heads=4 must be divisible by num_kv_heads=3"),
+    "init num_heads type": (
+        lambda p, x: mha_init(8, 2.0), TypeError, r"num_heads must be an int"),
+    "forward embed_dim % num_heads": (
+        lambda p, x: mha_forward(p, x, num_heads=3), ValueError, r"embed_dim=8 .* divisible by num_heads=3"),
+    "forward num_kv_heads disagrees": (
+        lambda p, x: mha_forward(p, x, num_heads=4, num_kv_heads=1), ValueError,
+        r"num_kv_heads=1, but params\['k_weight'\] has 8 rows"),
+    "forward num_heads % inferred kv heads": (
+        lambda p, x: mha_forward(_gqa_rows(p, 6), x, num_heads=4), ValueError,
+        r"num_heads=4 must be divisible by num_kv_heads=3"),
+    "params missing key": (
+        lambda p, x: mha_forward({k: v for k, v in p.items() if k != "k_weight"}, x, num_heads=2), ValueError,
+        r"params is missing \['k_weight'\]"),
+    "params unknown key": (
+        lambda p, x: mha_forward({**p, "q_bais": p["q_bias"]}, x, num_heads=2), ValueError,
+        r"unknown keys \['q_bais'\]"),
+    "params misshapen bias": (
+        lambda p, x: mha_forward({**p, "q_bias": np.zeros(7)}, x, num_heads=2), ValueError,
+        r"params\['q_bias'\] must have shape \(8,\)"),
+    "params misshapen out_weight": (
+        lambda p, x: mha_forward({**p, "out_weight": np.zeros((8, 4))}, x, num_heads=2), ValueError,
+        r"params\['out_weight'\] must have shape \(8, 8\)"),
+    "params misshapen q_weight": (
+        lambda p, x: mha_forward({**p, "q_weight": np.zeros((8, 4))}, x, num_heads=2), ValueError,
+        r"params\['q_weight'\] must have shape \(embed_dim, embed_dim\)"),
+    "params misshapen v_weight": (
+        lambda p, x: mha_forward({**p, "v_weight": np.zeros((4, 8))}, x, num_heads=2), ValueError,
+        r"params\['v_weight'\] must have shape \(8, vdim\)"),
+    "params not a dict": (
+        lambda p, x: mha_forward([1, 2], x, num_heads=2), TypeError, r"params must be a dict"),
+    "params value not an array": (
+        lambda p, x: mha_forward({**p, "q_bias": [0.0] * 8}, x, num_heads=2), TypeError,
+        r"params\['q_bias'\] must be an array"),
+    "x width": (
+        lambda p, x: mha_forward(p, x[..., :6], num_heads=2), ValueError, r"x has width 6 .* embed_dim=8"),
+    "x rank": (
+        lambda p, x: mha_forward(p, x[0], num_heads=2), ValueError, r"x must have shape \(B, length, width\)"),
+    "context width": (
+        lambda p, x: mha_forward(p, x, np.zeros((2, 4, 5)), num_heads=2), ValueError,
+        r"context has width 5 .* kdim=8"),
+    "context batch": (
+        lambda p, x: mha_forward(p, x, np.zeros((3, 4, 8)), num_heads=2), ValueError,
+        r"context has batch size 3, but x has 2"),
+    "context triple": (
+        lambda p, x: mha_forward(p, x, (x, x, x), num_heads=2), ValueError, r"context must be an array or a pair"),
+    "x dtype": (
+        lambda p, x: mha_forward(p, x.astype(np.float32), num_heads=2), TypeError,
+        r"has dtype float64 but x has float32"),
+    "x integer": (
+        lambda p, x: mha_forward({k: v.astype(np.int64) for k, v in p.items()}, x.astype(np.int64), num_heads=2),
+        TypeError, r"x must have a real floating dtype"),
+    "mask polarity type": (
+        lambda p, x: mha_forward(p, x, num_heads=2, mask=np.ones((3, 3))), TypeError, r"mask must be a bool"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input(name):
+    call, error, pattern = BAD_INPUTS[name]
+    params = mha_init(8, 2)
+    x = np.zeros((2, 3, 8))
+    with pytest.raises(error, match=pattern):
+        call(params, x)
+
+
+def test_bad_cross_attention_layouts():
+    cross = mha_init(8, 2, kdim=5, vdim=3)
+    x = np.zeros((2, 3, 8))
+    with pytest.raises(ValueError, match=r"cross-attention \(kdim=5, vdim=3, embed_dim=8\); pass context"):
+        mha_forward(cross, x, num_heads=2)
+    with pytest.raises(ValueError, match=r"kdim=5 != vdim=3: pass context as a pair"):
+        mha_forward(cross, x, np.zeros((2, 4, 5)), num_heads=2)
+    with pytest.raises(ValueError, match=r"context\[1\] \(value source\) has width 5 .* vdim=3"):
+        mha_forward(cross, x, (np.zeros((2, 4, 5)), np.zeros((2, 4, 5))), num_heads=2)
+    with pytest.raises(ValueError, match=r"one length S"):
+        mha_forward(cross, x, (np.zeros((2, 4, 5)), np.zeros((2, 5, 3))), num_heads=2)
+
+
+def test_bad_backward_input():
+    params = mha_init(8, 2)
+    y, res = mha_forward(params, np.zeros((2, 3, 8)), num_heads=2)
+    with pytest.raises(ValueError, match=r"dy must have y's shape \(2, 3, 8\)"):
+        mha_backward(np.zeros((2, 3, 4)), res)
+    with pytest.raises(TypeError, match=r"dy must have y's dtype float64"):
+        mha_backward(np.zeros((2, 3, 8), np.float32), res)
+    with pytest.raises(TypeError, match=r"residuals must come from npattn.mha_forward"):
+        mha_backward(y, res.attention)
+
+
+def test_layer_dims_reads_gqa():
+    assert layer_dims(mha_init(12, 6, num_kv_heads=3, kdim=5), num_heads=6) == (12, 6, 3, 2, 5, 12)
+
+
+# --- backend matrix -------------------------------------------------------------
+
+
+def test_backends_match_numpy(backend):
+    """Forward and backward on every backend equal NumPy's; inputs unchanged."""
+    rng = np.random.default_rng(11)
+    B, T, S, E, N, K = 2, 3, 4, 8, 4, 2
+    params = random_params(rng, E, N, K=K, kdim=5, vdim=3)
+    x, xk, xv = rng.standard_normal((B, T, E)), rng.standard_normal((B, S, 5)), rng.standard_normal((B, S, 3))
+    mask = rng.random((B, 1, T, S)) > 0.3
+    bias = rng.standard_normal((N, 1, S))
+    options = dict(num_heads=N, mask=mask, bias=bias, causal=True, align="bottom_right",
+                   kv_lengths=np.array([4, 3]), dropout_p=0.25, seed=2, need_weights=True)
+    y_ref, res_ref = mha_forward(params, x, (xk, xv), **options)
+    dy = rng.standard_normal(y_ref.shape)
+    g_ref = mha_backward(dy, res_ref)
+
+    to = backend.asarray
+    b_params = {n: to(a) for n, a in params.items()}
+    b_x, b_xk, b_xv, b_dy = to(x), to(xk), to(xv), to(dy)
+    b_options = {**options, "mask": to(mask), "bias": to(bias), "kv_lengths": to(options["kv_lengths"])}
+    before = {n: backend.to_numpy(a).copy() for n, a in {**b_params, "x": b_x, "xk": b_xk, "xv": b_xv}.items()}
+    y, res = mha_forward(b_params, b_x, (b_xk, b_xv), **b_options)
+    g = mha_backward(b_dy, res)
+    back = backend.to_numpy
+    np.testing.assert_allclose(back(y), y_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(back(res.weights), res_ref.weights, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(back(g.dx), g_ref.dx, rtol=1e-12, atol=1e-12)
+    for got, want in zip(g.dcontext, g_ref.dcontext):
+        np.testing.assert_allclose(back(got), want, rtol=1e-12, atol=1e-12)
+    for n in params:
+        np.testing.assert_allclose(back(g.dparams[n]), g_ref.dparams[n], rtol=1e-11, atol=1e-12, err_msg=n)
+    np.testing.assert_allclose(back(g.dbias), g_ref.dbias, rtol=1e-12, atol=1e-12)
+    after = {n: back(a) for n, a in {**b_params, "x": b_x, "xk": b_xk, "xv": b_xv}.items()}
+    for n in before:
+        np.testing.assert_array_equal(after[n], before[n], err_msg=f"{n} was mutated")
+
+
+def test_init_on_backends(backend):
+    """mha_init on a backend's namespace and device draws NumPy's values."""
+    import array_api_compat
+
+    probe = backend.asarray(np.zeros(1))
+    xp = array_api_compat.array_namespace(probe)
+    p = mha_init(8, 2, num_kv_heads=1, dtype=xp.float64, xp=xp, device=array_api_compat.device(probe))
+    ref = mha_init(8, 2, num_kv_heads=1)
+    for n in ref:
+        np.testing.assert_array_equal(backend.to_numpy(p[n]), ref[n])
+        assert array_api_compat.device(p[n]) == array_api_compat.device(probe)
+
+
+# --- property test --------------------------------------------------------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    kind=st.sampled_from(["self", "single", "pair"]),
+    heads=st.sampled_from([(1, 1), (2, 1), (2, 2), (4, 2), (4, 1)]),
+    head_dim=st.integers(1, 3),
+    B=st.integers(1, 2), T=st.integers(1, 4), S=st.integers(1, 5),
+    causal=st.booleans(), align=st.sampled_from(["top_left", "bottom_right"]),
+    with_mask=st.booleans(), with_bias=st.booleans(), with_lengths=st.booleans(),
+    dropout=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_property_gradients_and_paths(kind, heads, head_dim, B, T, S, causal, align, with_mask, with_bias,
+                                      with_lengths, dropout, seed):
+    """Random layouts and options: the random-VJP central-difference check of
+    every input and parameter passes, and chunked equals dense."""
+    N, K = heads
+    E = N * head_dim
+    rng = np.random.default_rng(seed)
+    if kind == "self":
+        S = T
+    kdim, vdim = (E, E) if kind != "pair" else (int(rng.integers(1, 5)), int(rng.integers(1, 5)))
+    params = random_params(rng, E, N, K=K, kdim=kdim, vdim=vdim, bias=bool(rng.integers(2)))
+    x = rng.standard_normal((B, T, E))
+    context = {"self": None, "single": rng.standard_normal((B, S, E)),
+               "pair": (rng.standard_normal((B, S, kdim)), rng.standard_normal((B, S, vdim)))}[kind]
+    options = {"num_heads": N, "causal": causal, "align": align}
+    if with_mask:
+        options["mask"] = rng.random((B, 1, T, S)) > 0.3  # fully masked rows allowed
+    if with_bias:
+        options["bias"] = rng.standard_normal((N, T, S))
+    if with_lengths:
+        options["q_lengths"] = rng.integers(0, T + 1, size=B)
+        options["kv_lengths"] = rng.integers(0, S + 1, size=B)
+    if dropout:
+        options.update(dropout_p=0.3, seed=seed)
+    result = gradcheck_mha(params, x, context, {**options, "impl": "dense"}, jacobian=False)
+    assert result.ok
+    if HAS_CHUNKED:
+        y_d, res_d = mha_forward(params, x, context, impl="dense", need_weights=True, **options)
+        y_c, res_c = mha_forward(params, x, context, impl="chunked", need_weights=True, block_q=2, block_k=3,
+                                 **options)
+        np.testing.assert_allclose(y_c, y_d, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(res_c.weights, res_d.weights, rtol=0, atol=1e-12)
+        dy = rng.standard_normal(y_d.shape)
+        g_d, g_c = mha_backward(dy, res_d), mha_backward(dy, res_c)
+        np.testing.assert_allclose(g_c.dx, g_d.dx, rtol=0, atol=1e-11)
+        for name in params:
+            np.testing.assert_allclose(g_c.dparams[name], g_d.dparams[name], rtol=0, atol=1e-11, err_msg=name)
