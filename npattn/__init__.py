@@ -5,6 +5,9 @@ Public API
 ----------
 attention_forward, attention_backward, attention
     Masked scaled dot-product attention (dense or chunked online-softmax).
+mha_init, mha_forward, mha_backward, MultiheadAttention, KVCache
+    Multi-head attention layer with hand-derived backward, KV-cache decoding
+    and PyTorch weight/mask interop.
 check_gradients
     Central-difference gradient checker for any forward/backward pair.
 diagnostics
@@ -30,6 +33,9 @@ from .diagnostics import (
     summarize,
 )
 from .gradient_check import GradcheckError, GradcheckResult, check_gradients
+from .interop import mha_masks_from_torch, mha_params_from_torch, mha_params_to_torch
+from .kv_cache import KVCache
+from .mha import MHAGrads, MHAResiduals, MultiheadAttention, mha_backward, mha_forward, mha_init
 
 __version__ = "0.1.0"
 
@@ -44,6 +50,16 @@ __all__ = [
     "check_gradients",
     "GradcheckResult",
     "GradcheckError",
+    "mha_init",
+    "mha_forward",
+    "mha_backward",
+    "MHAGrads",
+    "MHAResiduals",
+    "MultiheadAttention",
+    "KVCache",
+    "mha_params_from_torch",
+    "mha_params_to_torch",
+    "mha_masks_from_torch",
     "diagnostics",
     "attention_entropy",
     "attention_peak",
