@@ -1,0 +1,260 @@
+"""npattn.distributed: exact ring attention over MPI.
+
+The MPI tests launch ``mpiexec -n P python tests/mpi_ring_worker.py`` as a
+subprocess (with a timeout) for P = 1, 2 and 4, once per P, and check every
+rank's shard of out, lse, dq, dk and dv against single-process dense
+attention on the concatenated sequence in float64 (to 1e-12), and out/lse
+against the independent oracle tests/reference.py too. They skip, saying
+why, where mpi4py or an ``mpiexec`` is missing (``pip install "npattn[mpi]"``
+brings both; MPICH's wheel puts ``mpiexec`` beside the Python executable).
+
+Without MPI: the per-pair masking plan against brute force, and the
+ImportError when mpi4py is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import numpy as np
+import pytest
+
+import mpi_ring_worker as worker
+import npattn
+from npattn.distributed import RingLayout, _pair_mask, _pair_options
+from npattn.masking import visible_tile
+from npattn.options import make_spec
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+WORKER = pathlib.Path(worker.__file__).resolve()
+TIMEOUT_S = 120
+TOL = {"float64": 1e-12, "float32": 2e-6, "float16": 5e-3}  # float16: outputs rounded to float16
+
+
+def find_mpiexec() -> str | None:
+    """``mpiexec`` of this Python's environment first (MPICH's wheel installs
+    it next to the interpreter), then the PATH."""
+    for directory in (os.path.dirname(sys.executable), sysconfig.get_path("scripts")):
+        found = shutil.which("mpiexec", path=directory)
+        if found:
+            return found
+    return shutil.which("mpiexec")
+
+
+def mpi_skip_reason() -> str | None:
+    if importlib.util.find_spec("mpi4py") is None:
+        return 'mpi4py is not installed (pip install "npattn[mpi]")'
+    if find_mpiexec() is None:
+        return ('no mpiexec next to the Python executable, in the scripts dir or on PATH '
+                '(pip install "npattn[mpi]" installs MPICH\'s)')
+    return None
+
+
+needs_mpi = pytest.mark.skipif(mpi_skip_reason() is not None, reason=str(mpi_skip_reason()))
+
+
+def run_worker(P: int, mode: str, path: pathlib.Path, names: list[str] = ()) -> dict:
+    """Launch the worker on P ranks; return rank 0's JSON."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(WORKER.parent), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")  # 4 ranks on 2 cores: no thread oversubscription on top
+    command = [find_mpiexec(), "-n", str(P), sys.executable, str(WORKER), mode, str(path), *names]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=REPO)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{' '.join(command)} did not finish in {TIMEOUT_S} s (deadlock?)\n{err.stdout}\n{err.stderr}")
+    if proc.returncode != 0 or not path.exists():
+        pytest.fail(f"{' '.join(command)} exited with {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    result = json.loads(path.read_text())
+    assert result["size"] == P, (
+        f"mpiexec started {result['size']} rank(s), not {P}: {find_mpiexec()} belongs to a different MPI "
+        "than mpi4py (singletons)"
+    )
+    return result
+
+
+P1_CASES = [n for n, c in worker.CASES.items() if c.get("lengths", "equal") in ("equal", "unequal")]
+
+
+@pytest.fixture(scope="module")
+def ring_results(tmp_path_factory):
+    """``results(P)``: every case on P ranks, one mpiexec launch per P."""
+    cache = {}
+
+    def results(P: int) -> dict:
+        if P not in cache:
+            path = tmp_path_factory.mktemp(f"ring{P}") / "result.json"
+            cache[P] = run_worker(P, "cases", path, P1_CASES if P == 1 else [])
+        return cache[P]
+
+    return results
+
+
+def _case_params():
+    for P in (1, 2, 4):
+        for name in worker.CASES:
+            if P == 1 and name not in P1_CASES:
+                continue
+            yield pytest.param(P, name, id=f"n{P}-{name}")
+
+
+@needs_mpi
+@pytest.mark.parametrize("P, name", list(_case_params()))
+def test_ring_equals_single_process_attention(ring_results, P, name):
+    ranks = ring_results(P)["ranks"]
+    dtype = worker.CASES[name].get("dtype", "float64")
+    tol = TOL[dtype]
+    for r, res in enumerate(ranks):
+        result = res[name]
+        if "skipped" in result:
+            pytest.skip(result["skipped"])
+        assert "exception" not in result, f"rank {r} raised:\n{result.get('exception')}"
+        for key in ("out", "lse", "dq", "dk", "dv", "out_oracle", "lse_oracle"):
+            assert result[key] <= tol, f"rank {r}: max |ring - single process| of {key} is {result[key]:.3g}"
+        assert result["out_dtype"] == dtype and result["grad_dtype"] == dtype
+
+
+@needs_mpi
+@pytest.mark.parametrize("P", [2, 4])
+def test_causal_skips_hidden_steps_and_counts_bytes(ring_results, P):
+    ranks = ring_results(P)["ranks"]
+    T = 3  # "equal" shards: 3 queries and keys per rank, shape (B, N, K, H, Hv) = (2, 2, 2, 3, 2)
+    kv_bytes = 2 * 2 * T * (3 + 2) * 8  # k and v of one shard, float64
+    for r, res in enumerate(ranks):
+        fwd, bwd = res["causal-equal"]["forward"], res["causal-equal"]["backward"]
+        assert (fwd["computed"], fwd["skipped"]) == (r + 1, P - r - 1)  # shards after r are hidden
+        assert fwd["bytes_sent"] == fwd["bytes_received"] == (P - 1) * kv_bytes
+        assert bwd["bytes_sent"] == (P - 1) * kv_bytes + P * kv_bytes  # k, v; then dk, dv incl. the hop home
+        assert fwd["transport"] == "buffer"
+        assert res["noncausal-equal"]["forward"]["computed"] == P
+
+
+@needs_mpi
+def test_fully_masked_rows_cross_the_ring(ring_results):
+    ranks = ring_results(4)["ranks"]
+    assert sum(res["causal-bottom-right-T>S"]["fully_masked_rows"] for res in ranks) > 0
+
+
+# What every rank must raise (type, part of the message); the worker runs each on 2 ranks.
+EXPECTED_ERRORS = {
+    "head-dim-mismatch": ("ValueError", "q/k head dim H (axis -1) differs across ranks: rank 0 has 4, rank 1 has 2"),
+    "dtype-mismatch": ("ValueError", "rank 0 has float64, rank 1 has float32"),
+    "heads-mismatch": ("ValueError", "number of query heads N"),
+    "comm-none": ("TypeError", "comm is required"),
+    "comm-not-communicator": ("TypeError", "comm must be an mpi4py communicator"),
+    "comm-null": ("ValueError", "communicator of size 0"),
+    "starts-overlap": ("ValueError", "q_start does not tile the sequence [0, 6)"),
+    "starts-gap": ("ValueError", "found rank 1 starting at 4"),
+    "starts-some-ranks": ("ValueError", "q_start was given on some ranks but not on ranks [1]"),
+    "causal-T!=S-no-align": ("ValueError", "needs an explicit alignment"),
+    "causal-mismatch": ("ValueError", "causal/window differs across ranks"),
+    "bad-input-one-rank": ("ValueError", "rank 1: q must have rank >= 3"),
+    "empty-kv-shard": ("ValueError", "rank 1: this rank's k/v shard holds no key"),
+    "bad-transport": ("ValueError", "transport must be one of"),
+    "backward-bad-dout-one-rank": ("ValueError", "rank 0: dout must have the forward's shape"),
+    "backward-not-residuals": ("TypeError", "residuals must come from ring_attention_forward"),
+    "still-works-afterwards": None,
+}
+
+
+@pytest.fixture(scope="module")
+def error_results(tmp_path_factory):
+    return run_worker(2, "errors", tmp_path_factory.mktemp("errors") / "result.json")
+
+
+@needs_mpi
+@pytest.mark.parametrize("name", list(EXPECTED_ERRORS))
+def test_bad_input_raises_on_every_rank(error_results, name):
+    expected = EXPECTED_ERRORS[name]
+    for r, res in enumerate(error_results["ranks"]):
+        got = res[name]
+        if expected is None:
+            assert got is None, f"rank {r} raised {got}"
+            continue
+        assert got is not None, f"rank {r} raised nothing"
+        assert got[0] == expected[0] and expected[1] in got[1], f"rank {r}: {got}"
+    assert error_results["ranks"][0][name] == error_results["ranks"][1][name]  # the same error everywhere
+
+
+# --- without MPI ------------------------------------------------------------------
+
+
+def _visibility(options, T, S):
+    """The (T, S) visibility a pair's options produce."""
+    if options is None:
+        return np.zeros((T, S), bool)
+    if "mask" in options:
+        return np.asarray(_pair_mask(npattn.namespace.resolve_namespace({"x": np.zeros(1)}), None, T, S,
+                                     *options["mask"]))
+    q, k = np.zeros((1, T, 1)), np.zeros((1, S, 1))
+    spec = make_spec(q, k, k, **options)
+    visible = visible_tile(spec, 0, T, 0, S)
+    return np.ones((T, S), bool) if visible is None else np.broadcast_to(np.asarray(visible), (1, T, S))[0]
+
+
+def test_pair_masking_plan_matches_brute_force():
+    """Every (T_r, S_s, offset, window) pair: skipped / no mask / local window /
+    bool mask, each exactly the global-position visibility; all four occur."""
+    kinds = set()
+    for T, S, d, left, right in itertools.product(range(1, 5), range(1, 5), range(-6, 7),
+                                                  (None, 0, 1, 3), (None, 0, 1, 3)):
+        layout = RingLayout(0, 1, (T,), (S,), (d,), (0,), 0)  # query i at global d + i, key j at j
+        options = _pair_options(layout, left, right, 0, 0)
+        i, j = np.arange(T)[:, None], np.arange(S)[None, :]
+        expected = np.ones((T, S), bool)
+        if left is not None:
+            expected &= j >= d + i - left
+        if right is not None:
+            expected &= j <= d + i + right
+        got = _visibility(options, T, S)
+        np.testing.assert_array_equal(got, expected, err_msg=f"T={T} S={S} d={d} window=({left}, {right}): {options}")
+        kinds.add("skip" if options is None else next(iter(options), "all"))
+        if options is None:
+            assert not expected.any()
+        if options == {}:
+            assert expected.all()
+    assert kinds == {"skip", "all", "window", "mask"}
+
+
+def test_import_needs_no_mpi4py_and_calling_names_the_extra():
+    """``import npattn`` and ``import npattn.distributed`` work without mpi4py
+    (and never import it); calling the ring raises a clear ImportError."""
+    code = (
+        "import sys; sys.modules['mpi4py'] = None\n"
+        "import numpy as np, npattn, npattn.distributed as dist\n"
+        "assert sys.modules['mpi4py'] is None\n"
+        "x = np.zeros((1, 2, 3))\n"
+        "try:\n"
+        "    dist.ring_attention_forward(x, x, x, comm=None)\n"
+        "except ImportError as err:\n"
+        "    print(err)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert 'pip install "npattn[mpi]"' in proc.stdout
+
+
+def test_importing_npattn_does_not_import_mpi4py():
+    code = "import sys, npattn, npattn.distributed, npattn.merge; print('mpi4py' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
+@needs_mpi
+def test_example_script_runs_on_two_ranks():
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, str(REPO / "examples" / "ring_attention.py")],
+                          capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "max |ring - single process|" in proc.stdout
