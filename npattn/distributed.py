@@ -743,16 +743,16 @@ def _backward(MPI, ring, P, dout, res: RingResiduals, dlse, stats) -> AttentionG
 
     dq = xp.zeros(tuple(res.q.shape), dtype=cdtype, device=device)  # (..., N, T_r, H)
     k_s, v_s = (wire.contiguous(res.k), wire.contiguous(res.v)) if P > 1 else (res.k, res.v)
-    dk_s = xp.zeros(tuple(res.k.shape), dtype=cdtype, device=device)  # (..., K, S_s, H), travels with k_s
-    dv_s = xp.zeros(tuple(res.v.shape), dtype=cdtype, device=device)  # (..., K, S_s, Hv)
+    travelling = None  # the exchange bringing shard s's dK/dV accumulators from the left
     computed = 0
     for t in range(P):
-        s = (r - t) % P
-        S_next = layout.kv_lengths[(s - 1) % P]
+        s = (r - t) % P  # the rank whose K/V shard (and dK/dV accumulators) is here
+        S_s, S_next = layout.kv_lengths[s], layout.kv_lengths[(s - 1) % P]
         pending = None
         if t < P - 1:
             pending = wire.exchange([k_s, v_s], [bs + (K, S_next, H), bs + (K, S_next, Hv)])
         pair = _pair_options(layout, res.window_left, res.window_right, r, s)
+        dk_rs = dv_rs = None
         if pair is not None:
             pair = _materialize(xp, device, layout, r, s, pair)
             spec = make_spec(res.q, k_s, v_s, scale=res.scale, impl=res.impl, block_q=res.block_q,
@@ -762,15 +762,22 @@ def _backward(MPI, ring, P, dout, res: RingResiduals, dlse, stats) -> AttentionG
             spec = dataclasses.replace(spec, impl="chunked")
             g = attention_backward(dout_c, ChunkedResiduals(spec, res.q, k_s, v_s, res.out, res.lse), dlse=dlse_c)
             dq = dq + g.dq  # (..., N, T_r, H)
-            dk_s = dk_s + g.dk  # (..., K, S_s, H)
-            dv_s = dv_s + g.dv  # (..., K, S_s, Hv)
+            dk_rs, dv_rs = g.dk, g.dv  # (..., K, S_s, H), (..., K, S_s, Hv)
             computed += 1
-        if P > 1:  # the accumulators follow their shard; after step P - 1 this hop brings them home
+        if travelling is None:  # t = 0: shard s = r starts its trip here
+            dk_s = xp.zeros(bs + (K, S_s, H), dtype=cdtype, device=device) if dk_rs is None else dk_rs
+            dv_s = xp.zeros(bs + (K, S_s, Hv), dtype=cdtype, device=device) if dv_rs is None else dv_rs
+        else:
+            dk_s, dv_s = travelling.wait()  # (..., K, S_s, H), (..., K, S_s, Hv): from ranks s .. r-1
+            if dk_rs is not None:
+                dk_s, dv_s = dk_s + dk_rs, dv_s + dv_rs
+        if P > 1:  # pass the accumulators on with their shard; after step P - 1 this hop brings them home
             S_acc = S_next if t < P - 1 else layout.kv_lengths[r]
-            grads = wire.exchange([dk_s, dv_s], [bs + (K, S_acc, H), bs + (K, S_acc, Hv)], tag=2)
-            dk_s, dv_s = grads.wait()
+            travelling = wire.exchange([dk_s, dv_s], [bs + (K, S_acc, H), bs + (K, S_acc, Hv)], tag=2)
         if pending is not None:
             k_s, v_s = pending.wait()
+    if travelling is not None:
+        dk_s, dv_s = travelling.wait()  # this rank's own shard, home: (..., K, S_r, H), (..., K, S_r, Hv)
     if stats is not None:
         stats.update(transport=wire.mode, steps=P, computed=computed, skipped=P - computed,
                      bytes_sent=wire.bytes_sent, bytes_received=wire.bytes_received)
