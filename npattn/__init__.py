@@ -8,6 +8,10 @@ attention_forward, attention_backward, attention
 mha_init, mha_forward, mha_backward, MultiheadAttention, KVCache
     Multi-head attention layer with hand-derived backward, KV-cache decoding
     and PyTorch weight/mask interop.
+merge_partials, merge_partials_backward
+    Combine attention over disjoint key sets through lse (split-KV, ring attention).
+npattn.distributed (extra "mpi"; import it explicitly)
+    ring_attention_forward, ring_attention_backward: exact sequence-parallel attention over MPI.
 check_gradients
     Central-difference gradient checker for any forward/backward pair.
 diagnostics
@@ -35,6 +39,7 @@ from .diagnostics import (
 from .gradient_check import GradcheckError, GradcheckResult, check_gradients
 from .interop import mha_masks_from_torch, mha_params_from_torch, mha_params_to_torch
 from .kv_cache import KVCache
+from .merge import MergeResiduals, merge_partials, merge_partials_backward
 from .mha import MHAGrads, MHAResiduals, MultiheadAttention, mha_backward, mha_forward, mha_init
 
 __version__ = "0.1.0"
@@ -60,6 +65,9 @@ __all__ = [
     "mha_params_from_torch",
     "mha_params_to_torch",
     "mha_masks_from_torch",
+    "merge_partials",
+    "merge_partials_backward",
+    "MergeResiduals",
     "diagnostics",
     "attention_entropy",
     "attention_peak",
