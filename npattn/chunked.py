@@ -148,6 +148,19 @@ def chunked_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, A
         0 on fully masked rows.
     lse : array, (..., N, T)
         ``m + log(l)``; ``-inf`` on fully masked rows.
+
+    Examples
+    --------
+    Three equal scores ``2 / sqrt(2)``, causal, tiles of 2: row i sees i + 1
+    keys, so ``lse_i = sqrt(2) + log(i + 1)``.
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> q = k = v = np.ones((1, 3, 2))
+    >>> spec = make_spec(q, k, v, impl="chunked", block_q=2, block_k=2, causal=True)
+    >>> out, lse = chunked_forward(spec, q, k, v)
+    >>> out.shape, lse.round(4).tolist()
+    ((1, 3, 2), [[1.4142, 2.1074, 2.5128]])
     """
     xp = spec.xp
     bs, N, K, G = spec.batch_shape, spec.num_heads, spec.num_kv_heads, spec.group_size
