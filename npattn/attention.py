@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from . import fast_numpy
+from .chunked import chunked_backward, chunked_forward
 from .dense import dense_backward, dense_forward
 from .namespace import resolve_namespace
 from .options import AttentionSpec, make_spec
@@ -192,9 +194,7 @@ def attention_forward(
         out, lse, probs = dense_forward(spec, qc, kc, vc)
         residuals = DenseResiduals(spec, qc, kc, vc, out, lse, probs)
     else:
-        from .chunked import chunked_forward
-
-        out, lse = chunked_forward(spec, qc, kc, vc)
+        out, lse = _chunked_kernels(spec)[0](spec, qc, kc, vc)
         residuals = ChunkedResiduals(spec, qc, kc, vc, out, lse)
     return xp.astype(out, spec.dtype, copy=False), residuals
 
@@ -246,14 +246,20 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
             spec, residuals.q, residuals.k, residuals.v, residuals.probs, dout_c, dlse_c
         )
     else:
-        from .chunked import chunked_backward
-
-        dq, dk, dv, dbias = chunked_backward(
+        dq, dk, dv, dbias = _chunked_kernels(spec)[1](
             spec, residuals.q, residuals.k, residuals.v, residuals.out, residuals.lse, dout_c, dlse_c
         )
     if dbias is not None:
         dbias = xp.astype(dbias, spec.bias_dtype, copy=False)
     return AttentionGrads(*(xp.astype(g, spec.dtype, copy=False) for g in (dq, dk, dv)), dbias)
+
+
+def _chunked_kernels(spec: AttentionSpec):
+    """``(forward, backward)`` of the chunked path for ``spec``'s namespace:
+    the NumPy fast path where it applies, else the generic Array API path."""
+    if fast_numpy.supports(spec):
+        return fast_numpy.forward, fast_numpy.backward
+    return chunked_forward, chunked_backward
 
 
 def _check_cotangent(residuals: AttentionResiduals, name: str, g: Any, shape: tuple, dtype: Any) -> Any:

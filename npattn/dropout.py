@@ -44,16 +44,21 @@ def _seed_hash(seed: int) -> int:
     return mix32((seed & _MASK32) ^ mix32((seed >> 32) & _MASK32))
 
 
-def keep_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int, heads: tuple[int, int] | None = None) -> Any:
+def keep_tile(
+    spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int,
+    heads: tuple[int, int] | None = None, batch: int | None = None,
+) -> Any:
     """Boolean keep mask of shape ``(..., N, q1 - q0, k1 - k0)``.
 
-    ``heads=(h0, h1)`` restricts it to query heads ``[h0, h1)``.
+    ``heads=(h0, h1)`` restricts it to query heads ``[h0, h1)``; ``batch=b``
+    to the one batch element of flat index ``b`` (the batch axes are dropped).
     """
     xp, dev = spec.xp, spec.device
     h0, h1 = heads if heads is not None else (0, spec.num_heads)
-    batch = xp.reshape(
-        xp.arange(spec.num_batch, dtype=xp.int64, device=dev), spec.batch_shape + (1, 1, 1)
-    )  # (..., 1, 1, 1)
+    if batch is None:
+        batch = xp.reshape(
+            xp.arange(spec.num_batch, dtype=xp.int64, device=dev), spec.batch_shape + (1, 1, 1)
+        )  # (..., 1, 1, 1)
     head = xp.reshape(xp.arange(h0, h1, dtype=xp.int64, device=dev), (h1 - h0, 1, 1))  # (N, 1, 1)
     rows = xp.reshape(xp.arange(q0, q1, dtype=xp.int64, device=dev), (q1 - q0, 1))  # (tq, 1)
     cols = xp.reshape(xp.arange(k0, k1, dtype=xp.int64, device=dev), (1, k1 - k0))  # (1, tk)

@@ -76,7 +76,7 @@ def bias_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> Any | 
     """The bias over ``[q0, q1) x [k0, k1)`` in the compute dtype, or None."""
     if spec.bias is None:
         return None
-    return spec.xp.astype(slice_tile(spec.bias, q0, q1, k0, k1), spec.compute_dtype)
+    return spec.xp.astype(slice_tile(spec.bias, q0, q1, k0, k1), spec.compute_dtype, copy=False)
 
 
 def classify_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> str:

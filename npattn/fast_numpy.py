@@ -1,0 +1,278 @@
+r"""NumPy fast path of the chunked algorithm, for the CPU.
+
+The same online-softmax forward and FlashAttention-2 backward as
+:mod:`npattn.chunked`, with the same tiles, the same masks (built by
+:mod:`npattn.masking`), the same dropout mask and the same fully-masked-row
+rules, rearranged for NumPy on a multi-core CPU:
+
+- **independent work items on a thread pool.** The forward runs one item per
+  (batch element, kv head, query tile); the backward one per (batch element,
+  kv head), each owning its slices of ``dQ``, ``dK`` and ``dV``. Every item
+  accumulates in a fixed order, so results are bit-identical whatever the
+  number of threads.
+- **single-threaded BLAS inside the items** (threadpoolctl), so that BLAS
+  threads do not oversubscribe the pool's.
+- **in-place float32/float64 ufuncs** (``out=``) on one preallocated score
+  tile per item, and the G query heads that share a kv head stacked into one
+  ``(G * tq, H)`` matrix so each tile is one large GEMM.
+- **tile skipping** exactly as the generic path (:func:`npattn.masking.classify_tile`).
+
+With an additive bias the backward's items would share ``dbias`` entries
+wherever the bias broadcasts, so they then run one after another, in the same
+fixed order, on the calling thread (BLAS keeps its own threads there).
+
+This module is chosen by namespace (``supports``) and is optional: setting
+the environment variable ``NPATTN_FAST_NUMPY=0`` sends NumPy inputs through
+the generic Array API path, which the tests compare this one against.
+``NPATTN_NUM_THREADS`` sets the pool size (default: the CPUs available).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import array_api_compat
+import numpy as np
+
+from . import dropout as _dropout
+from .masking import ALL, NONE, bias_tile, classify_tile, visible_tile
+from .namespace import sum_to_shape
+from .options import AttentionSpec
+
+__all__ = ["supports", "forward", "backward", "num_threads"]
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def supports(spec: AttentionSpec) -> bool:
+    """Whether this fast path handles ``spec``: NumPy inputs computing in
+    float32 or float64, unless disabled with ``NPATTN_FAST_NUMPY=0``."""
+    return (
+        os.environ.get("NPATTN_FAST_NUMPY", "1") != "0"
+        and array_api_compat.is_numpy_namespace(spec.xp)
+        and spec.compute_dtype in (np.float32, np.float64)
+    )
+
+
+def num_threads() -> int:
+    """Pool size: ``NPATTN_NUM_THREADS`` or the number of usable CPUs."""
+    env = os.environ.get("NPATTN_NUM_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _run(items, work, *, parallel: bool = True) -> None:
+    """Run ``work(item)`` for every item: on the pool with single-threaded
+    BLAS when there is more than one item and thread, else in order here."""
+    global _POOL
+    threads = num_threads()
+    if not parallel or threads == 1 or len(items) < 2:
+        for item in items:
+            work(item)
+        return
+    from threadpoolctl import threadpool_limits
+
+    if _POOL is None or _POOL._max_workers != threads:
+        _POOL = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="npattn")
+    with threadpool_limits(limits=1, user_api="blas"):
+        for future in [_POOL.submit(work, item) for item in items]:
+            future.result()  # re-raises a worker's exception here
+
+
+def _tiles(length: int, block: int) -> list[tuple[int, int]]:
+    return [(start, min(start + block, length)) for start in range(0, length, block)]
+
+
+class _ItemView:
+    """Selects one (batch element, kv-head group) from full-rank tiles.
+
+    Tiles from :mod:`npattn.masking` and :mod:`npattn.dropout` have shape
+    ``(..., N|1, tq|1, tk|1)`` (or rank 2 when built from indices alone); this
+    picks batch element ``b`` (flat index) and query heads ``[n0, n1)`` and
+    returns them as a ``(G * tq, tk)`` matrix matching the stacked scores.
+    """
+
+    def __init__(self, spec: AttentionSpec, b: int, kv_head: int):
+        G = spec.group_size
+        self.flat_batch = b
+        self.batch_index = np.unravel_index(b, spec.batch_shape) if spec.batch_shape else ()
+        self.heads = slice(kv_head * G, (kv_head + 1) * G)
+        self.G = G
+
+    def select(self, tile: Any, tq: int, tk: int) -> Any:
+        if tile.ndim >= 3:
+            lead = tile.ndim - 3
+            batch = tuple(0 if tile.shape[a] == 1 else int(self.batch_index[a]) for a in range(lead))
+            heads = slice(None) if tile.shape[-3] == 1 else self.heads
+            tile = tile[batch + (heads,)]  # (G|1, tq|1, tk|1)
+        tile = np.broadcast_to(tile, (self.G, tq, tk))  # (G, tq, tk)
+        return tile.reshape(self.G * tq, tk)  # (G*tq, tk)
+
+
+def _score_tile(spec, view, qs_i, k_j, s_buf, q0, q1, k0, k1, kind):
+    """``S_ij = (scale Q_i) K_j^T + bias_ij`` into ``s_buf``; hidden -> -inf.
+
+    ``qs_i`` is ``(G*tq, H)`` pre-scaled, ``k_j`` is ``(tk, H)``.
+    """
+    tq, tk = q1 - q0, k1 - k0
+    s = s_buf[:, :tk] if s_buf.shape[1] != tk else s_buf  # (G*tq, tk)
+    np.matmul(qs_i, k_j.T, out=s)  # (G*tq, H) @ (H, tk) -> (G*tq, tk)
+    bias = bias_tile(spec, q0, q1, k0, k1)
+    if bias is not None:
+        s += view.select(bias, tq, tk)
+    if kind != ALL:
+        visible = visible_tile(spec, q0, q1, k0, k1)
+        if visible is not None:
+            np.copyto(s, -np.inf, where=~view.select(visible, tq, tk))
+    return s
+
+
+def _dropout_scale(spec, view, q0, q1, k0, k1):
+    """``keep_ij / (1 - p)`` as ``(G*tq, tk)``, or None without dropout."""
+    if spec.dropout_p == 0:
+        return None
+    heads = (view.heads.start, view.heads.stop)
+    keep = _dropout.keep_tile(spec, q0, q1, k0, k1, heads=heads, batch=view.flat_batch)  # (G, tq, tk)
+    return keep.reshape(view.G * (q1 - q0), k1 - k0).astype(spec.compute_dtype) * (1.0 / (1.0 - spec.dropout_p))
+
+
+def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
+    """Online-softmax forward; same contract as :func:`npattn.chunked.chunked_forward`."""
+    dtype = spec.compute_dtype
+    Bf, N, K, G = spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.group_size
+    T, S, H, Hv = spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim
+    q3 = np.reshape(q, (Bf, N, T, H))  # (B, N, T, H), B = flattened batch axes
+    k3 = np.reshape(k, (Bf, K, S, H))  # (B, K, S, H)
+    v3 = np.reshape(v, (Bf, K, S, Hv))  # (B, K, S, Hv)
+    out = np.zeros((Bf, N, T, Hv), dtype=dtype)
+    lse = np.full((Bf, N, T), -np.inf, dtype=dtype)
+    q_tiles, k_tiles = _tiles(T, spec.block_q), _tiles(S, spec.block_k)
+
+    def work(item):
+        b, kv, q0, q1 = item
+        view = _ItemView(spec, b, kv)
+        tq, rows = q1 - q0, G * (q1 - q0)
+        qs_i = np.multiply(q3[b, view.heads, q0:q1], dtype.type(spec.scale)).reshape(rows, H)  # (G*tq, H)
+        s_buf = np.empty((rows, min(spec.block_k, S)), dtype=dtype)  # one score tile, reused
+        pv = np.empty((rows, Hv), dtype=dtype)
+        m = np.full(rows, -np.inf, dtype=dtype)  # running row max
+        l = np.zeros(rows, dtype=dtype)  # running row sum
+        acc = np.zeros((rows, Hv), dtype=dtype)  # unnormalized output
+        for k0, k1 in k_tiles:
+            kind = classify_tile(spec, q0, q1, k0, k1)
+            if kind == NONE:
+                continue
+            s = _score_tile(spec, view, qs_i, k3[b, kv, k0:k1], s_buf, q0, q1, k0, k1, kind)  # (G*tq, tk)
+            m_new = np.maximum(m, s.max(axis=1))  # (G*tq,)
+            m_safe = np.where(m_new == -np.inf, 0, m_new).astype(dtype, copy=False)
+            alpha = np.exp(m - m_safe)  # rescales what came before
+            s -= m_safe[:, None]
+            np.exp(s, out=s)  # P~_ij
+            l *= alpha
+            l += s.sum(axis=1)
+            drop = _dropout_scale(spec, view, q0, q1, k0, k1)
+            if drop is not None:
+                s *= drop
+            acc *= alpha[:, None]
+            np.matmul(s, v3[b, kv, k0:k1], out=pv)  # (G*tq, tk) @ (tk, Hv) -> (G*tq, Hv)
+            acc += pv
+            m = m_new
+        empty = l == 0
+        l[empty] = 1
+        acc /= l[:, None]
+        out[b, view.heads, q0:q1] = acc.reshape(G, tq, Hv)  # (G, tq, Hv)
+        row_lse = m + np.log(l)
+        row_lse[empty] = -np.inf
+        lse[b, view.heads, q0:q1] = row_lse.reshape(G, tq)
+
+    _run([(b, kv, q0, q1) for b in range(Bf) for kv in range(K) for q0, q1 in q_tiles], work)
+    return out.reshape(spec.batch_shape + (N, T, Hv)), lse.reshape(spec.batch_shape + (N, T))
+
+
+def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any,
+             dlse: Any | None) -> tuple[Any, Any, Any, Any | None]:
+    """FlashAttention-2 backward; same contract as :func:`npattn.chunked.chunked_backward`."""
+    dtype = spec.compute_dtype
+    Bf, N, K, G = spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.group_size
+    T, S, H, Hv = spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim
+    q3 = np.reshape(q, (Bf, N, T, H))  # (B, N, T, H)
+    k3 = np.reshape(k, (Bf, K, S, H))  # (B, K, S, H)
+    v3 = np.reshape(v, (Bf, K, S, Hv))  # (B, K, S, Hv)
+    do3 = np.reshape(dout, (Bf, N, T, Hv))  # (B, N, T, Hv)
+    D = np.sum(do3 * np.reshape(out, (Bf, N, T, Hv)), axis=-1)  # (B, N, T)
+    if dlse is not None:
+        D -= np.reshape(dlse, (Bf, N, T))
+    lse3 = np.reshape(lse, (Bf, N, T))
+    lse3 = np.where(lse3 == -np.inf, 0, lse3).astype(dtype, copy=False)  # masked rows: S = -inf gives P = 0
+    dq = np.zeros((Bf, N, T, H), dtype=dtype)
+    dk = np.zeros((Bf, K, S, H), dtype=dtype)
+    dv = np.zeros((Bf, K, S, Hv), dtype=dtype)
+    dbias = None if spec.bias is None else np.zeros(spec.bias.shape, dtype=dtype)  # full-rank view shape
+    q_tiles, k_tiles = _tiles(T, spec.block_q), _tiles(S, spec.block_k)
+    scale = dtype.type(spec.scale)
+
+    def work(item):
+        b, kv = item
+        view = _ItemView(spec, b, kv)
+        dk_item, dv_item = dk[b, kv], dv[b, kv]  # (S, H), (S, Hv): owned by this item
+        rows_max = G * min(spec.block_q, T)
+        s_buf = np.empty((rows_max, min(spec.block_k, S)), dtype=dtype)
+        dp_buf = np.empty_like(s_buf)
+        dk_tmp = np.empty((min(spec.block_k, S), H), dtype=dtype)
+        dv_tmp = np.empty((min(spec.block_k, S), Hv), dtype=dtype)
+        for q0, q1 in q_tiles:
+            tq, rows = q1 - q0, G * (q1 - q0)
+            qs_i = np.multiply(q3[b, view.heads, q0:q1], scale).reshape(rows, H)  # (G*tq, H), scale * Q
+            do_i = np.ascontiguousarray(do3[b, view.heads, q0:q1]).reshape(rows, Hv)  # (G*tq, Hv)
+            D_i = D[b, view.heads, q0:q1].reshape(rows, 1)  # (G*tq, 1)
+            lse_i = lse3[b, view.heads, q0:q1].reshape(rows, 1)  # (G*tq, 1)
+            dq_i = np.zeros((rows, H), dtype=dtype)
+            for k0, k1 in k_tiles:
+                kind = classify_tile(spec, q0, q1, k0, k1)
+                if kind == NONE:
+                    continue
+                tk = k1 - k0
+                k_j, v_j = k3[b, kv, k0:k1], v3[b, kv, k0:k1]  # (tk, H), (tk, Hv)
+                p = _score_tile(spec, view, qs_i, k_j, s_buf[:rows], q0, q1, k0, k1, kind)  # S_ij
+                p -= lse_i
+                np.exp(p, out=p)  # P_ij (G*tq, tk)
+                drop = _dropout_scale(spec, view, q0, q1, k0, k1)
+                p_dropped = p if drop is None else p * drop
+                np.matmul(p_dropped.T, do_i, out=dv_tmp[:tk])  # (tk, G*tq) @ (G*tq, Hv) -> (tk, Hv)
+                dv_item[k0:k1] += dv_tmp[:tk]
+                ds = dp_buf[:rows, :tk]
+                np.matmul(do_i, v_j.T, out=ds)  # dP_ij (G*tq, Hv) @ (Hv, tk) -> (G*tq, tk)
+                if drop is not None:
+                    ds *= drop
+                ds -= D_i
+                ds *= p  # dS_ij = P_ij * (dP_ij - D_i)
+                dq_i += ds @ k_j  # (G*tq, tk) @ (tk, H) -> (G*tq, H)
+                np.matmul(ds.T, qs_i, out=dk_tmp[:tk])  # (tk, G*tq) @ (G*tq, H) -> (tk, H)
+                dk_item[k0:k1] += dk_tmp[:tk]
+                if dbias is not None:
+                    _add_dbias(spec, view, dbias, ds, q0, q1, k0, k1)
+            dq[b, view.heads, q0:q1] = (dq_i * scale).reshape(G, tq, H)  # (G, tq, H)
+
+    _run([(b, kv) for b in range(Bf) for kv in range(K)], work, parallel=dbias is None)
+    bs = spec.batch_shape
+    grads = dq.reshape(bs + (N, T, H)), dk.reshape(bs + (K, S, H)), dv.reshape(bs + (K, S, Hv))
+    return (*grads, None if dbias is None else dbias.reshape(spec.bias_shape))
+
+
+def _add_dbias(spec, view, dbias, ds, q0, q1, k0, k1):
+    """Add ``dS_ij (G*tq, tk)`` into the full-rank ``dbias`` over this item's
+    batch element, heads and tile, summing over the bias's broadcast axes."""
+    tq, tk = q1 - q0, k1 - k0
+    lead = dbias.ndim - 3
+    batch = tuple(0 if dbias.shape[a] == 1 else int(view.batch_index[a]) for a in range(lead))
+    heads = slice(None) if dbias.shape[-3] == 1 else view.heads
+    rows = slice(None) if dbias.shape[-2] == 1 else slice(q0, q1)
+    cols = slice(None) if dbias.shape[-1] == 1 else slice(k0, k1)
+    target = dbias[batch + (heads, rows, cols)]  # (G|1, tq|1, tk|1)
+    target += sum_to_shape(np, ds.reshape(view.G, tq, tk), target.shape)

@@ -1,0 +1,86 @@
+"""The NumPy fast path against the generic Array API chunked path it
+accelerates, and its determinism whatever the thread count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import attention_cases
+
+from npattn import chunked, fast_numpy
+from npattn.options import make_spec
+
+
+def _run(module_forward, module_backward, case, dout_seed=0, **extra):
+    spec = make_spec(*case.arrays, impl="chunked", **case.options, **extra)
+    q, k, v = case.arrays
+    out, lse = module_forward(spec, q, k, v)
+    rng = np.random.default_rng(dout_seed)
+    dout, dlse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
+    grads = module_backward(spec, q, k, v, out, lse, dout, dlse)
+    return out, lse, grads
+
+
+@settings(max_examples=40)
+@given(case=attention_cases(), block_q=st.sampled_from([1, 2, 3, 5, 64]), block_k=st.sampled_from([1, 2, 4, 7, 64]))
+def test_fast_path_equals_generic_chunked_path(case, block_q, block_k):
+    blocks = dict(block_q=block_q, block_k=block_k)
+    fast = _run(fast_numpy.forward, fast_numpy.backward, case, **blocks)
+    generic = _run(chunked.chunked_forward, chunked.chunked_backward, case, **blocks)
+    out_f, lse_f, grads_f = fast
+    out_g, lse_g, grads_g = generic
+    np.testing.assert_allclose(out_f, out_g, atol=1e-12, rtol=0)
+    np.testing.assert_array_equal(np.isneginf(lse_f), np.isneginf(lse_g))
+    finite = np.isfinite(lse_g)
+    np.testing.assert_allclose(lse_f[finite], lse_g[finite], atol=1e-12, rtol=0)
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), grads_f, grads_g):
+        if b is None:
+            assert a is None, name
+        else:
+            assert a.shape == b.shape, name
+            np.testing.assert_allclose(a, b, atol=1e-11, rtol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_results_are_bit_identical_whatever_the_thread_count(monkeypatch, dtype):
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 4, 70, 8)).astype(dtype)
+    k = rng.standard_normal((2, 2, 90, 8)).astype(dtype)
+    v = rng.standard_normal((2, 2, 90, 8)).astype(dtype)
+    spec = make_spec(q, k, v, causal=True, align="bottom_right", dropout_p=0.2, seed=1, block_q=16, block_k=32)
+    dout = rng.standard_normal((2, 4, 70, 8)).astype(dtype)
+    results = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("NPATTN_NUM_THREADS", threads)
+        out, lse = fast_numpy.forward(spec, q, k, v)
+        results.append((out, lse, *fast_numpy.backward(spec, q, k, v, out, lse, dout, None)[:3]))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_fast_path_is_chosen_for_numpy_and_can_be_disabled(monkeypatch):
+    x = np.ones((1, 2, 3))
+    spec = make_spec(x, x, x, impl="chunked")
+    assert fast_numpy.supports(spec)
+    monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")
+    assert not fast_numpy.supports(spec)
+    monkeypatch.delenv("NPATTN_FAST_NUMPY")
+    assert fast_numpy.supports(make_spec(*(a.astype(np.float16) for a in (x, x, x))))  # computes in float32
+    xps = pytest.importorskip("array_api_strict")
+    assert not fast_numpy.supports(make_spec(*(xps.asarray(a) for a in (x, x, x))))
+
+
+def test_inputs_are_not_mutated_by_the_fast_path():
+    rng = np.random.default_rng(2)
+    arrays = [rng.standard_normal(s) for s in ((2, 3, 9, 4), (2, 3, 11, 4), (2, 3, 11, 4))]
+    bias = rng.standard_normal((3, 9, 11))
+    for a in arrays + [bias]:
+        a.flags.writeable = False
+    spec = make_spec(*arrays, bias=bias, block_q=4, block_k=4)
+    out, lse = fast_numpy.forward(spec, *arrays)
+    dout = rng.standard_normal(out.shape)
+    dout.flags.writeable = False
+    fast_numpy.backward(spec, *arrays, out, lse, dout, None)
