@@ -153,7 +153,8 @@ def attention_forward(
         ``"auto"`` is chunked once the score tensor would exceed
         ``npattn.options.AUTO_CHUNKED_MIN_SCORES`` (2**24) entries.
     block_q, block_k : int, optional
-        Tile sizes of the chunked path (default 128).
+        Tile sizes of the chunked path. Default: 128 x 128 on the generic
+        path; the NumPy fast path picks sizes tuned for each pass.
     xp : namespace, optional
         Array API namespace; inferred from the inputs by default.
 

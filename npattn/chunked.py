@@ -67,7 +67,7 @@ from typing import Any
 from . import dropout as _dropout
 from .masking import ALL, NONE, bias_tile, classify_tile, visible_tile
 from .namespace import sum_to_shape
-from .options import AttentionSpec
+from .options import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, AttentionSpec
 
 __all__ = ["chunked_forward", "chunked_backward"]
 
@@ -170,9 +170,9 @@ def chunked_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, A
     qs = xp.reshape(q, bs + (K, G, T, H)) * spec.scale  # (..., K, G, T, H), pre-scaled
     kT = xp.matrix_transpose(xp.reshape(k, bs + (K, 1, S, H)))  # (..., K, 1, H, S)
     vg = xp.reshape(v, bs + (K, 1, S, Hv))  # (..., K, 1, S, Hv)
-    k_tiles = _tiles(S, spec.block_k)
+    k_tiles = _tiles(S, spec.block_k or DEFAULT_BLOCK_K)
     out_tiles, lse_tiles = [], []
-    for q0, q1 in _tiles(T, spec.block_q):
+    for q0, q1 in _tiles(T, spec.block_q or DEFAULT_BLOCK_Q):
         qs_i = qs[..., q0:q1, :]  # (..., K, G, tq, H)
         m = xp.full(bs + (K, G, q1 - q0, 1), -xp.inf, dtype=spec.compute_dtype, device=spec.device)
         l = _zeros(spec, bs + (K, G, q1 - q0, 1))  # (..., K, G, tq, 1)
@@ -245,7 +245,8 @@ def chunked_backward(
     D = xp.reshape(D, bs + (K, G, T, 1))  # (..., K, G, T, 1)
     lse = xp.reshape(lse, bs + (K, G, T, 1))  # (..., K, G, T, 1)
     lse = xp.where(lse == -xp.inf, xp.zeros_like(lse), lse)  # masked rows: S = -inf gives P = 0
-    q_tiles, k_tiles = _tiles(T, spec.block_q), _tiles(S, spec.block_k)
+    q_tiles = _tiles(T, spec.block_q or DEFAULT_BLOCK_Q)
+    k_tiles = _tiles(S, spec.block_k or DEFAULT_BLOCK_K)
     dq_tiles: list[Any] = [None] * len(q_tiles)  # sum_j dS_ij K_j, each (..., K, G, tq, H)
     dk_tiles, dv_tiles = [], []
     dbias_acc = _DbiasAccumulator(spec, q_tiles, k_tiles)

@@ -45,6 +45,20 @@ __all__ = ["supports", "forward", "backward", "num_threads"]
 
 _POOL: ThreadPoolExecutor | None = None
 
+#: Default ``(block_q, block_k)`` per pass when the caller gives none. The
+#: backward recomputes ``P = exp(S - lse)``, which does not depend on the
+#: forward's tiles, so each pass takes the sizes that run fastest for it.
+FORWARD_BLOCKS = (256, 1024)
+BACKWARD_BLOCKS = (256, 1024)
+
+
+def _blocks(spec: AttentionSpec, defaults: tuple[int, int]) -> tuple[int, int]:
+    """``(block_q, block_k)``: the caller's, else this pass's defaults,
+    clipped to the sequence lengths (at least 1)."""
+    block_q = spec.block_q or defaults[0]
+    block_k = spec.block_k or defaults[1]
+    return max(1, min(block_q, spec.q_len)), max(1, min(block_k, spec.kv_len))
+
 
 def supports(spec: AttentionSpec) -> bool:
     """Whether this fast path handles ``spec``: NumPy inputs computing in
@@ -152,14 +166,15 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     v3 = np.reshape(v, (Bf, K, S, Hv))  # (B, K, S, Hv)
     out = np.zeros((Bf, N, T, Hv), dtype=dtype)
     lse = np.full((Bf, N, T), -np.inf, dtype=dtype)
-    q_tiles, k_tiles = _tiles(T, spec.block_q), _tiles(S, spec.block_k)
+    block_q, block_k = _blocks(spec, FORWARD_BLOCKS)
+    q_tiles, k_tiles = _tiles(T, block_q), _tiles(S, block_k)
 
     def work(item):
         b, kv, q0, q1 = item
         view = _ItemView(spec, b, kv)
         tq, rows = q1 - q0, G * (q1 - q0)
         qs_i = np.multiply(q3[b, view.heads, q0:q1], dtype.type(spec.scale)).reshape(rows, H)  # (G*tq, H)
-        s_buf = np.empty((rows, min(spec.block_k, S)), dtype=dtype)  # one score tile, reused
+        s_buf = np.empty((rows, block_k), dtype=dtype)  # one score tile, reused
         pv = np.empty((rows, Hv), dtype=dtype)
         m = np.full(rows, -np.inf, dtype=dtype)  # running row max
         l = np.zeros(rows, dtype=dtype)  # running row sum
@@ -214,18 +229,18 @@ def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, do
     dk = np.zeros((Bf, K, S, H), dtype=dtype)
     dv = np.zeros((Bf, K, S, Hv), dtype=dtype)
     dbias = None if spec.bias is None else np.zeros(spec.bias.shape, dtype=dtype)  # full-rank view shape
-    q_tiles, k_tiles = _tiles(T, spec.block_q), _tiles(S, spec.block_k)
+    block_q, block_k = _blocks(spec, BACKWARD_BLOCKS)
+    q_tiles, k_tiles = _tiles(T, block_q), _tiles(S, block_k)
     scale = dtype.type(spec.scale)
 
     def work(item):
         b, kv = item
         view = _ItemView(spec, b, kv)
         dk_item, dv_item = dk[b, kv], dv[b, kv]  # (S, H), (S, Hv): owned by this item
-        rows_max = G * min(spec.block_q, T)
-        s_buf = np.empty((rows_max, min(spec.block_k, S)), dtype=dtype)
-        dp_buf = np.empty_like(s_buf)
-        dk_tmp = np.empty((min(spec.block_k, S), H), dtype=dtype)
-        dv_tmp = np.empty((min(spec.block_k, S), Hv), dtype=dtype)
+        s_buf = np.empty((G * block_q, block_k), dtype=dtype)  # scores, then P, of one tile
+        dp_buf = np.empty_like(s_buf)  # dP, then dS, of one tile
+        dk_tmp = np.empty((block_k, H), dtype=dtype)
+        dv_tmp = np.empty((block_k, Hv), dtype=dtype)
         for q0, q1 in q_tiles:
             tq, rows = q1 - q0, G * (q1 - q0)
             qs_i = np.multiply(q3[b, view.heads, q0:q1], scale).reshape(rows, H)  # (G*tq, H), scale * Q

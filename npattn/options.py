@@ -25,6 +25,8 @@ ALIGNS = ("top_left", "bottom_right")
 #: heads and batch elements together): 2**24 entries is 64 MiB in float32.
 AUTO_CHUNKED_MIN_SCORES = 2**24
 
+#: Tile sizes of the generic chunked path when ``block_q``/``block_k`` are
+#: None (the NumPy fast path picks its own, see :mod:`npattn.fast_numpy`).
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
 
@@ -74,8 +76,8 @@ class AttentionSpec:
     dropout_p: float
     seed: int | None
     impl: str
-    block_q: int
-    block_k: int
+    block_q: int | None
+    block_k: int | None
 
     @property
     def group_size(self) -> int:
@@ -292,10 +294,8 @@ def make_spec(
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         impl = "chunked" if math.prod(full) > AUTO_CHUNKED_MIN_SCORES else "dense"
-    block_q = DEFAULT_BLOCK_Q if block_q is None else block_q
-    block_k = DEFAULT_BLOCK_K if block_k is None else block_k
-    _check_int("block_q", block_q, minimum=1)
-    _check_int("block_k", block_k, minimum=1)
+    _check_int("block_q", block_q, minimum=1, allow_none=True)
+    _check_int("block_k", block_k, minimum=1, allow_none=True)
 
     return AttentionSpec(
         xp=xp, device=device, batch_shape=batch_shape, num_heads=N, num_kv_heads=K,
@@ -305,5 +305,6 @@ def make_spec(
         q_lengths=q_lengths, kv_lengths=kv_lengths, q_offset=q_offset,
         offset_bounds=offset_bounds, q_len_bounds=q_len_bounds, kv_len_bounds=kv_len_bounds,
         dropout_p=float(dropout_p), seed=None if seed is None else int(seed), impl=impl,
-        block_q=int(block_q), block_k=int(block_k),
+        block_q=None if block_q is None else int(block_q),
+        block_k=None if block_k is None else int(block_k),
     )
