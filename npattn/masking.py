@@ -56,10 +56,13 @@ def visible_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> Any
             if hasattr(offset, "shape"):
                 offset = _per_batch(spec, offset)  # (..., 1, 1, 1)
             position = rows + offset  # (tq, 1) or (..., 1, tq, 1)
+            # Positions lie in [-T, T + S) and keys in [0, S), so a side wider
+            # than T + S hides nothing: clip it there to stay within int64.
+            reach = spec.q_len + spec.kv_len
             if spec.window_left is not None:
-                parts.append(cols >= position - spec.window_left)
+                parts.append(cols >= position - min(spec.window_left, reach))
             if spec.window_right is not None:
-                parts.append(cols <= position + spec.window_right)
+                parts.append(cols <= position + min(spec.window_right, reach))
         if spec.q_lengths is not None:
             parts.append(rows < _per_batch(spec, spec.q_lengths))  # (..., 1, tq, 1)
         if spec.kv_lengths is not None:

@@ -54,6 +54,25 @@ def _():
     npattn.attention_forward(Q, K, None, impl="chunked")
 
 
+# --- huge but valid options ---------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["dense", "chunked"])
+@pytest.mark.parametrize("window, align, lengths", [
+    ((2**63, 0), "top_left", False),
+    ((10**30, 10**30), "bottom_right", False),
+    ((0, 2**64), "bottom_right", True),
+])
+def test_window_wider_than_any_int64_is_unbounded(impl, window, align, lengths):
+    """A window side of 2**63 or more overflowed int64 in the index arithmetic
+    (OverflowError from deep inside); any side >= T + S hides nothing."""
+    kv_lengths = np.array([3, 6]) if lengths else None
+    unbounded = (None if window[0] > 10 else window[0], None if window[1] > 10 else window[1])
+    got = npattn.attention(Q, K, V, window=window, align=align, kv_lengths=kv_lengths, impl=impl)
+    want = npattn.attention(Q, K, V, window=unbounded, align=align, kv_lengths=kv_lengths, impl=impl)
+    np.testing.assert_array_equal(got, want)
+
+
 # --- the table --------------------------------------------------------------
 
 
