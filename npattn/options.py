@@ -283,6 +283,8 @@ def make_spec(
         scale = 1.0 / math.sqrt(H) if H > 0 else 1.0
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite real number or None, got {scale!r}")
+    elif abs(scale) > float(xp.finfo(cdtype).max):
+        raise ValueError(f"scale={scale!r} overflows the compute dtype {cdtype} (it would become inf)")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if not 0.0 <= dropout_p < 1.0:

@@ -54,6 +54,21 @@ def _():
     npattn.attention_forward(Q, K, None, impl="chunked")
 
 
+# --- options out of range -----------------------------------------------------
+
+
+@case("forward: scale beyond float32 (NaN before)", ValueError, "scale=1e+39 overflows the compute dtype float32")
+def _():
+    f32 = [a.astype(np.float32) for a in (Q, K, V)]
+    npattn.attention_forward(*f32, scale=1e39)
+
+
+@case("forward: scale beyond float32, float16 inputs, chunked", ValueError, "scale=-1e+300 overflows")
+def _():
+    f16 = [a.astype(np.float16) for a in (Q, K, V)]
+    npattn.attention_forward(*f16, scale=-1e300, impl="chunked")
+
+
 # --- huge but valid options ---------------------------------------------------
 
 
