@@ -23,6 +23,7 @@ import array_api_compat
 
 __all__ = [
     "resolve_namespace",
+    "check_namespace",
     "array_device",
     "compute_dtype",
     "check_floating",
@@ -36,13 +37,33 @@ def _library_name(x: Any) -> str:
     return module if module else type(x).__name__
 
 
+def _namespace_library(xp: Any) -> str | None:
+    """``"numpy"`` for both ``numpy`` and ``array_api_compat.numpy``; None for
+    anything that is not a module-like namespace."""
+    name = getattr(xp, "__name__", None)
+    if not isinstance(name, str) or not hasattr(xp, "asarray"):
+        return None
+    return name.removeprefix("array_api_compat.").split(".")[0]
+
+
+def check_namespace(xp: Any) -> Any:
+    """Raise ``TypeError`` unless ``xp`` is an Array API namespace (a module
+    such as ``array_api_compat.numpy``); return it."""
+    if _namespace_library(xp) is None:
+        raise TypeError(
+            f"xp must be an Array API namespace (a module such as array_api_compat.numpy), got {xp!r}"
+        )
+    return xp
+
+
 def resolve_namespace(named_arrays: dict[str, Any], xp: Any = None) -> Any:
     """Return the Array API namespace shared by ``named_arrays``.
 
     ``named_arrays`` maps argument names to arrays (``None`` entries are
     skipped). Arrays from two libraries raise ``TypeError`` and arrays on two
     devices raise ``ValueError``; both messages name the disagreeing arguments.
-    When ``xp`` is given it is used as the namespace, after the same checks.
+    When ``xp`` is given it is used as the namespace, after the same checks;
+    it must be a namespace of the arrays' library (``TypeError`` otherwise).
 
     >>> import numpy as np
     >>> xp = resolve_namespace({"q": np.zeros(2), "k": np.ones(2)})
@@ -75,6 +96,12 @@ def resolve_namespace(named_arrays: dict[str, Any], xp: Any = None) -> Any:
                 f"({first_device} and {device}); move them to one device"
             )
     if xp is not None:
+        check_namespace(xp)
+        if first_ns is not None and _namespace_library(xp) != _namespace_library(first_ns):
+            raise TypeError(
+                f"xp is {xp.__name__}, but {first_name} is an array of {_library_name(present[first_name])}; "
+                "pass xp=None to infer the namespace from the arrays"
+            )
         return xp
     if first_ns is None:
         raise TypeError("no array arguments were given to resolve a namespace from")

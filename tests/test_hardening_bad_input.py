@@ -54,6 +54,49 @@ def _():
     npattn.attention_forward(Q, K, None, impl="chunked")
 
 
+# --- namespaces: xp that is not one, or not the arrays' ------------------------
+
+
+def _strict(a, device=None):
+    xps = pytest.importorskip("array_api_strict")
+    return xps.asarray(a, device=xps.Device(device)) if device else xps.asarray(a)
+
+
+def _xps():
+    return pytest.importorskip("array_api_strict")
+
+
+@case("forward: xp is a string", TypeError, "xp must be an Array API namespace")
+def _():
+    npattn.attention_forward(Q, K, V, xp="numpy")
+
+
+@case("forward: xp of another library than the arrays", TypeError,
+      "xp is array_api_strict, but q is an array of numpy")
+def _():
+    npattn.attention_forward(Q, K, V, xp=_xps())
+
+
+@case("forward: strict arrays, xp=numpy", TypeError, "xp is numpy, but q is an array of array_api_strict")
+def _():
+    npattn.attention_forward(_strict(Q), _strict(K), _strict(V), xp=np)
+
+
+@case("merge_partials: xp of another library", TypeError, "xp is array_api_strict, but outs[0]")
+def _():
+    npattn.merge_partials([V], [V[..., 0]], xp=_xps())
+
+
+@case("diagnostics: xp is a string", TypeError, "xp must be an Array API namespace")
+def _():
+    npattn.attention_entropy(np.full((2, 2), 0.5), xp="np")
+
+
+@case("mha_masks_from_torch: xp of another library", TypeError, "xp is array_api_strict, but key_padding_mask")
+def _():
+    npattn.mha_masks_from_torch(key_padding_mask=np.zeros((2, 3), bool), xp=_xps())
+
+
 # --- options out of range -----------------------------------------------------
 
 
