@@ -266,6 +266,8 @@ def _chunked_kernels(spec: AttentionSpec):
 def _check_cotangent(residuals: AttentionResiduals, name: str, g: Any, shape: tuple, dtype: Any) -> Any:
     """Check a cotangent against the forward's output; return it in the compute dtype."""
     spec = residuals.spec
+    if g is None:
+        raise TypeError(f"{name} must be an array of the forward's output shape {shape}, got None")
     resolve_namespace({"the forward's inputs": residuals.q, name: g})
     if tuple(g.shape) != shape:
         raise ValueError(f"{name} must have the forward's shape {shape}, got {tuple(g.shape)}")

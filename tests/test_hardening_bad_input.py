@@ -54,6 +54,24 @@ def _():
     npattn.attention_forward(Q, K, None, impl="chunked")
 
 
+# --- attention_backward: cotangents that do not fit the residuals --------------
+
+
+def _forward(*args, **options):
+    args = args or (Q, K, V)
+    return npattn.attention_forward(*args, **options)
+
+
+@case("backward: dout is None (dense)", TypeError, "dout must be an array of the forward's output shape")
+def _():
+    npattn.attention_backward(None, _forward()[1])
+
+
+@case("backward: dout is None (chunked)", TypeError, "dout must be an array")
+def _():
+    npattn.attention_backward(None, _forward(impl="chunked")[1])
+
+
 # --- namespaces: xp that is not one, or not the arrays' ------------------------
 
 
