@@ -234,6 +234,8 @@ def merge_partials_backward(dout, dlse, residuals, /):
     xp = residuals.xp
     out = residuals.out
     cdtype = out.dtype
+    if dout is None:
+        raise TypeError(f"dout must be an array of the merged out's shape {tuple(out.shape)}, got None")
     resolve_namespace({"the merged parts": out, "dout": dout, "dlse": dlse})
     if tuple(dout.shape) != tuple(out.shape):
         raise ValueError(f"dout must have the merged out's shape {tuple(out.shape)}, got {tuple(dout.shape)}")

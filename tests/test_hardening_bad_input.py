@@ -72,6 +72,21 @@ def _():
     npattn.attention_backward(None, _forward(impl="chunked")[1])
 
 
+# --- merge_partials ---------------------------------------------------------------
+
+O_PART = RNG.standard_normal((2, 3, 4))  # (..., T, Hv)
+L_PART = RNG.standard_normal((2, 3))  # (..., T)
+
+
+def _merged():
+    return npattn.merge_partials([O_PART, O_PART], [L_PART, L_PART])
+
+
+@case("merge backward: dout is None", TypeError, "dout must be an array of the merged out's shape (2, 3, 4)")
+def _():
+    npattn.merge_partials_backward(None, None, _merged()[2])
+
+
 # --- namespaces: xp that is not one, or not the arrays' ------------------------
 
 
