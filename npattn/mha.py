@@ -659,8 +659,10 @@ def mha_backward(dy, residuals, /) -> MHAGrads:
             "run mha_forward over the whole sequence without a cache to get gradients"
         )
     xp = residuals.spec.xp
-    resolve_namespace({"the forward's x": residuals.x, "dy": dy})
     expected = tuple(residuals.merged.shape)
+    if dy is None:
+        raise TypeError(f"dy must be an array of y's shape {expected}, got None")
+    resolve_namespace({"the forward's x": residuals.x, "dy": dy})
     if tuple(dy.shape) != expected:
         raise ValueError(f"dy must have y's shape {expected}, got {tuple(dy.shape)}")
     if dy.dtype != residuals.dtype:

@@ -72,6 +72,22 @@ def _():
     npattn.attention_backward(None, _forward(impl="chunked")[1])
 
 
+# --- the multi-head layer -----------------------------------------------------------
+
+PARAMS = npattn.mha_init(8, 2, num_kv_heads=1)  # E=8, N=2, K=1, H=4
+X = RNG.standard_normal((2, 5, 8))  # (B, T, E)
+
+
+def _mha(*args, **options):
+    options.setdefault("num_heads", 2)
+    return npattn.mha_forward(*(args or (PARAMS, X)), **options)
+
+
+@case("mha backward: dy is None", TypeError, "dy must be an array of y's shape (2, 5, 8)")
+def _():
+    npattn.mha_backward(None, _mha()[1])
+
+
 # --- merge_partials ---------------------------------------------------------------
 
 O_PART = RNG.standard_normal((2, 3, 4))  # (..., T, Hv)
