@@ -212,8 +212,10 @@ def layer_dims(params, /, *, num_heads, num_kv_heads=None) -> LayerDims:
     def shape(name):
         return tuple(params[name].shape)
 
-    if len(shape("q_weight")) != 2 or shape("q_weight")[0] != shape("q_weight")[1]:
-        raise ValueError(f"params['q_weight'] must have shape (embed_dim, embed_dim), got {shape('q_weight')}")
+    if len(shape("q_weight")) != 2 or shape("q_weight")[0] != shape("q_weight")[1] or shape("q_weight")[0] == 0:
+        raise ValueError(
+            f"params['q_weight'] must have shape (embed_dim, embed_dim) with embed_dim >= 1, got {shape('q_weight')}"
+        )
     E = shape("q_weight")[0]
     N = _check_int("num_heads", num_heads)
     if E % N:

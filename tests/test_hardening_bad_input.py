@@ -88,6 +88,21 @@ def _():
     npattn.mha_backward(None, _mha()[1])
 
 
+EMPTY_LAYER = {"q_weight": np.zeros((0, 0)), "k_weight": np.zeros((4, 0)), "v_weight": np.zeros((4, 0)),
+               "out_weight": np.zeros((0, 0))}
+
+
+@case("mha params: embed_dim 0 (ZeroDivisionError before)", ValueError, "with embed_dim >= 1, got (0, 0)")
+def _():
+    _mha(EMPTY_LAYER, np.zeros((2, 5, 0)))
+
+
+@case("mha_params_from_torch: embed_dim 0 (ZeroDivisionError before)", ValueError, "embed_dim >= 1")
+def _():
+    npattn.mha_params_from_torch({"q_proj_weight": EMPTY_LAYER["q_weight"], "k_proj_weight": EMPTY_LAYER["k_weight"],
+                                  "v_proj_weight": EMPTY_LAYER["v_weight"], "out_proj.weight": np.zeros((0, 0))}, 2)
+
+
 # --- merge_partials ---------------------------------------------------------------
 
 O_PART = RNG.standard_normal((2, 3, 4))  # (..., T, Hv)
