@@ -513,6 +513,8 @@ def mha_forward(
     arrays = {"x": x, names[0]: key_source, names[1]: value_source, "mask": mask, "bias": bias}
     if isinstance(params, Mapping):
         arrays.update({f"params[{name!r}]": a for name, a in params.items() if hasattr(a, "shape")})
+    if isinstance(cache, KVCache):
+        arrays["cache"] = cache.keys  # (B, K, L, H): the cache's library and device
     xp = resolve_namespace(arrays, xp)
     dims = layer_dims(params, num_heads=num_heads, num_kv_heads=num_kv_heads)
     E, N, K, H, kdim, vdim = dims

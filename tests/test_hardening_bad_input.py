@@ -103,6 +103,20 @@ def _():
                                   "v_proj_weight": EMPTY_LAYER["v_weight"], "out_proj.weight": np.zeros((0, 0))}, 2)
 
 
+@case("mha cache: of another library (misleading dtype message before)", TypeError,
+      "x and cache come from different array libraries (numpy and array_api_strict)")
+def _():
+    _mha(PARAMS, X[:, :1], cache=npattn.KVCache(2, 1, 4, xp=_xps()), causal=True)
+
+
+@case("mha cache: on another device (named an internal 'k' before)", ValueError, "x and cache are on different devices")
+def _():
+    xps = _xps()
+    params = {name: _strict(a) for name, a in PARAMS.items()}
+    cache = npattn.KVCache(2, 1, 4, xp=xps, device=xps.Device("device1"))
+    _mha(params, _strict(X[:, :1]), cache=cache, causal=True)
+
+
 # --- merge_partials ---------------------------------------------------------------
 
 O_PART = RNG.standard_normal((2, 3, 4))  # (..., T, Hv)
