@@ -552,6 +552,9 @@ def mha_forward(
             raise TypeError(f"{name} has dtype {a.dtype} but x has {x.dtype}; the layer needs one dtype")
     cdtype = compute_dtype(xp, x.dtype)
 
+    if not isinstance(need_weights, bool):
+        raise TypeError(f"need_weights must be a bool, got {need_weights!r}")
+
     # --- cache ---------------------------------------------------------------
     if cache is not None:
         if not isinstance(cache, KVCache):

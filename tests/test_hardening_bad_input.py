@@ -117,6 +117,11 @@ def _():
     _mha(params, _strict(X[:, :1]), cache=cache, causal=True)
 
 
+@case("mha: need_weights not a bool (silently truthy before)", TypeError, "need_weights must be a bool, got 'no'")
+def _():
+    _mha(need_weights="no")
+
+
 # --- merge_partials ---------------------------------------------------------------
 
 O_PART = RNG.standard_normal((2, 3, 4))  # (..., T, Hv)
