@@ -23,7 +23,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from .namespace import array_device, resolve_namespace
+from .namespace import array_device, check_float_dtype, check_namespace, resolve_namespace
 
 __all__ = ["KVCache", "default_float_dtype"]
 
@@ -115,10 +115,9 @@ class KVCache:
         self._num_kv_heads = _check_positive_int("num_kv_heads", num_kv_heads)
         self._head_dim = _check_positive_int("head_dim", head_dim)
         self._max_length = None if max_length is None else _check_positive_int("max_length", max_length)
-        self._xp = xp
+        self._xp = check_namespace(xp)
         self._dtype = default_float_dtype(xp, device) if dtype is None else dtype
-        if not xp.isdtype(self._dtype, "real floating"):
-            raise TypeError(f"dtype must be a real floating dtype, got {self._dtype}")
+        check_float_dtype(xp, "dtype", self._dtype)
         self._device = device
         self.reset()
 

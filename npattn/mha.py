@@ -40,7 +40,7 @@ from .attention import AttentionResiduals, DenseResiduals, attention_backward, a
 from .dense import expand_kv_heads
 from .kv_cache import KVCache, default_float_dtype
 from .masking import bias_tile, visible_tile
-from .namespace import compute_dtype, resolve_namespace
+from .namespace import check_float_dtype, check_namespace, compute_dtype, resolve_namespace
 
 __all__ = [
     "mha_init",
@@ -154,9 +154,9 @@ def mha_init(embed_dim, num_heads, *, num_kv_heads=None, kdim=None, vdim=None, b
     _check_int("seed", seed, minimum=0)
     if xp is None:
         import array_api_compat.numpy as xp
+    check_namespace(xp)
     dtype = default_float_dtype(xp, device) if dtype is None else dtype
-    if not xp.isdtype(dtype, "real floating"):
-        raise TypeError(f"dtype must be a real floating dtype, got {dtype}")
+    check_float_dtype(xp, "dtype", dtype)
     Kd = K * (E // N)
     rng = np.random.default_rng(seed)
     if kdim == E and vdim == E:  # PyTorch's packed in_proj_weight (E + 2 Kd, E)

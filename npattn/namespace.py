@@ -27,6 +27,7 @@ __all__ = [
     "array_device",
     "compute_dtype",
     "check_floating",
+    "check_float_dtype",
     "sum_to_shape",
 ]
 
@@ -128,6 +129,17 @@ def check_floating(xp: Any, name: str, x: Any) -> None:
     """Raise ``TypeError`` unless ``x`` has a real floating dtype."""
     if not xp.isdtype(x.dtype, "real floating"):
         raise TypeError(f"{name} must have a real floating dtype, got {x.dtype}")
+
+
+def check_float_dtype(xp: Any, name: str, dtype: Any) -> None:
+    """Raise ``TypeError`` unless ``dtype`` is a real floating dtype of ``xp``
+    (a string such as ``"float32"`` or another library's dtype is not)."""
+    try:
+        ok = xp.isdtype(dtype, "real floating")
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise TypeError(f"{name} must be a real floating dtype of {xp.__name__} (e.g. xp.float32), got {dtype!r}")
 
 
 def sum_to_shape(xp: Any, x: Any, shape: tuple[int, ...]) -> Any:

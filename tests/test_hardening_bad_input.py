@@ -122,6 +122,31 @@ def _():
     _mha(need_weights="no")
 
 
+@case("mha_init: xp is a string (AttributeError before)", TypeError, "xp must be an Array API namespace")
+def _():
+    npattn.mha_init(8, 2, xp="numpy")
+
+
+@case("mha_init: dtype given as a string", TypeError, "dtype must be a real floating dtype of array_api_compat.numpy")
+def _():
+    npattn.mha_init(8, 2, dtype="float32")
+
+
+@case("mha_init: integer dtype", TypeError, "dtype must be a real floating dtype")
+def _():
+    npattn.mha_init(8, 2, dtype=np.int32)
+
+
+@case("KVCache: xp is a string (AttributeError before)", TypeError, "xp must be an Array API namespace")
+def _():
+    npattn.KVCache(2, 1, 4, xp="np")
+
+
+@case("KVCache: dtype of another library", TypeError, "dtype must be a real floating dtype of array_api_strict")
+def _():
+    npattn.KVCache(2, 1, 4, xp=_xps(), dtype=np.float32)
+
+
 # --- merge_partials ---------------------------------------------------------------
 
 O_PART = RNG.standard_normal((2, 3, 4))  # (..., T, Hv)
