@@ -223,6 +223,9 @@ class KVCache:
         state)``: the cache contents with the new positions appended, without
         committing them yet (``_commit(state)`` does)."""
         xp = self._xp
+        for name, a in (("k", k), ("v", v)):
+            if a is None:
+                raise TypeError(f"{name} must be an array of shape (B, K, t, H), got None")
         resolve_namespace({"cache": self._keys, "k": k, "v": v})
         for name, a in (("k", k), ("v", v)):
             if a.ndim != 4:

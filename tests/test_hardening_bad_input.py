@@ -147,6 +147,16 @@ def _():
     npattn.KVCache(2, 1, 4, xp=_xps(), dtype=np.float32)
 
 
+@case("KVCache.append: None (AttributeError before)", TypeError, "k must be an array of shape (B, K, t, H), got None")
+def _():
+    npattn.KVCache(2, 1, 4).append(None, None)
+
+
+@case("KVCache.append: v is None", TypeError, "v must be an array")
+def _():
+    npattn.KVCache(2, 1, 4, max_length=3).append(np.zeros((2, 1, 1, 4)), None)
+
+
 # --- merge_partials ---------------------------------------------------------------
 
 O_PART = RNG.standard_normal((2, 3, 4))  # (..., T, Hv)
