@@ -31,6 +31,8 @@ differences.
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Sequence as _Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -145,6 +147,8 @@ def check_gradients(
     >>> result.ok, result.jacobian_checked
     (True, True)
     """
+    _check_arguments(forward, backward, inputs, names, wrt, eps, atol, rtol, seed, jacobian,
+                     max_jacobian_elements)
     xp = resolve_namespace({f"inputs[{i}]": a for i, a in enumerate(inputs) if hasattr(a, "shape")})
     names = list(names) if names is not None else [f"input{i}" for i in range(len(inputs))]
     if len(names) != len(inputs):
@@ -155,15 +159,24 @@ def check_gradients(
     for i in wrt:
         if not 0 <= i < len(inputs) or not floating[i]:
             raise ValueError(f"wrt index {i} does not name a floating input")
-    device = array_device(inputs[wrt[0]]) if wrt else None
+    if not wrt:
+        raise ValueError("nothing to check: no input has a real floating dtype (wrt is empty)")
+    device = array_device(inputs[wrt[0]])
     rng = np.random.default_rng(seed)
 
     def random_like(a):
         return xp.asarray(rng.standard_normal(tuple(a.shape)), dtype=xp.float64, device=device)
 
-    outputs, residuals = forward(*inputs)
+    returned = forward(*inputs)
+    if not isinstance(returned, (tuple, list)) or len(returned) != 2:
+        raise TypeError(f"forward must return a pair (outputs, residuals), got {type(returned).__name__}")
+    outputs, residuals = returned
     single_output = not isinstance(outputs, (tuple, list))
     outputs = _as_tuple(outputs)
+    for n, o in enumerate(outputs):
+        if not hasattr(o, "dtype") or not xp.isdtype(o.dtype, "real floating"):
+            got = getattr(o, "dtype", type(o).__name__)
+            raise TypeError(f"forward's output {n} must be a real floating array of the inputs' library, got {got}")
     finite = [xp.isfinite(o) for o in outputs]
     cotangents = [xp.where(f, random_like(o), xp.zeros_like(o)) for o, f in zip(outputs, finite)]
 
@@ -213,6 +226,37 @@ def check_gradients(
     if raise_on_failure and result.failures:
         raise GradcheckError(str(result))
     return result
+
+
+def _check_arguments(forward, backward, inputs, names, wrt, eps, atol, rtol, seed, jacobian,
+                     max_jacobian_elements) -> None:
+    """TypeError/ValueError naming the first bad argument of :func:`check_gradients`."""
+    for name, fn in (("forward", forward), ("backward", backward)):
+        if not callable(fn):
+            raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+    if hasattr(inputs, "shape") or isinstance(inputs, (str, bytes)) or not isinstance(inputs, _Sequence):
+        raise TypeError(f"inputs must be a list or tuple of arrays, one per argument of forward, "
+                        f"got {type(inputs).__name__}")
+    if names is not None and (isinstance(names, (str, bytes)) or not isinstance(names, _Sequence)):
+        raise TypeError(f"names must be a list or tuple of str, got {type(names).__name__}")
+    if wrt is not None:
+        if isinstance(wrt, (str, bytes)) or not isinstance(wrt, _Sequence):
+            raise TypeError(f"wrt must be a list or tuple of input indices, got {type(wrt).__name__}")
+        for i in wrt:
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+                raise TypeError(f"wrt must hold int indices into inputs, got {i!r}")
+    for name, value, positive in (("eps", eps, True), ("atol", atol, False), ("rtol", rtol, False)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise TypeError(f"{name} must be a finite real number, got {value!r}")
+        if value < 0 or (positive and value == 0):
+            raise ValueError(f"{name} must be {'> 0' if positive else '>= 0'}, got {value!r}")
+    for name, value in (("seed", seed), ("max_jacobian_elements", max_jacobian_elements)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
+    if not (isinstance(jacobian, bool) or (isinstance(jacobian, str) and jacobian == "auto")):
+        raise TypeError(f"jacobian must be True, False or 'auto', got {jacobian!r}")
 
 
 def _one_hot(xp, shape, index, device):

@@ -157,6 +157,99 @@ def _():
     npattn.KVCache(2, 1, 4, max_length=3).append(np.zeros((2, 1, 1, 4)), None)
 
 
+# --- check_gradients ------------------------------------------------------------------
+
+XG = np.linspace(0.0, 1.0, 5)
+
+
+def _sin_forward(x):
+    return np.sin(x), x
+
+
+def _sin_backward(dy, x):
+    return (dy * np.cos(x),)
+
+
+def _gradcheck(inputs=None, forward=_sin_forward, backward=_sin_backward, **options):
+    return npattn.check_gradients(forward, backward, [XG] if inputs is None else inputs, **options)
+
+
+@case("check_gradients: eps=0 (ZeroDivisionError before)", ValueError, "eps must be > 0, got 0")
+def _():
+    _gradcheck(eps=0)
+
+
+@case("check_gradients: eps nan", TypeError, "eps must be a finite real number, got nan")
+def _():
+    _gradcheck(eps=float("nan"))
+
+
+@case("check_gradients: atol negative (every check failed before)", ValueError, "atol must be >= 0, got -1")
+def _():
+    _gradcheck(atol=-1)
+
+
+@case("check_gradients: rtol a string", TypeError, "rtol must be a finite real number, got 'a'")
+def _():
+    _gradcheck(rtol="a")
+
+
+@case("check_gradients: inputs one array, not a list (rows became inputs)", TypeError,
+      "inputs must be a list or tuple of arrays, one per argument of forward, got ndarray")
+def _():
+    _gradcheck(inputs=XG)
+
+
+@case("check_gradients: no floating input (vacuous pass before)", ValueError, "nothing to check")
+def _():
+    _gradcheck(inputs=[np.arange(3)])
+
+
+@case("check_gradients: wrt holds a name", TypeError, "wrt must hold int indices into inputs, got 'x'")
+def _():
+    _gradcheck(wrt=["x"])
+
+
+@case("check_gradients: wrt an int", TypeError, "wrt must be a list or tuple of input indices, got int")
+def _():
+    _gradcheck(wrt=0)
+
+
+@case("check_gradients: forward not callable", TypeError, "forward must be callable, got int")
+def _():
+    _gradcheck(forward=1)
+
+
+@case("check_gradients: forward returns no residuals", TypeError, "forward must return a pair (outputs, residuals)")
+def _():
+    _gradcheck(forward=np.sin)
+
+
+@case("check_gradients: integer output (broadcast error before)", TypeError, "forward's output 0 must be a real floating")
+def _():
+    _gradcheck(forward=lambda x: (np.arange(3), x))
+
+
+@case("check_gradients: jacobian='yes'", TypeError, "jacobian must be True, False or 'auto', got 'yes'")
+def _():
+    _gradcheck(jacobian="yes")
+
+
+@case("check_gradients: seed a string", TypeError, "seed must be an int, got 'a'")
+def _():
+    _gradcheck(seed="a")
+
+
+@case("check_gradients: max_jacobian_elements negative", ValueError, "max_jacobian_elements must be >= 0")
+def _():
+    _gradcheck(max_jacobian_elements=-1)
+
+
+@case("check_gradients: names a string", TypeError, "names must be a list or tuple of str, got str")
+def _():
+    _gradcheck(names="x")
+
+
 # --- merge_partials ---------------------------------------------------------------
 
 O_PART = RNG.standard_normal((2, 3, 4))  # (..., T, Hv)
