@@ -33,6 +33,7 @@ numbers. :func:`plot_attention` copies to NumPy and draws with matplotlib
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import os
 import pathlib
@@ -118,6 +119,24 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
         index.append(flat % n)
         flat //= n
     return tuple(reversed(index))
+
+
+def _check_real(name: str, value: Any, *, minimum: float | None = None) -> float:
+    """A finite real number (>= ``minimum`` when given), else TypeError/ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite real number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return float(value)
+
+
+def _check_count(name: str, value: Any) -> int:
+    """An int >= 0, else TypeError/ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return int(value)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -302,9 +321,8 @@ def row_sum_check(weights, /, *, atol=None, max_listed=10, xp=None) -> RowSumRep
     (False, ((2,),), 0.4)
     """
     xp, p = _prepare(weights, xp)
-    if atol is None:
-        atol = _default_atol(xp, weights.dtype)
-    max_listed = operator.index(max_listed)
+    atol = _default_atol(xp, weights.dtype) if atol is None else _check_real("atol", atol, minimum=0.0)
+    max_listed = _check_count("max_listed", max_listed)
     sums = xp.sum(p, axis=-1)  # (..., T)
     live = _live_rows(xp, p)  # (..., T)
     dev = xp.abs(sums - xp.astype(live, p.dtype))  # (..., T)
@@ -428,6 +446,8 @@ def check_finite(arrays: Mapping[str, Any], /, *, allow_neginf: Iterable[str] = 
         raise TypeError(f"arrays must be a mapping of names to arrays, got {type(arrays).__name__}")
     if isinstance(allow_neginf, str):
         allow_neginf = [allow_neginf]
+    if not isinstance(allow_neginf, Iterable):
+        raise TypeError(f"allow_neginf must be a name or an iterable of names, got {allow_neginf!r}")
     allowed = set(allow_neginf)
     unknown = sorted(allowed - set(arrays))
     if unknown:
@@ -553,6 +573,9 @@ def summarize(weights, /, *, atol=None, peak_warning=PEAK_WARNING, xp=None) -> A
     warning: head 1 has mean peak >= 0.98: nearly one-hot attention (check the scale, learning rate, warm-up)
     """
     xp, p = _prepare(weights, xp)
+    if atol is not None:
+        _check_real("atol", atol, minimum=0.0)
+    peak_warning = _check_real("peak_warning", peak_warning)
     entropy = _floats(attention_entropy(p, xp=xp))
     peak = _floats(attention_peak(p, xp=xp))
     row_sums = row_sum_check(p, atol=_default_atol(xp, weights.dtype) if atol is None else atol, xp=xp)

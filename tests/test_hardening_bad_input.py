@@ -250,6 +250,51 @@ def _():
     _gradcheck(names="x")
 
 
+# --- diagnostics ------------------------------------------------------------------------
+
+WEIGHTS = np.full((2, 3, 4), 0.25)  # (N, T, S)
+
+
+@case("row_sum_check: atol a string (numpy UFuncTypeError before)", TypeError, "atol must be a finite real number")
+def _():
+    npattn.row_sum_check(WEIGHTS, atol="a")
+
+
+@case("row_sum_check: atol negative (every row failed before)", ValueError, "atol must be >= 0.0, got -1.0")
+def _():
+    npattn.row_sum_check(WEIGHTS, atol=-1.0)
+
+
+@case("row_sum_check: atol nan", TypeError, "atol must be a finite real number, got nan")
+def _():
+    npattn.row_sum_check(WEIGHTS, atol=float("nan"))
+
+
+@case("row_sum_check: max_listed a float", TypeError, "max_listed must be an int, got 1.5")
+def _():
+    npattn.row_sum_check(WEIGHTS, max_listed=1.5)
+
+
+@case("row_sum_check: max_listed negative", ValueError, "max_listed must be >= 0")
+def _():
+    npattn.row_sum_check(WEIGHTS, max_listed=-1)
+
+
+@case("summarize: peak_warning a string", TypeError, "peak_warning must be a finite real number, got 'high'")
+def _():
+    npattn.summarize(WEIGHTS, peak_warning="high")
+
+
+@case("summarize: atol a string", TypeError, "atol must be a finite real number")
+def _():
+    npattn.summarize(WEIGHTS, atol="a")
+
+
+@case("check_finite: allow_neginf an int", TypeError, "allow_neginf must be a name or an iterable of names, got 3")
+def _():
+    npattn.check_finite({"lse": WEIGHTS}, allow_neginf=3)
+
+
 # --- merge_partials ---------------------------------------------------------------
 
 O_PART = RNG.standard_normal((2, 3, 4))  # (..., T, Hv)
