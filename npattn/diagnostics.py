@@ -710,6 +710,13 @@ def plot_attention(weights, /, *, path, tokens=None, query_tokens=None, key_toke
     else:
         raise ValueError(f"weights must have shape (N, T, S), (T, S) or (B, N, T, S), got {shape}")
     N, T, S = w.shape
+    if N == 0:
+        raise ValueError(f"weights has no heads to draw (shape {shape})")
+    for name, value in (("vmin", vmin), ("vmax", vmax)):
+        if value is not None:
+            _check_real(name, value)
+    if isinstance(dpi, bool) or not isinstance(dpi, numbers.Real) or not dpi > 0:
+        raise ValueError(f"dpi must be a positive number, got {dpi!r}")
     if tokens is not None and (query_tokens is not None or key_tokens is not None):
         raise ValueError("pass either tokens (both axes) or query_tokens/key_tokens, not both")
     if tokens is not None and T != S:
@@ -743,7 +750,10 @@ def plot_attention(weights, /, *, path, tokens=None, query_tokens=None, key_toke
     entropy = _floats(attention_entropy(p, xp=xp))
     peak = _floats(attention_peak(p, xp=xp))
     host = _to_numpy(p)  # (N, T, S)
-    colormap = matplotlib.colormaps[cmap].with_extremes(bad="lightgrey")  # fully masked rows
+    try:
+        colormap = matplotlib.colormaps[cmap].with_extremes(bad="lightgrey")  # fully masked rows
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"cmap must name a matplotlib colour map, got {cmap!r}") from err
 
     ncols = min(len(heads), 4)
     nrows = math.ceil(len(heads) / ncols)

@@ -295,6 +295,27 @@ def _():
     npattn.check_finite({"lse": WEIGHTS}, allow_neginf=3)
 
 
+@case("plot_attention: no heads (ZeroDivisionError before)", ValueError, "weights has no heads to draw")
+def _(tmp="/nonexistent-dir/attn.png"):
+    npattn.plot_attention(np.zeros((0, 2, 3)), path=tmp)
+
+
+@case("plot_attention: dpi a string", ValueError, "dpi must be a positive number, got 'high'")
+def _():
+    npattn.plot_attention(WEIGHTS, path="/nonexistent-dir/attn.png", dpi="high")
+
+
+@case("plot_attention: vmin a string", TypeError, "vmin must be a finite real number, got 'a'")
+def _():
+    npattn.plot_attention(WEIGHTS, path="/nonexistent-dir/attn.png", vmin="a")
+
+
+@case("plot_attention: unknown cmap (KeyError before)", ValueError, "cmap must name a matplotlib colour map, got 'nope'")
+def _():
+    pytest.importorskip("matplotlib")
+    npattn.plot_attention(WEIGHTS, path="/nonexistent-dir/attn.png", cmap="nope")
+
+
 # --- merge_partials ---------------------------------------------------------------
 
 O_PART = RNG.standard_normal((2, 3, 4))  # (..., T, Hv)
