@@ -25,6 +25,7 @@ Masks: PyTorch's ``key_padding_mask`` (True = ignore this key) and boolean
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -258,8 +259,10 @@ def mha_masks_from_torch(*, key_padding_mask=None, attn_mask=None, num_heads=Non
         if am.ndim == 3:
             if num_heads is None:
                 raise ValueError("a 3-D attn_mask (B*N, T, S) needs num_heads to split its first axis")
-            if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            if isinstance(num_heads, bool) or not isinstance(num_heads, numbers.Integral):
                 raise TypeError(f"num_heads must be an int >= 1, got {num_heads!r}")
+            if num_heads < 1:
+                raise ValueError(f"num_heads must be an int >= 1, got {num_heads!r}")
             if am.shape[0] % num_heads:
                 raise ValueError(
                     f"attn_mask's first axis ({am.shape[0]}) must be B * num_heads (num_heads={num_heads})"
@@ -273,6 +276,17 @@ def mha_masks_from_torch(*, key_padding_mask=None, attn_mask=None, num_heads=Non
             biases.append(am)
         else:
             raise TypeError(f"attn_mask must be bool or floating, got {am.dtype}")
+    if key_padding_mask is not None and attn_mask is not None:
+        S_kpm, S_am = key_padding_mask.shape[-1], attn_mask.shape[-1]
+        if S_kpm != S_am:
+            raise ValueError(
+                f"key_padding_mask and attn_mask must agree on S (last axis), got {S_kpm} and {S_am}"
+            )
+        if key_padding_mask.ndim == 2 and attn_mask.ndim == 3 and am.shape[0] != key_padding_mask.shape[0]:
+            raise ValueError(
+                f"attn_mask's first axis ({attn_mask.shape[0]}) must be B * num_heads with "
+                f"B={key_padding_mask.shape[0]} from key_padding_mask and num_heads={num_heads}"
+            )
     mask = bias = None
     for m in masks:
         mask = m if mask is None else xp.logical_and(mask, m)  # broadcast to (B|1, N|1, T|1, S)

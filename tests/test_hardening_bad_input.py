@@ -316,6 +316,39 @@ def _():
     npattn.plot_attention(WEIGHTS, path="/nonexistent-dir/attn.png", cmap="nope")
 
 
+# --- PyTorch interop -------------------------------------------------------------------------
+
+
+@case("mha_masks_from_torch: masks disagree on S (numpy broadcast error before)", ValueError,
+      "key_padding_mask and attn_mask must agree on S (last axis), got 4 and 3")
+def _():
+    npattn.mha_masks_from_torch(key_padding_mask=np.zeros((2, 4), bool), attn_mask=np.zeros((3, 3), bool))
+
+
+@case("mha_masks_from_torch: bool padding vs float attn_mask disagree on S", ValueError, "must agree on S")
+def _():
+    npattn.mha_masks_from_torch(key_padding_mask=np.zeros((2, 4), bool), attn_mask=np.zeros((3, 3)))
+
+
+@case("mha_masks_from_torch: 3-D attn_mask for another batch size", ValueError,
+      "attn_mask's first axis (6) must be B * num_heads with B=2 from key_padding_mask and num_heads=2")
+def _():
+    npattn.mha_masks_from_torch(key_padding_mask=np.zeros((2, 3), bool), attn_mask=np.zeros((6, 3, 3), bool),
+                                num_heads=2)
+
+
+@case("mha_masks_from_torch: num_heads 0 (TypeError before)", ValueError, "num_heads must be an int >= 1, got 0")
+def _():
+    npattn.mha_masks_from_torch(attn_mask=np.zeros((4, 3, 3), bool), num_heads=0)
+
+
+def test_mha_masks_from_torch_takes_numpy_integer_num_heads():
+    """num_heads=np.int64(2) was a TypeError ('must be an int >= 1') before."""
+    attn_mask = RNG.random((4, 3, 3)) < 0.5
+    got = npattn.mha_masks_from_torch(attn_mask=attn_mask, num_heads=np.int64(2))[0]
+    np.testing.assert_array_equal(got, npattn.mha_masks_from_torch(attn_mask=attn_mask, num_heads=2)[0])
+
+
 # --- merge_partials ---------------------------------------------------------------
 
 O_PART = RNG.standard_normal((2, 3, 4))  # (..., T, Hv)
