@@ -55,15 +55,28 @@ def _peak_mib(fn) -> float:
         tracemalloc.stop()
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (0 or negatives failed deep inside the demo)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="npattn", description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("numpy", "cupy"), default="numpy")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--length", type=int, default=512)
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--batch", type=_positive_int, default=2)
+    parser.add_argument("--heads", type=_positive_int, default=8)
+    parser.add_argument("--kv-heads", type=_positive_int, default=2)
+    parser.add_argument("--length", type=_positive_int, default=512)
+    parser.add_argument("--head-dim", type=_positive_int, default=64)
     args = parser.parse_args(argv)
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     xb, to_host, sync = _backend(args.backend)
 
     B, N, K, T, H = args.batch, args.heads, args.kv_heads, args.length, args.head_dim

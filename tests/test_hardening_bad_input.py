@@ -450,3 +450,26 @@ def test_bad_input_raises_clear_error(thunk, error, fragment):
         thunk()
     assert isinstance(info.value, error), f"expected {error.__name__}, got {type(info.value).__name__}: {info.value}"
     assert fragment in str(info.value), f"{fragment!r} not in {str(info.value)!r}"
+
+
+# --- command lines: bad values must be argparse errors (exit 2), never a run -----------
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--batch", "0"], "argument --batch: must be an integer >= 1, got 0"),
+    (["--heads", "-2"], "argument --heads: must be an integer >= 1, got -2"),
+    (["--length", "x"], "argument --length: must be an integer >= 1, got 'x'"),
+    (["--head-dim", "0"], "argument --head-dim: must be an integer >= 1"),
+    (["--kv-heads", "3"], "--heads (8) must be a multiple of --kv-heads (3)"),
+    (["--backend", "jax"], "argument --backend: invalid choice"),
+], ids=["batch 0", "heads negative", "length not int", "head-dim 0", "kv-heads not dividing", "backend unknown"])
+def test_demo_cli_rejects_bad_values(monkeypatch, capsys, argv, fragment):
+    """``python -m npattn`` took --batch 0, --kv-heads 3 etc. and failed deep
+    inside the demo with a traceback; now argparse rejects them (exit 2)."""
+    import npattn.__main__ as demo
+
+    monkeypatch.setattr(demo, "_backend", lambda name: pytest.fail("the demo started"))
+    with pytest.raises(SystemExit) as info:
+        demo.main(argv)
+    assert info.value.code == 2
+    assert fragment in capsys.readouterr().err
