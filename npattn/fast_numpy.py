@@ -48,8 +48,8 @@ _POOL: ThreadPoolExecutor | None = None
 #: Default ``(block_q, block_k)`` per pass when the caller gives none. The
 #: backward recomputes ``P = exp(S - lse)``, which does not depend on the
 #: forward's tiles, so each pass takes the sizes that run fastest for it.
-FORWARD_BLOCKS = (256, 1024)
-BACKWARD_BLOCKS = (256, 1024)
+FORWARD_BLOCKS = (512, 512)
+BACKWARD_BLOCKS = (512, 512)
 
 
 def _blocks(spec: AttentionSpec, defaults: tuple[int, int]) -> tuple[int, int]:
@@ -129,14 +129,28 @@ class _ItemView:
         return tile.reshape(self.G * tq, tk)  # (G*tq, tk)
 
 
-def _score_tile(spec, view, qs_i, k_j, s_buf, q0, q1, k0, k1, kind):
-    """``S_ij = (scale Q_i) K_j^T + bias_ij`` into ``s_buf``; hidden -> -inf.
+def _augmented_transposed(x3: Any, dtype: Any) -> Any:
+    """``[x^T; 1]``: ``(B, K, L, D) -> (B, K, D + 1, L)``, contiguous, with a
+    row of ones appended, so that ``[a, c] @ [x^T; 1] = a x^T + c`` adds a
+    per-row constant ``c`` inside the matrix product."""
+    Bf, K, L, D = x3.shape
+    xt = np.ones((Bf, K, D + 1, L), dtype=dtype)
+    xt[:, :, :D, :] = np.swapaxes(x3, -1, -2)  # (B, K, D, L)
+    return xt
 
-    ``qs_i`` is ``(G*tq, H)`` pre-scaled, ``k_j`` is ``(tk, H)``.
-    """
+
+def _augmented_rows(x: Any, column: Any, scale: Any, dtype: Any) -> Any:
+    """``[scale * x, column]``: ``(G, tq, D)`` and ``(G*tq,)`` -> ``(G*tq, D + 1)``."""
+    G, tq, D = x.shape
+    xa = np.empty((G * tq, D + 1), dtype=dtype)
+    np.multiply(x.reshape(G * tq, D), scale, out=xa[:, :D])  # (G*tq, D)
+    xa[:, D] = column
+    return xa
+
+
+def _mask_tile(spec, view, s, q0, q1, k0, k1, kind):
+    """Add the bias tile to the scores ``s (G*tq, tk)`` and set hidden entries to -inf."""
     tq, tk = q1 - q0, k1 - k0
-    s = s_buf[:, :tk] if s_buf.shape[1] != tk else s_buf  # (G*tq, tk)
-    np.matmul(qs_i, k_j.T, out=s)  # (G*tq, H) @ (H, tk) -> (G*tq, tk)
     bias = bias_tile(spec, q0, q1, k0, k1)
     if bias is not None:
         s += view.select(bias, tq, tk)
@@ -144,7 +158,6 @@ def _score_tile(spec, view, qs_i, k_j, s_buf, q0, q1, k0, k1, kind):
         visible = visible_tile(spec, q0, q1, k0, k1)
         if visible is not None:
             np.copyto(s, -np.inf, where=~view.select(visible, tq, tk))
-    return s
 
 
 def _dropout_scale(spec, view, q0, q1, k0, k1):
@@ -156,48 +169,75 @@ def _dropout_scale(spec, view, q0, q1, k0, k1):
     return keep.reshape(view.G * (q1 - q0), k1 - k0).astype(spec.compute_dtype) * (1.0 / (1.0 - spec.dropout_p))
 
 
+#: The forward rescales a row only when its running maximum grows by more
+#: than this (in nats): ``exp`` values then stay below ``e**8``, far from
+#: float32's range, and most tiles need no rescaling pass at all.
+RESCALE_THRESHOLD = 8.0
+
+
 def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
-    """Online-softmax forward; same contract as :func:`npattn.chunked.chunked_forward`."""
+    """Online-softmax forward; same contract as :func:`npattn.chunked.chunked_forward`.
+
+    Each row keeps a reference maximum ``m`` (its running maximum, updated
+    lazily) inside the query tile as an extra column, so one matrix product
+    gives the shifted scores directly::
+
+        [scale Q_i, -m] @ [K_j^T; 1] = scale Q_i K_j^T - m
+
+    and after the bias and the mask, with ``t = rowmax``: rows whose ``t``
+    exceeds :data:`RESCALE_THRESHOLD` (or that saw nothing yet) move ``m`` up
+    by ``t`` and rescale ``l`` and ``acc`` by ``exp(-t)`` (FlashAttention-2's
+    rescale, done only when needed); then ``P~ = exp(.)``, ``l += rowsum(P~)``
+    and ``acc += P~ V_j``. At the end ``O = acc / l`` and ``lse = m + log l``.
+    """
     dtype = spec.compute_dtype
     Bf, N, K, G = spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.group_size
     T, S, H, Hv = spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim
     q3 = np.reshape(q, (Bf, N, T, H))  # (B, N, T, H), B = flattened batch axes
-    k3 = np.reshape(k, (Bf, K, S, H))  # (B, K, S, H)
     v3 = np.reshape(v, (Bf, K, S, Hv))  # (B, K, S, Hv)
+    kTa = _augmented_transposed(np.reshape(k, (Bf, K, S, H)), dtype)  # (B, K, H+1, S)
     out = np.zeros((Bf, N, T, Hv), dtype=dtype)
     lse = np.full((Bf, N, T), -np.inf, dtype=dtype)
     block_q, block_k = _blocks(spec, FORWARD_BLOCKS)
     q_tiles, k_tiles = _tiles(T, block_q), _tiles(S, block_k)
+    scale = dtype.type(spec.scale)
 
     def work(item):
         b, kv, q0, q1 = item
         view = _ItemView(spec, b, kv)
         tq, rows = q1 - q0, G * (q1 - q0)
-        qs_i = np.multiply(q3[b, view.heads, q0:q1], dtype.type(spec.scale)).reshape(rows, H)  # (G*tq, H)
+        m = np.zeros(rows, dtype=dtype)  # reference row maximum
+        qa = _augmented_rows(q3[b, view.heads, q0:q1], -m, scale, dtype)  # (G*tq, H+1) = [scale Q_i, -m]
+        unset = np.ones(rows, dtype=bool)  # rows that have seen no visible key yet
         s_buf = np.empty((rows, block_k), dtype=dtype)  # one score tile, reused
         pv = np.empty((rows, Hv), dtype=dtype)
-        m = np.full(rows, -np.inf, dtype=dtype)  # running row max
         l = np.zeros(rows, dtype=dtype)  # running row sum
         acc = np.zeros((rows, Hv), dtype=dtype)  # unnormalized output
         for k0, k1 in k_tiles:
             kind = classify_tile(spec, q0, q1, k0, k1)
             if kind == NONE:
                 continue
-            s = _score_tile(spec, view, qs_i, k3[b, kv, k0:k1], s_buf, q0, q1, k0, k1, kind)  # (G*tq, tk)
-            m_new = np.maximum(m, s.max(axis=1))  # (G*tq,)
-            m_safe = np.where(m_new == -np.inf, 0, m_new).astype(dtype, copy=False)
-            alpha = np.exp(m - m_safe)  # rescales what came before
-            s -= m_safe[:, None]
+            s = s_buf[:, : k1 - k0]
+            np.matmul(qa, kTa[b, kv, :, k0:k1], out=s)  # (G*tq, H+1) @ (H+1, tk) -> scale Q K^T - m
+            _mask_tile(spec, view, s, q0, q1, k0, k1, kind)
+            t = s.max(axis=1)  # (G*tq,) growth of the row maximum
+            grow = (t > RESCALE_THRESHOLD) | (unset & (t > -np.inf))
+            if grow.any():
+                shift = np.where(grow, t, 0).astype(dtype, copy=False)  # (G*tq,)
+                s -= shift[:, None]
+                alpha = np.exp(-shift)  # rescales what came before
+                l *= alpha
+                acc *= alpha[:, None]
+                m += shift
+                qa[:, H] = -m
+                unset &= ~grow
             np.exp(s, out=s)  # P~_ij
-            l *= alpha
             l += s.sum(axis=1)
             drop = _dropout_scale(spec, view, q0, q1, k0, k1)
             if drop is not None:
                 s *= drop
-            acc *= alpha[:, None]
             np.matmul(s, v3[b, kv, k0:k1], out=pv)  # (G*tq, tk) @ (tk, Hv) -> (G*tq, Hv)
             acc += pv
-            m = m_new
         empty = l == 0
         l[empty] = 1
         acc /= l[:, None]
@@ -212,13 +252,25 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
 
 def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any,
              dlse: Any | None) -> tuple[Any, Any, Any, Any | None]:
-    """FlashAttention-2 backward; same contract as :func:`npattn.chunked.chunked_backward`."""
+    """FlashAttention-2 backward; same contract as :func:`npattn.chunked.chunked_backward`.
+
+    The two per-row subtractions ride inside matrix products, as in the
+    forward::
+
+        P_ij          = exp([scale Q_i, -lse_i] @ [K_j^T; 1])
+        dP_ij - D_i   = [dO_i, -D_i] @ [V_j^T; 1]          (without dropout)
+
+    then ``dS = P * (dP - D)``, ``dV_j += Pd^T dO_i``, ``dQ_i += dS K_j``,
+    ``dK_j += dS^T (scale Q_i)``. With dropout, ``dP`` is scaled by
+    ``keep / (1 - p)`` before ``D`` is subtracted.
+    """
     dtype = spec.compute_dtype
     Bf, N, K, G = spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.group_size
     T, S, H, Hv = spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim
     q3 = np.reshape(q, (Bf, N, T, H))  # (B, N, T, H)
     k3 = np.reshape(k, (Bf, K, S, H))  # (B, K, S, H)
-    v3 = np.reshape(v, (Bf, K, S, Hv))  # (B, K, S, Hv)
+    kTa = _augmented_transposed(k3, dtype)  # (B, K, H+1, S)
+    vTa = _augmented_transposed(np.reshape(v, (Bf, K, S, Hv)), dtype)  # (B, K, Hv+1, S)
     do3 = np.reshape(dout, (Bf, N, T, Hv))  # (B, N, T, Hv)
     D = np.sum(do3 * np.reshape(out, (Bf, N, T, Hv)), axis=-1)  # (B, N, T)
     if dlse is not None:
@@ -232,47 +284,50 @@ def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, do
     block_q, block_k = _blocks(spec, BACKWARD_BLOCKS)
     q_tiles, k_tiles = _tiles(T, block_q), _tiles(S, block_k)
     scale = dtype.type(spec.scale)
+    one = dtype.type(1)
 
     def work(item):
         b, kv = item
         view = _ItemView(spec, b, kv)
         dk_item, dv_item = dk[b, kv], dv[b, kv]  # (S, H), (S, Hv): owned by this item
         s_buf = np.empty((G * block_q, block_k), dtype=dtype)  # scores, then P, of one tile
-        dp_buf = np.empty_like(s_buf)  # dP, then dS, of one tile
+        dp_buf = np.empty_like(s_buf)  # dP - D, then dS, of one tile
         dk_tmp = np.empty((block_k, H), dtype=dtype)
         dv_tmp = np.empty((block_k, Hv), dtype=dtype)
         for q0, q1 in q_tiles:
             tq, rows = q1 - q0, G * (q1 - q0)
-            qs_i = np.multiply(q3[b, view.heads, q0:q1], scale).reshape(rows, H)  # (G*tq, H), scale * Q
-            do_i = np.ascontiguousarray(do3[b, view.heads, q0:q1]).reshape(rows, Hv)  # (G*tq, Hv)
-            D_i = D[b, view.heads, q0:q1].reshape(rows, 1)  # (G*tq, 1)
-            lse_i = lse3[b, view.heads, q0:q1].reshape(rows, 1)  # (G*tq, 1)
+            heads = view.heads
+            qa = _augmented_rows(q3[b, heads, q0:q1], -lse3[b, heads, q0:q1].reshape(rows), scale, dtype)
+            D_i = D[b, heads, q0:q1].reshape(rows)  # (G*tq,)
+            doa = _augmented_rows(do3[b, heads, q0:q1], 0 if spec.dropout_p else -D_i, one, dtype)
+            qs_i, do_i = qa[:, :H], doa[:, :Hv]  # (G*tq, H), (G*tq, Hv) views
             dq_i = np.zeros((rows, H), dtype=dtype)
             for k0, k1 in k_tiles:
                 kind = classify_tile(spec, q0, q1, k0, k1)
                 if kind == NONE:
                     continue
                 tk = k1 - k0
-                k_j, v_j = k3[b, kv, k0:k1], v3[b, kv, k0:k1]  # (tk, H), (tk, Hv)
-                p = _score_tile(spec, view, qs_i, k_j, s_buf[:rows], q0, q1, k0, k1, kind)  # S_ij
-                p -= lse_i
-                np.exp(p, out=p)  # P_ij (G*tq, tk)
+                p = s_buf[:rows, :tk]
+                np.matmul(qa, kTa[b, kv, :, k0:k1], out=p)  # (G*tq, H+1) @ (H+1, tk) -> S_ij - lse_i
+                _mask_tile(spec, view, p, q0, q1, k0, k1, kind)
+                np.exp(p, out=p)  # P_ij
                 drop = _dropout_scale(spec, view, q0, q1, k0, k1)
                 p_dropped = p if drop is None else p * drop
                 np.matmul(p_dropped.T, do_i, out=dv_tmp[:tk])  # (tk, G*tq) @ (G*tq, Hv) -> (tk, Hv)
                 dv_item[k0:k1] += dv_tmp[:tk]
                 ds = dp_buf[:rows, :tk]
-                np.matmul(do_i, v_j.T, out=ds)  # dP_ij (G*tq, Hv) @ (Hv, tk) -> (G*tq, tk)
+                np.matmul(doa, vTa[b, kv, :, k0:k1], out=ds)  # (G*tq, Hv+1) @ (Hv+1, tk) -> dP (- D)
                 if drop is not None:
                     ds *= drop
-                ds -= D_i
+                    ds -= D_i[:, None]
                 ds *= p  # dS_ij = P_ij * (dP_ij - D_i)
-                dq_i += ds @ k_j  # (G*tq, tk) @ (tk, H) -> (G*tq, H)
+                dq_i += ds @ k3[b, kv, k0:k1]  # (G*tq, tk) @ (tk, H) -> (G*tq, H)
                 np.matmul(ds.T, qs_i, out=dk_tmp[:tk])  # (tk, G*tq) @ (G*tq, H) -> (tk, H)
                 dk_item[k0:k1] += dk_tmp[:tk]
                 if dbias is not None:
                     _add_dbias(spec, view, dbias, ds, q0, q1, k0, k1)
-            dq[b, view.heads, q0:q1] = (dq_i * scale).reshape(G, tq, H)  # (G, tq, H)
+            dq_i *= scale
+            dq[b, heads, q0:q1] = dq_i.reshape(G, tq, H)  # (G, tq, H)
 
     _run([(b, kv) for b in range(Bf) for kv in range(K)], work, parallel=dbias is None)
     bs = spec.batch_shape
