@@ -118,11 +118,12 @@ def compute_dtype(xp: Any, dtype: Any) -> Any:
     """The dtype attention computes in for inputs of ``dtype``.
 
     float64 and float32 compute in themselves; narrower floats (float16,
-    bfloat16) accumulate in float32.
+    bfloat16) accumulate in float32. Always a dtype object as arrays report
+    it (``dtype('float32')`` for NumPy, not the scalar type ``numpy.float32``).
     """
     if dtype == xp.float64 or dtype == xp.float32:
         return dtype
-    return xp.float32
+    return xp.result_type(xp.float32)
 
 
 def check_floating(xp: Any, name: str, x: Any) -> None:
