@@ -40,10 +40,33 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
+def _best_side_by_side(fns: dict, repeats: int) -> dict:
+    """Best time of each function, running them in turn ``repeats`` times so
+    that a slow spell of the machine hits all of them alike. The pauses let
+    one library's spinning worker threads go idle before the other runs."""
+    best = {name: float("inf") for name in fns}
+    for fn in fns.values():
+        fn()  # warm-up
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            time.sleep(0.3)
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
 def sgemm_gflops(n: int = 4096, repeats: int = 3) -> float:
     """GFLOP/s of one large float32 matrix product with all BLAS threads."""
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
     return 2 * n**3 / _best(lambda: a @ a, repeats) / 1e9
+
+
+def tile_gemm_gflops(matmul, make, rows: int = 512, cols: int = 512, depth: int = 64) -> float:
+    """Single-threaded GFLOP/s of one ``(rows, depth) @ (depth, cols)`` tile
+    product, the shape the chunked path multiplies most."""
+    a, b, out = make((rows, depth)), make((depth, cols)), make((rows, cols))
+    return 2 * rows * cols * depth / _best(lambda: [matmul(a, b, out=out) for _ in range(50)], 3) * 50 / 1e9
 
 
 def _peak_mib(fn) -> float:
@@ -61,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--length", type=int, default=4096, help="T = S")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="T=S=512, one repeat")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch columns")
     args = parser.parse_args(argv)
@@ -89,6 +112,19 @@ def main(argv: list[str] | None = None) -> int:
           f"large SGEMM {sgemm:.0f} GFLOP/s")
     header = (f"{'shape / mask':<26} {'pass':<8} {'impl':<8} {'npattn ms':>10} {'torch ms':>9} {'ratio':>6} "
               f"{'GFLOP/s':>8} {'% SGEMM':>8} {'peak MiB':>9}")
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        numpy_tile = tile_gemm_gflops(np.matmul, lambda shape: rng.standard_normal(shape, dtype=np.float32))
+    tile_line = f"one 512x64x512 tile product, 1 thread: NumPy's BLAS {numpy_tile:.0f} GFLOP/s"
+    if torch is not None:
+        with torch.no_grad():
+            previous = torch.get_num_threads()
+            torch.set_num_threads(1)
+            torch_tile = tile_gemm_gflops(torch.matmul, lambda shape: torch.randn(shape))
+            torch.set_num_threads(previous)
+        tile_line += f", torch's {torch_tile:.0f} GFLOP/s"
+    print(tile_line)
     print(header)
     print("-" * len(header))
     for causal in (False, True):
@@ -99,11 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             out, res = fwd()
             return npattn.attention_backward(dout, res)
 
-        times = {"forward": _best(fwd, args.repeats), "fwd+bwd": _best(fwd_bwd, args.repeats)}
-        peaks = {"forward": _peak_mib(fwd), "fwd+bwd": _peak_mib(fwd_bwd)}
-        torch_times = {}
+        fns = {"forward": fwd, "fwd+bwd": fwd_bwd}
         if torch is not None:
-            time.sleep(1.0)  # let npattn's BLAS threads go idle before torch's OpenMP threads start
             tq, tk, tv = (torch.from_numpy(a.copy()).requires_grad_() for a in (q, k, v))
             tdout = torch.from_numpy(dout)
 
@@ -115,8 +148,11 @@ def main(argv: list[str] | None = None) -> int:
                 out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
                 out.backward(tdout)
 
-            torch_times = {"forward": _best(t_fwd, args.repeats), "fwd+bwd": _best(t_fwd_bwd, args.repeats)}
-            time.sleep(1.0)  # and the other way round
+            fns.update({"torch forward": t_fwd, "torch fwd+bwd": t_fwd_bwd})
+        best = _best_side_by_side(fns, args.repeats)
+        times = {name: best[name] for name in ("forward", "fwd+bwd")}
+        torch_times = {name: best[f"torch {name}"] for name in times if f"torch {name}" in best}
+        peaks = {"forward": _peak_mib(fwd), "fwd+bwd": _peak_mib(fwd_bwd)}
         flops_fwd = 4 * B * N * T * T * H * (0.5 if causal else 1.0)
         for name, flops in (("forward", flops_fwd), ("fwd+bwd", 3.5 * flops_fwd)):
             ms = times[name] * 1e3
