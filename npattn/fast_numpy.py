@@ -35,6 +35,7 @@ from typing import Any
 
 import array_api_compat
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from . import dropout as _dropout
 from .masking import ALL, NONE, bias_tile, classify_tile, visible_tile
@@ -90,8 +91,6 @@ def _run(items, work, *, parallel: bool = True) -> None:
         for item in items:
             work(item)
         return
-    from threadpoolctl import threadpool_limits
-
     if _POOL is None or _POOL._max_workers != threads:
         _POOL = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="npattn")
     with threadpool_limits(limits=1, user_api="blas"):
