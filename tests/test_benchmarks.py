@@ -1,0 +1,51 @@
+"""The CPU benchmark scripts run end to end in their quick mode and print
+their tables (no timing is asserted: speed lives in the benchmarks)."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _run_script(name: str, argv: list[str]) -> None:
+    old = sys.argv
+    sys.argv = [name, *argv]
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(str(BENCHMARKS / name), run_name="__main__")
+    finally:
+        sys.argv = old
+    assert exit_info.value.code == 0
+
+
+def test_cpu_benchmark_quick_prints_its_table(capsys):
+    _run_script("bench_cpu.py", ["--quick", "--no-torch"])
+    out = capsys.readouterr().out
+    assert "large SGEMM" in out and "% SGEMM" in out
+    assert out.count("chunked") == 4  # forward and fwd+bwd, full and causal
+
+
+def test_lever_benchmark_quick_prints_every_lever(capsys):
+    _run_script("bench_cpu_levers.py", ["--quick"])
+    out = capsys.readouterr().out
+    for label in ("generic Array API path", "1 thread", "not limited", "128x128", "causal", "as shipped"):
+        assert label in out
+
+
+@pytest.mark.parametrize("script, argv", [("bench_cpu.py", ["--length", "0"]),
+                                          ("bench_cpu_levers.py", ["--repeats", "0"])])
+def test_benchmarks_reject_bad_arguments(script, argv, capsys):
+    old = sys.argv
+    sys.argv = [script, *argv]
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+    finally:
+        sys.argv = old
+    assert exit_info.value.code == 2
+    assert "must be >= 1" in capsys.readouterr().err
