@@ -47,12 +47,14 @@ def expand_kv_heads(xp: Any, x: Any, group_size: int) -> Any:
     return xp.reshape(x, (*lead, K * group_size, S, D))  # (..., N, S, D)
 
 
-def reduce_kv_heads(xp: Any, dx: Any, group_size: int) -> Any:
-    """Adjoint of :func:`expand_kv_heads`: ``(..., N, S, D) -> (..., K, S, D)``."""
-    if group_size == 1:
-        return dx
+def reduce_kv_heads(xp: Any, dx: Any, num_kv_heads: int) -> Any:
+    """Adjoint of :func:`expand_kv_heads`: ``(..., N, S, D) -> (..., K, S, D)``,
+    summing the ``G = N // K`` query heads of each kv head (K given, so that
+    N = 0 query heads gives K zero rows rather than a division by G = 0)."""
     *lead, N, S, D = dx.shape
-    dx = xp.reshape(dx, (*lead, N // group_size, group_size, S, D))  # (..., K, G, S, D)
+    if N == num_kv_heads:
+        return dx
+    dx = xp.reshape(dx, (*lead, num_kv_heads, N // num_kv_heads, S, D))  # (..., K, G, S, D)
     return xp.sum(dx, axis=-3)  # (..., K, S, D)
 
 
@@ -93,7 +95,8 @@ def dense_backward(
     G = spec.group_size
     drop = _dropout_scale(spec)
     p_dropped = p if drop is None else p * drop  # (..., N, T, S)
-    dv = reduce_kv_heads(xp, xp.matrix_transpose(p_dropped) @ dout, G)  # (..., K, S, Hv)
+    K = spec.num_kv_heads
+    dv = reduce_kv_heads(xp, xp.matrix_transpose(p_dropped) @ dout, K)  # (..., K, S, Hv)
     dp = dout @ xp.matrix_transpose(expand_kv_heads(xp, v, G))  # (..., N, T, S)
     if drop is not None:
         dp = dp * drop
@@ -102,6 +105,6 @@ def dense_backward(
         D = D - dlse[..., None]
     ds = p * (dp - D)  # (..., N, T, S)
     dq = spec.scale * (ds @ expand_kv_heads(xp, k, G))  # (..., N, T, H)
-    dk = reduce_kv_heads(xp, spec.scale * (xp.matrix_transpose(ds) @ q), G)  # (..., K, S, H)
+    dk = reduce_kv_heads(xp, spec.scale * (xp.matrix_transpose(ds) @ q), K)  # (..., K, S, H)
     dbias = None if spec.bias is None else sum_to_shape(xp, ds, spec.bias_shape)
     return dq, dk, dv, dbias

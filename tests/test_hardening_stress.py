@@ -430,6 +430,7 @@ EMPTY = {  # name: (q shape, k shape, v shape, options)
     "batch axes (2, 0)": ((2, 0, 2, 3, 4), (2, 0, 2, 5, 4), (2, 0, 2, 5, 2), dict(window=(1, 1), align="top_left")),
     "T=0": ((2, 2, 0, 4), (2, 1, 5, 4), (2, 1, 5, 2), dict(bias=np.zeros((2, 1, 0, 5)), causal=True,
                                                            align="bottom_right", kv_lengths=np.array([5, 2]))),
+    "N=0": ((2, 0, 3, 4), (2, 1, 5, 4), (2, 1, 5, 2), dict(mask=np.ones((3, 5), bool))),
     "Hv=0": ((2, 2, 3, 4), (2, 1, 5, 4), (2, 1, 5, 0), dict(bias=np.zeros((3, 5)))),
 }
 
