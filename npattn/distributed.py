@@ -65,6 +65,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -413,6 +414,13 @@ def _local_error(err: Exception) -> tuple[str, str]:
     return (type(err).__name__, str(err))
 
 
+def _check_stats(stats: Any) -> None:
+    """TypeError unless ``stats`` is None or a dict to update (checked before any
+    exchange, so that a bad one raises on every rank instead of on one)."""
+    if stats is not None and not isinstance(stats, MutableMapping):
+        raise TypeError(f"stats must be a dict (updated in place) or None, got {type(stats).__name__}")
+
+
 def _agree(metas: list, key: str, what: str) -> None:
     """ValueError unless every rank reported the same ``metas[r][key]``."""
     values = [m[key] for m in metas]
@@ -598,6 +606,7 @@ def _gather_layout(ring: Any, meta: dict, align: str | None) -> RingLayout:
 def _forward(MPI, ring, comm, P, q, k, v, causal, window, align, scale, q_start, kv_start,
              impl, block_q, block_k, transport, stats, xp):
     try:
+        _check_stats(stats)
         meta = _local_meta(q, k, v, causal, window, align, scale, q_start, kv_start, impl, block_q, block_k,
                            transport, xp)
     except (TypeError, ValueError) as err:
@@ -710,6 +719,8 @@ def ring_attention_backward(dout, residuals, /, *, dlse=None, stats=None) -> Att
 
 def _check_cotangents(res: RingResiduals, dout: Any, dlse: Any) -> tuple[Any, Any]:
     xp = res.xp
+    if dout is None:
+        raise TypeError(f"dout must be an array of the forward's output shape {tuple(res.out.shape)}, got None")
     resolve_namespace({"the forward's inputs": res.q, "dout": dout, "dlse": dlse})
     if tuple(dout.shape) != tuple(res.out.shape):
         raise ValueError(f"dout must have the forward's shape {tuple(res.out.shape)}, got {tuple(dout.shape)}")
@@ -728,6 +739,7 @@ def _check_cotangents(res: RingResiduals, dout: Any, dlse: Any) -> tuple[Any, An
 
 def _backward(MPI, ring, P, dout, res: RingResiduals, dlse, stats) -> AttentionGrads:
     try:
+        _check_stats(stats)
         dout_c, dlse_c = _check_cotangents(res, dout, dlse)
         error = None
     except (TypeError, ValueError) as err:

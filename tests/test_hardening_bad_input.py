@@ -11,6 +11,9 @@ combinations that one lacks.
 
 from __future__ import annotations
 
+import os
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -1002,3 +1005,84 @@ def test_a_failed_cached_forward_leaves_the_cache_as_it_was(max_length):
     y, _ = _mha(PARAMS, X[:, 2:3], cache=cache, causal=True)  # and it still decodes correctly
     full, _ = _mha(PARAMS, X[:, :3], causal=True)
     np.testing.assert_allclose(y[:, 0], full[:, 2], atol=1e-12)
+
+
+# --- ring attention (npattn.distributed): errors must be collective -----------------------
+
+RING_SCRIPT = r'''
+import json, sys
+import numpy as np
+from mpi4py import MPI
+import npattn.distributed as dist
+
+comm = MPI.COMM_WORLD
+r = comm.Get_rank()
+q, k, v = (np.random.default_rng(r).standard_normal((1, 2, 3, 4)) for _ in range(3))
+out, res = dist.ring_attention_forward(q, k, v, comm=comm, causal=True)
+
+
+def call(fn):
+    try:
+        fn()
+        return None
+    except Exception as err:  # noqa: BLE001 - recorded per rank, then the next case runs
+        return [type(err).__name__, str(err)]
+
+
+cases = {
+    "dout None on rank 0": lambda: dist.ring_attention_backward(None if r == 0 else np.ones_like(out), res),
+    "dout None everywhere": lambda: dist.ring_attention_backward(None, res),
+    "stats a list on rank 1": lambda: dist.ring_attention_forward(q, k, v, comm=comm, stats=[] if r else None),
+    "backward stats a list": lambda: dist.ring_attention_backward(np.ones_like(out), res, stats=[]),
+    "still works": lambda: dist.ring_attention_backward(np.ones_like(out), res, stats={}),
+}
+results = {name: call(fn) for name, fn in cases.items()}
+gathered = comm.gather(results, root=0)
+if r == 0:
+    json.dump(gathered, open(sys.argv[1], "w"))
+'''
+
+RING_EXPECTED = {
+    "dout None on rank 0": ("TypeError", "rank 0: dout must be an array of the forward's output shape (1, 2, 3, 4)"),
+    "dout None everywhere": ("TypeError", "dout must be an array"),
+    "stats a list on rank 1": ("TypeError", "rank 1: stats must be a dict (updated in place) or None, got list"),
+    "backward stats a list": ("TypeError", "stats must be a dict"),
+    "still works": None,
+}
+
+
+def test_ring_attention_bad_dout_or_stats_raise_on_every_rank(tmp_path):
+    """dout=None raised AttributeError on its rank only, outside the gathered
+    checks, so the other ranks waited in allgather for ever; a non-dict stats
+    raised AttributeError after the exchange on its rank only. Both are now
+    TypeErrors raised on every rank, and the communicator stays usable."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+
+    pytest.importorskip("mpi4py")
+    mpiexec = next((found for found in (shutil.which("mpiexec", path=d) for d in
+                                        (os.path.dirname(sys.executable), sysconfig.get_path("scripts")))
+                    if found), None) or shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("no mpiexec (pip install \"npattn[mpi]\")")
+    script, result = tmp_path / "ring_errors.py", tmp_path / "result.json"
+    script.write_text(RING_SCRIPT)
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    try:
+        proc = subprocess.run([mpiexec, "-n", "2", sys.executable, str(script), str(result)], capture_output=True,
+                              text=True, timeout=90, env=env, cwd=repo)
+    except subprocess.TimeoutExpired:
+        pytest.fail("ring attention deadlocked on a bad argument given to one rank")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = json.loads(result.read_text())
+    assert len(ranks) == 2
+    for name, expected in RING_EXPECTED.items():
+        for r, got in enumerate(r_results[name] for r_results in ranks):
+            if expected is None:
+                assert got is None, f"{name}: rank {r} raised {got}"
+            else:
+                assert got is not None and got[0] == expected[0] and expected[1] in got[1], f"{name}: rank {r}: {got}"
