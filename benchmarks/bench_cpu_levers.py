@@ -57,12 +57,12 @@ def _env(**values):
 
 @contextlib.contextmanager
 def _blas_unlimited():
-    limit = fast_numpy.threadpool_limits
-    fast_numpy.threadpool_limits = lambda **_: contextlib.nullcontext()
+    limit = fast_numpy._single_threaded_blas
+    fast_numpy._single_threaded_blas = contextlib.nullcontext
     try:
         yield
     finally:
-        fast_numpy.threadpool_limits = limit
+        fast_numpy._single_threaded_blas = limit
 
 
 def main(argv: list[str] | None = None) -> int:

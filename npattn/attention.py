@@ -83,7 +83,15 @@ class DenseResiduals(AttentionResiduals):
 @dataclass(frozen=True, eq=False)
 class ChunkedResiduals(AttentionResiduals):
     """Residuals of the chunked path: only ``out`` and ``lse``, never the
-    probabilities (memory linear in sequence length)."""
+    probabilities (memory linear in sequence length).
+
+    kernel : {"generic", "numpy"}
+        Which implementation ran the forward (the Array API path of
+        :mod:`npattn.chunked`, or the NumPy fast path of
+        :mod:`npattn.fast_numpy`); the backward runs the same one.
+    """
+
+    kernel: str = "generic"
 
 
 def attention_forward(
@@ -195,8 +203,9 @@ def attention_forward(
         out, lse, probs = dense_forward(spec, qc, kc, vc)
         residuals = DenseResiduals(spec, qc, kc, vc, out, lse, probs)
     else:
-        out, lse = _chunked_kernels(spec)[0](spec, qc, kc, vc)
-        residuals = ChunkedResiduals(spec, qc, kc, vc, out, lse)
+        kernel = chunked_kernel(spec)
+        out, lse = _CHUNKED_KERNELS[kernel][0](spec, qc, kc, vc)
+        residuals = ChunkedResiduals(spec, qc, kc, vc, out, lse, kernel)
     return xp.astype(out, spec.dtype, copy=False), residuals
 
 
@@ -247,7 +256,7 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
             spec, residuals.q, residuals.k, residuals.v, residuals.probs, dout_c, dlse_c
         )
     else:
-        dq, dk, dv, dbias = _chunked_kernels(spec)[1](
+        dq, dk, dv, dbias = _CHUNKED_KERNELS[residuals.kernel][1](
             spec, residuals.q, residuals.k, residuals.v, residuals.out, residuals.lse, dout_c, dlse_c
         )
     if dbias is not None:
@@ -255,12 +264,18 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
     return AttentionGrads(*(xp.astype(g, spec.dtype, copy=False) for g in (dq, dk, dv)), dbias)
 
 
-def _chunked_kernels(spec: AttentionSpec):
-    """``(forward, backward)`` of the chunked path for ``spec``'s namespace:
-    the NumPy fast path where it applies, else the generic Array API path."""
-    if fast_numpy.supports(spec):
-        return fast_numpy.forward, fast_numpy.backward
-    return chunked_forward, chunked_backward
+def chunked_kernel(spec: AttentionSpec) -> str:
+    """The chunked kernel a forward with ``spec`` runs: ``"numpy"`` (the fast
+    path) for NumPy inputs it supports, else ``"generic"``."""
+    return "numpy" if fast_numpy.supports(spec) else "generic"
+
+
+#: ``(forward, backward)`` of the chunked path by kernel name: the generic
+#: Array API path, and the NumPy fast path chosen for NumPy inputs.
+_CHUNKED_KERNELS = {
+    "generic": (chunked_forward, chunked_backward),
+    "numpy": (fast_numpy.forward, fast_numpy.backward),
+}
 
 
 def _check_cotangent(residuals: AttentionResiduals, name: str, g: Any, shape: tuple, dtype: Any) -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 
 from .options import AttentionSpec
 
-__all__ = ["visible_tile", "bias_tile", "classify_tile", "slice_tile", "NONE", "ALL", "SOME"]
+__all__ = ["visible_tile", "bias_tile", "classify_tile", "slice_tile", "select_item", "NONE", "ALL", "SOME"]
 
 NONE, ALL, SOME = "none", "all", "some"
 
@@ -33,28 +33,59 @@ def slice_tile(a: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
     return a[..., rows, cols]
 
 
-def _per_batch(spec: AttentionSpec, a: Any) -> Any:
-    """An array of shape ``batch_shape`` viewed as ``(..., 1, 1, 1)``."""
+def _per_batch(spec: AttentionSpec, a: Any, batch: int | None) -> Any:
+    """An array of shape ``batch_shape`` viewed as ``(..., 1, 1, 1)``, or its
+    entry for the flat batch index ``batch`` (a 0-d array)."""
+    if batch is not None:
+        return spec.xp.reshape(a, (-1,))[batch]  # ()
     return spec.xp.reshape(a, spec.batch_shape + (1, 1, 1))
 
 
-def visible_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> Any | None:
+def select_item(spec: AttentionSpec, a: Any, batch: int | None, heads: tuple[int, int] | None) -> Any:
+    """``a (..., N|1, x, y)`` restricted to one batch element (flat index,
+    batch axes dropped) and/or query heads ``[h0, h1)``; size-1 (broadcast)
+    axes are kept as they are."""
+    if batch is not None:
+        lead = a.ndim - 3
+        index = _unravel(batch, spec.batch_shape)
+        a = a[tuple(0 if a.shape[axis] == 1 else index[axis] for axis in range(lead))]  # (N|1, x, y)
+    if heads is not None and a.shape[-3] != 1:
+        a = a[..., heads[0]:heads[1], :, :]  # (..., h1 - h0, x, y)
+    return a
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """C-order multi-index of ``flat`` in ``shape``."""
+    index = []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
+        index.append(i)
+    return tuple(reversed(index))
+
+
+def visible_tile(
+    spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int,
+    batch: int | None = None, heads: tuple[int, int] | None = None,
+) -> Any | None:
     """Boolean visibility of the tile ``[q0, q1) x [k0, k1)``.
 
     Returns an array broadcastable to ``(..., N, q1 - q0, k1 - k0)``, or
-    ``None`` when no rule is set (every key visible).
+    ``None`` when no rule is set (every key visible). ``batch=b`` (flat
+    index) restricts it to one batch element, dropping the batch axes, and
+    ``heads=(h0, h1)`` to query heads ``[h0, h1)``.
     """
     xp = spec.xp
     parts = []
     if spec.mask is not None:
-        parts.append(slice_tile(spec.mask, q0, q1, k0, k1))  # (..., N|1, tq|1, tk|1)
+        mask = select_item(spec, spec.mask, batch, heads)
+        parts.append(slice_tile(mask, q0, q1, k0, k1))  # (..., N|1, tq|1, tk|1)
     if spec.has_positional_mask:
         rows = xp.reshape(xp.arange(q0, q1, dtype=xp.int64, device=spec.device), (q1 - q0, 1))  # (tq, 1)
         cols = xp.reshape(xp.arange(k0, k1, dtype=xp.int64, device=spec.device), (1, k1 - k0))  # (1, tk)
         if spec.window_left is not None or spec.window_right is not None:
             offset = spec.q_offset
             if hasattr(offset, "shape"):
-                offset = _per_batch(spec, offset)  # (..., 1, 1, 1)
+                offset = _per_batch(spec, offset, batch)  # (..., 1, 1, 1)
             position = rows + offset  # (tq, 1) or (..., 1, tq, 1)
             # Positions lie in [-T, T + S) and keys in [0, S), so a side wider
             # than T + S hides nothing: clip it there to stay within int64.
@@ -64,9 +95,9 @@ def visible_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> Any
             if spec.window_right is not None:
                 parts.append(cols <= position + min(spec.window_right, reach))
         if spec.q_lengths is not None:
-            parts.append(rows < _per_batch(spec, spec.q_lengths))  # (..., 1, tq, 1)
+            parts.append(rows < _per_batch(spec, spec.q_lengths, batch))  # (..., 1, tq, 1)
         if spec.kv_lengths is not None:
-            parts.append(cols < _per_batch(spec, spec.kv_lengths))  # (..., 1, 1, tk)
+            parts.append(cols < _per_batch(spec, spec.kv_lengths, batch))  # (..., 1, 1, tk)
     if not parts:
         return None
     visible = parts[0]
@@ -75,11 +106,16 @@ def visible_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> Any
     return visible
 
 
-def bias_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> Any | None:
-    """The bias over ``[q0, q1) x [k0, k1)`` in the compute dtype, or None."""
+def bias_tile(
+    spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int,
+    batch: int | None = None, heads: tuple[int, int] | None = None,
+) -> Any | None:
+    """The bias over ``[q0, q1) x [k0, k1)`` in the compute dtype, or None;
+    ``batch`` and ``heads`` select as in :func:`visible_tile`."""
     if spec.bias is None:
         return None
-    return spec.xp.astype(slice_tile(spec.bias, q0, q1, k0, k1), spec.compute_dtype, copy=False)
+    bias = select_item(spec, spec.bias, batch, heads)
+    return spec.xp.astype(slice_tile(bias, q0, q1, k0, k1), spec.compute_dtype, copy=False)
 
 
 def classify_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> str:

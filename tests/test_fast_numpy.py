@@ -3,12 +3,19 @@ accelerates, and its determinism whatever the thread count."""
 
 from __future__ import annotations
 
+import importlib
+import os
+import threading
+import time
+
 import numpy as np
 import pytest
+import threadpoolctl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import attention_cases
 
+import npattn
 from npattn import chunked, fast_numpy
 from npattn.options import make_spec
 
@@ -45,12 +52,14 @@ def test_fast_path_equals_generic_chunked_path(case, block_q, block_k):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_results_are_bit_identical_whatever_the_thread_count(monkeypatch, dtype):
+    # Tiles of 2 heads x 256 rows by 64 columns: large enough for BLAS to use
+    # all its threads when the pool has one thread, and one when it has more.
     rng = np.random.default_rng(5)
-    q = rng.standard_normal((2, 4, 70, 8)).astype(dtype)
-    k = rng.standard_normal((2, 2, 90, 8)).astype(dtype)
-    v = rng.standard_normal((2, 2, 90, 8)).astype(dtype)
-    spec = make_spec(q, k, v, causal=True, align="bottom_right", dropout_p=0.2, seed=1, block_q=16, block_k=32)
-    dout = rng.standard_normal((2, 4, 70, 8)).astype(dtype)
+    q = rng.standard_normal((2, 4, 300, 64)).astype(dtype)
+    k = rng.standard_normal((2, 2, 330, 64)).astype(dtype)
+    v = rng.standard_normal((2, 2, 330, 64)).astype(dtype)
+    spec = make_spec(q, k, v, causal=True, align="bottom_right", dropout_p=0.2, seed=1, block_q=256, block_k=128)
+    dout = rng.standard_normal((2, 4, 300, 64)).astype(dtype)
     results = []
     for threads in ("1", "2", "3"):
         monkeypatch.setenv("NPATTN_NUM_THREADS", threads)
@@ -84,3 +93,89 @@ def test_inputs_are_not_mutated_by_the_fast_path():
     dout = rng.standard_normal(out.shape)
     dout.flags.writeable = False
     fast_numpy.backward(spec, *arrays, out, lse, dout, None)
+
+
+def _blas_threads():
+    return [info["num_threads"] for info in threadpoolctl.threadpool_info() if info["user_api"] == "blas"]
+
+
+def test_concurrent_calls_restore_the_blas_thread_limit(monkeypatch):
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    before = _blas_threads()
+    q = np.random.default_rng(0).standard_normal((2, 2, 64, 8))
+    errors = []
+
+    def call():
+        try:
+            for _ in range(30):
+                npattn.attention(q, q, q, impl="chunked", block_q=16, block_k=16)
+        except Exception as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert _blas_threads() == before
+
+
+def test_an_exception_in_one_item_is_raised_after_the_others_finish(monkeypatch):
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    finished = []
+
+    def work(item):
+        if item == 3:
+            raise RuntimeError("item 3 failed")
+        finished.append(item)
+
+    with pytest.raises(RuntimeError, match="item 3 failed"):
+        fast_numpy._run(list(range(8)), work)
+    assert 3 not in finished
+    assert _blas_threads() == _blas_threads()  # the limit was released (no deadlock on the lock)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_can_use_the_pool(monkeypatch):
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    q = np.random.default_rng(0).standard_normal((2, 2, 64, 8))
+    expected = npattn.attention(q, q, q, impl="chunked", block_q=16, block_k=16)  # the parent's pool exists now
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: must not hang on the parent's pool, whose threads did not survive the fork
+        try:
+            out = npattn.attention(q, q, q, impl="chunked", block_q=16, block_k=16)
+            os.write(write, b"ok" if np.array_equal(out, expected) else b"bad")
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    assert os.read(read, 8) == b"ok"
+
+
+def test_backward_follows_the_kernel_of_the_forward(monkeypatch):
+    attention_module = importlib.import_module("npattn.attention")  # npattn.attention is the function
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((1, 2, 9, 4)) for _ in range(3))
+    out, res = npattn.attention_forward(q, k, v, impl="chunked")
+    assert res.kernel == "numpy"
+    calls = []
+    kernels = attention_module._CHUNKED_KERNELS
+    monkeypatch.setitem(kernels, "numpy", (fast_numpy.forward, lambda *a: calls.append("numpy") or fast_numpy.backward(*a)))
+    monkeypatch.setitem(kernels, "generic", (chunked.chunked_forward,
+                                            lambda *a: calls.append("generic") or chunked.chunked_backward(*a)))
+    monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")  # switching the fast path off after the forward changes nothing
+    npattn.attention_backward(np.ones_like(out), res)
+    assert calls == ["numpy"]
+    _, res_generic = npattn.attention_forward(q, k, v, impl="chunked")
+    assert res_generic.kernel == "generic"
