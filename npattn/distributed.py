@@ -69,7 +69,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from .attention import AttentionGrads, ChunkedResiduals, attention_backward, attention_forward
+from .attention import AttentionGrads, ChunkedResiduals, attention_backward, attention_forward, chunked_kernel
 from .merge import merge_partials
 from .namespace import array_device, compute_dtype, resolve_namespace
 from .options import make_spec
@@ -772,7 +772,8 @@ def _backward(MPI, ring, P, dout, res: RingResiduals, dlse, stats) -> AttentionG
             if spec.impl == "dense":  # one tile: the dense computation, from the global out and lse
                 spec = dataclasses.replace(spec, block_q=max(spec.q_len, 1), block_k=spec.kv_len)
             spec = dataclasses.replace(spec, impl="chunked")
-            g = attention_backward(dout_c, ChunkedResiduals(spec, res.q, k_s, v_s, res.out, res.lse), dlse=dlse_c)
+            pair_res = ChunkedResiduals(spec, res.q, k_s, v_s, res.out, res.lse, chunked_kernel(spec))
+            g = attention_backward(dout_c, pair_res, dlse=dlse_c)
             dq = dq + g.dq  # (..., N, T_r, H)
             dk_rs, dv_rs = g.dk, g.dv  # (..., K, S_s, H), (..., K, S_s, Hv)
             computed += 1

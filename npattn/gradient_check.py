@@ -209,6 +209,7 @@ def check_gradients(
         numeric = sum(float(xp.sum(t)) for t in terms) / (2 * eps)
         magnitude = sum(float(xp.sum(xp.abs(t))) for t in terms) / (2 * eps)
         error = abs(numeric - analytic)
+        error = math.inf if math.isnan(error) else error
         result.vjp[name] = (numeric, analytic)
         result.max_abs_error[name] = error
         if not error <= atol + rtol * max(abs(analytic), magnitude):
@@ -296,8 +297,9 @@ def _check_full_jacobian(xp, device, inputs, names, wrt, outputs, finite, call_b
         analytic[i][~finite_host] = 0.0
         diff = np.abs(numeric - analytic[i])
         name = names[i]
-        result.max_abs_error[name] = max(result.max_abs_error.get(name, 0.0), float(diff.max(initial=0.0)))
-        bad = diff > atol + rtol * np.abs(analytic[i])
+        worst = float(np.where(np.isnan(diff), np.inf, diff).max(initial=0.0))
+        result.max_abs_error[name] = max(result.max_abs_error.get(name, 0.0), worst)
+        bad = ~(diff <= atol + rtol * np.abs(analytic[i]))  # a NaN anywhere fails
         if bad.any():
             o_row, e = np.unravel_index(np.argmax(np.where(bad, diff, -1)), bad.shape)
             o_index = int(np.searchsorted(np.cumsum(out_sizes), o_row, side="right"))

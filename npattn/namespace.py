@@ -103,7 +103,9 @@ def resolve_namespace(named_arrays: dict[str, Any], xp: Any = None) -> Any:
                 f"xp is {xp.__name__}, but {first_name} is an array of {_library_name(present[first_name])}; "
                 "pass xp=None to infer the namespace from the arrays"
             )
-        return xp
+        # The arrays' own Array API view of that library (array_api_compat's
+        # wrapper where the bare module, torch say, is not compliant).
+        return first_ns if first_ns is not None else xp
     if first_ns is None:
         raise TypeError("no array arguments were given to resolve a namespace from")
     return first_ns

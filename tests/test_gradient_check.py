@@ -115,3 +115,23 @@ def test_checker_runs_on_other_backends(backend):
         return (g.dq + g.dk + g.dv,)
 
     assert check_gradients(forward, backward, [q]).ok
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_nan_gradients_fail_in_both_checks():
+    """A NaN compares False with every tolerance: it must count as a failure."""
+
+    def forward(x):
+        return np.sin(x), x
+
+    def backward_nan_for_one_hot(dy, x):  # right for dense cotangents, NaN for the Jacobian's one-hot ones
+        return (dy * np.cos(x) * (1 + 0 * np.log(np.count_nonzero(dy) - 1.0)),)
+
+    def backward_nan(dy, x):
+        return (dy * np.nan,)
+
+    x = np.linspace(0, 1, 5)
+    jac = check_gradients(forward, backward_nan_for_one_hot, [x], jacobian=True, raise_on_failure=False)
+    assert not jac.ok and jac.max_abs_error["input0"] == np.inf
+    vjp = check_gradients(forward, backward_nan, [x], jacobian=False, raise_on_failure=False)
+    assert not vjp.ok and vjp.max_abs_error["input0"] == np.inf
