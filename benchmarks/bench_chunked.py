@@ -110,10 +110,16 @@ def main(argv=None):
     parser.add_argument("--memory-gib", type=float,
                         help="skip dense when its estimated peak exceeds this (default: 2/3 of available memory)")
     args = parser.parse_args(argv)
+    if args.lengths is not None and min(args.lengths) < 1:
+        parser.error(f"--lengths must all be >= 1, got {args.lengths}")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.memory_gib is not None and not args.memory_gib > 0:  # also rejects nan
+        parser.error(f"--memory-gib must be a positive number of GiB, got {args.memory_gib}")
     B, N, H = 1, 8, 64
     lengths = args.lengths or ([128, 256] if args.quick else [1024, 2048, 4096, 8192])
     rng = np.random.default_rng(0)
-    budget = args.memory_gib * 2**30 if args.memory_gib else 2 / 3 * _available_bytes()
+    budget = args.memory_gib * 2**30 if args.memory_gib is not None else 2 / 3 * _available_bytes()
 
     print(f"npattn dense vs chunked, NumPy {np.__version__}, float32, B={B}, N={N}, H={H}, "
           f"blocks {DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}, "
