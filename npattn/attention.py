@@ -287,7 +287,8 @@ def _check_cotangent(residuals: AttentionResiduals, name: str, g: Any, shape: tu
     if tuple(g.shape) != shape:
         raise ValueError(f"{name} must have the forward's shape {shape}, got {tuple(g.shape)}")
     if g.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype} (as the forward's output), got {g.dtype}")
+        raise TypeError(f"{name} must have dtype {dtype} (as the forward's {'lse' if name == 'dlse' else 'output'}), "
+                        f"got {g.dtype}")
     return spec.xp.astype(g, spec.compute_dtype, copy=False)
 
 

@@ -32,7 +32,7 @@ This module is chosen by namespace (``supports``) when the forward runs, and
 the residuals remember that choice. It is optional: setting the environment
 variable ``NPATTN_FAST_NUMPY=0`` sends NumPy inputs through the generic Array
 API path, which the tests compare this one against. ``NPATTN_NUM_THREADS``
-sets the pool size (default: the CPUs available).
+(else ``OMP_NUM_THREADS``) sets the pool size (default: the CPUs available).
 """
 
 from __future__ import annotations
@@ -87,10 +87,16 @@ if hasattr(os, "register_at_fork"):
 
 
 def num_threads() -> int:
-    """Pool size: ``NPATTN_NUM_THREADS`` or the number of usable CPUs."""
-    env = os.environ.get("NPATTN_NUM_THREADS")
-    if env:
-        return max(1, int(env))
+    """Pool size: ``NPATTN_NUM_THREADS``, else ``OMP_NUM_THREADS`` (the usual
+    way to cap threads per process, as under ``mpiexec``), else the number of
+    usable CPUs."""
+    for name in ("NPATTN_NUM_THREADS", "OMP_NUM_THREADS"):
+        env = os.environ.get(name, "").strip()
+        if env:
+            try:
+                return max(1, int(env.split(",")[0]))
+            except ValueError:
+                raise ValueError(f"{name} must be a positive integer, got {env!r}") from None
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux

@@ -31,7 +31,7 @@ DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AttentionSpec:
     """Validated attention options, shared by the forward and the backward.
 
@@ -245,6 +245,11 @@ def make_spec(
         _check_int("window[0] (left)", left, minimum=0, allow_none=True)
         _check_int("window[1] (right)", right, minimum=0, allow_none=True)
     if causal:
+        if right not in (None, 0):
+            raise ValueError(
+                f"causal=True means window right = 0, but window=({left}, {right}) asks for {right}; "
+                "drop causal or set the right side to 0 or None"
+            )
         right = 0
     if align is not None and align not in ALIGNS:
         raise ValueError(f"align must be one of {ALIGNS} or None, got {align!r}")

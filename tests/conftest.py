@@ -22,9 +22,11 @@ import numpy as np
 import pytest
 from hypothesis import settings
 
+# With CI set, Hypothesis loads its built-in "ci" profile itself (derandomized,
+# no deadline, no example database); locally, a quicker profile.
 settings.register_profile("dev", max_examples=30, deadline=None)
-settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True, print_blob=True)
-settings.load_profile("ci" if os.environ.get("CI") else "dev")
+if not os.environ.get("CI"):
+    settings.load_profile("dev")
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,8 @@ FORWARD_CASES = [
     ("negative window", lambda: ((Q_SQUARE, K, V), {"window": (-1, 0)}), ValueError, "window[0] (left) must be >= 0"),
     ("window not pair", lambda: ((Q_SQUARE, K, V), {"window": 3}), TypeError, "window must be a pair"),
     ("window float", lambda: ((Q_SQUARE, K, V), {"window": (1.5, 0)}), TypeError, "window[0] (left) must be an int"),
+    ("causal with a right window", lambda: ((Q_SQUARE, K, V), {"causal": True, "window": (2, 3)}), ValueError,
+     "causal=True means window right = 0"),
     ("causal not bool", lambda: ((Q_SQUARE, K, V), {"causal": 1}), TypeError, "causal must be a bool"),
     ("lengths shape", lambda: ((Q, K, V), {"kv_lengths": np.array([6, 6, 6])}), ValueError,
      "kv_lengths must have the inputs' batch shape (2,)"),

@@ -76,7 +76,8 @@ def problems(draw, max_len=11):
         positional = True
     if draw(st.booleans()):
         side = st.one_of(st.none(), st.integers(0, max_len))
-        options["window"] = (draw(side), draw(side))
+        right = st.sampled_from([None, 0]) if options.get("causal") else side  # causal means right = 0
+        options["window"] = (draw(side), draw(right))
         positional = True
     if positional and (T != S or draw(st.booleans())):
         options["align"] = draw(st.sampled_from(["top_left", "bottom_right"]))

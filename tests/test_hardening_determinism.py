@@ -148,10 +148,6 @@ def test_dense_is_bit_identical_to_itself_across_thread_settings():
         _assert_bit_identical(first, _run(q, k, v, dout, dlse, threads=t, **options), f"dense, {t} threads")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fast_numpy.num_threads() does int(os.environ['NPATTN_NUM_THREADS']) unchecked: a value such as 'four' "
-    "raises ValueError \"invalid literal for int() with base 10: 'four'\" from inside attention_forward, "
-    "without naming the variable"))
 def test_a_bad_thread_count_setting_is_a_clear_error():
     rng = np.random.default_rng(6)
     q, k, v, dout, dlse = _problem(np.float32, rng, T=20, S=30)
