@@ -561,6 +561,11 @@ def mha_forward(
             raise TypeError(f"cache must be an npattn KVCache, got {type(cache).__name__}")
         if kind != "self":
             raise ValueError("cache= decodes self-attention only: context must be None")
+        if dropout_p:
+            raise ValueError(
+                "dropout_p must be 0 with cache=: the dropout mask is keyed by each call's query index, "
+                "so decoding step by step would not draw the mask of one full forward"
+            )
         if align not in (None, "bottom_right"):
             raise ValueError(
                 f"with a cache the new queries sit at the end of the cached keys: align must be "

@@ -294,12 +294,12 @@ def make_spec(
         raise TypeError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
-    if dropout_p > 0:
-        if seed is None:
-            raise ValueError("seed is required when dropout_p > 0: the keep mask is a pure function of the seed")
+    if dropout_p > 0 and seed is None:
+        raise ValueError("seed is required when dropout_p > 0: the keep mask is a pure function of the seed")
+    if seed is not None:
         _check_int("seed", seed, minimum=0)
-    elif seed is not None:
-        _check_int("seed", seed, minimum=0)
+        if seed >= 2**64:
+            raise ValueError(f"seed must be < 2**64 (the dropout hash reads 64 bits), got {seed}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":

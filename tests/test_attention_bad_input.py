@@ -61,6 +61,7 @@ FORWARD_CASES = [
     ("dropout negative", lambda: ((Q, K, V), {"dropout_p": -0.1, "seed": 0}), ValueError, "dropout_p must lie"),
     ("dropout no seed", lambda: ((Q, K, V), {"dropout_p": 0.1}), ValueError, "seed is required"),
     ("seed negative", lambda: ((Q, K, V), {"dropout_p": 0.1, "seed": -3}), ValueError, "seed must be >= 0"),
+    ("seed too large", lambda: ((Q, K, V), {"dropout_p": 0.1, "seed": 2**64}), ValueError, "seed must be < 2**64"),
     ("scale nan", lambda: ((Q, K, V), {"scale": float("nan")}), TypeError, "scale must be a finite real"),
     ("block_q zero", lambda: ((Q, K, V), {"block_q": 0}), ValueError, "block_q must be >= 1"),
     ("mixed libraries", lambda: ((Q, _strict(K), V), {}), TypeError, "q and k come from different array libraries"),

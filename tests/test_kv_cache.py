@@ -104,6 +104,8 @@ def test_cache_errors_name_the_problem():
         mha_forward(random_params(rng, 8, 2, K=1), x, cache=fresh, num_heads=2)
     with pytest.raises(TypeError, match=r"cache stores float32, but the layer computes in float64"):
         mha_forward(params, x, cache=KVCache(2, 2, 4, dtype=np.float32), num_heads=2)
+    with pytest.raises(ValueError, match=r"dropout_p must be 0 with cache="):
+        mha_forward(params, x, cache=fresh, num_heads=2, causal=True, dropout_p=0.5, seed=3)
     with pytest.raises(TypeError, match=r"cache must be an npattn KVCache"):
         mha_forward(params, x, cache={"k": None}, num_heads=2)
     with pytest.raises(ValueError, match=r"mask of shape"):  # the core's error, raised before the cache moves
