@@ -69,11 +69,17 @@ from .masking import ALL, NONE, bias_tile, classify_tile, visible_tile
 from .namespace import sum_to_shape
 from .options import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, AttentionSpec
 
-__all__ = ["chunked_forward", "chunked_backward"]
+__all__ = ["chunked_forward", "chunked_backward", "tile_ranges"]
 
 
-def _tiles(length: int, block: int) -> list[tuple[int, int]]:
-    """``[(0, b), (b, 2b), ..., (., length)]``; the last tile may be shorter."""
+def tile_ranges(length: int, block: int) -> list[tuple[int, int]]:
+    """``[(0, b), (b, 2b), ..., (., length)]``; the last tile may be shorter.
+
+    The tiling of both chunked paths (this one and :mod:`npattn.fast_numpy`).
+
+    >>> tile_ranges(5, 2)
+    [(0, 2), (2, 4), (4, 5)]
+    """
     return [(start, min(start + block, length)) for start in range(0, length, block)]
 
 
@@ -170,9 +176,9 @@ def chunked_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, A
     qs = xp.reshape(q, bs + (K, G, T, H)) * spec.scale  # (..., K, G, T, H), pre-scaled
     kT = xp.matrix_transpose(xp.reshape(k, bs + (K, 1, S, H)))  # (..., K, 1, H, S)
     vg = xp.reshape(v, bs + (K, 1, S, Hv))  # (..., K, 1, S, Hv)
-    k_tiles = _tiles(S, spec.block_k or DEFAULT_BLOCK_K)
+    k_tiles = tile_ranges(S, spec.block_k or DEFAULT_BLOCK_K)
     out_tiles, lse_tiles = [], []
-    for q0, q1 in _tiles(T, spec.block_q or DEFAULT_BLOCK_Q):
+    for q0, q1 in tile_ranges(T, spec.block_q or DEFAULT_BLOCK_Q):
         qs_i = qs[..., q0:q1, :]  # (..., K, G, tq, H)
         m = xp.full(bs + (K, G, q1 - q0, 1), -xp.inf, dtype=spec.compute_dtype, device=spec.device)
         l = _zeros(spec, bs + (K, G, q1 - q0, 1))  # (..., K, G, tq, 1)
@@ -245,8 +251,8 @@ def chunked_backward(
     D = xp.reshape(D, bs + (K, G, T, 1))  # (..., K, G, T, 1)
     lse = xp.reshape(lse, bs + (K, G, T, 1))  # (..., K, G, T, 1)
     lse = xp.where(lse == -xp.inf, xp.zeros_like(lse), lse)  # masked rows: S = -inf gives P = 0
-    q_tiles = _tiles(T, spec.block_q or DEFAULT_BLOCK_Q)
-    k_tiles = _tiles(S, spec.block_k or DEFAULT_BLOCK_K)
+    q_tiles = tile_ranges(T, spec.block_q or DEFAULT_BLOCK_Q)
+    k_tiles = tile_ranges(S, spec.block_k or DEFAULT_BLOCK_K)
     dq_tiles: list[Any] = [None] * len(q_tiles)  # sum_j dS_ij K_j, each (..., K, G, tq, H)
     dk_tiles, dv_tiles = [], []
     dbias_acc = _DbiasAccumulator(spec, q_tiles, k_tiles)

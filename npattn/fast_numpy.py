@@ -48,6 +48,7 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from . import dropout as _dropout
+from .chunked import tile_ranges
 from .masking import ALL, NONE, bias_tile, classify_tile, visible_tile
 from .namespace import sum_to_shape
 from .options import AttentionSpec
@@ -178,10 +179,6 @@ def _blocks(spec: AttentionSpec) -> tuple[int, int]:
     return max(1, min(block_q, spec.q_len)), max(1, min(block_k, spec.kv_len))
 
 
-def _tiles(length: int, block: int) -> list[tuple[int, int]]:
-    return [(start, min(start + block, length)) for start in range(0, length, block)]
-
-
 def _fused_shift_limit(dtype: Any) -> float:
     """Largest score magnitude for which a shift may ride inside the GEMM:
     ``2**(mantissa bits - 12)`` (4096 in float32), where one rounding of the
@@ -296,7 +293,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     out = np.zeros((Bf, N, T, Hv), dtype=dtype)
     lse = np.full((Bf, N, T), -np.inf, dtype=dtype)
     block_q, block_k = _blocks(spec)
-    q_tiles, k_tiles = _tiles(T, block_q), _tiles(S, block_k)
+    q_tiles, k_tiles = tile_ranges(T, block_q), tile_ranges(S, block_k)
     scale = dtype.type(spec.scale)
 
     def work(job):
@@ -388,7 +385,7 @@ def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, do
     dv = np.zeros((Bf, K, S, Hv), dtype=dtype)
     dbias = None if spec.bias is None else np.zeros(spec.bias.shape, dtype=dtype)  # full-rank view shape
     block_q, block_k = _blocks(spec)
-    q_tiles, k_tiles = _tiles(T, block_q), _tiles(S, block_k)
+    q_tiles, k_tiles = tile_ranges(T, block_q), tile_ranges(S, block_k)
     scale = dtype.type(spec.scale)
     one = dtype.type(1)
     fold_D = fused and spec.dropout_p == 0
