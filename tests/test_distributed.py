@@ -14,21 +14,19 @@ ImportError when mpi4py is missing.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
-import sysconfig
 
 import numpy as np
 import pytest
 
 import mpi_ring_worker as worker
 import npattn
+from mpi_support import find_mpiexec, mpi_skip_reason, run_mpi
 from npattn.distributed import RingLayout, _pair_mask, _pair_options
 from npattn.masking import visible_tile
 from npattn.options import make_spec
@@ -39,25 +37,6 @@ TIMEOUT_S = 120
 TOL = {"float64": 1e-12, "float32": 2e-6, "float16": 5e-3}  # float16: outputs rounded to float16
 
 
-def find_mpiexec() -> str | None:
-    """``mpiexec`` of this Python's environment first (MPICH's wheel installs
-    it next to the interpreter), then the PATH."""
-    for directory in (os.path.dirname(sys.executable), sysconfig.get_path("scripts")):
-        found = shutil.which("mpiexec", path=directory)
-        if found:
-            return found
-    return shutil.which("mpiexec")
-
-
-def mpi_skip_reason() -> str | None:
-    if importlib.util.find_spec("mpi4py") is None:
-        return 'mpi4py is not installed (pip install "npattn[mpi]")'
-    if find_mpiexec() is None:
-        return ('no mpiexec next to the Python executable, in the scripts dir or on PATH '
-                '(pip install "npattn[mpi]" installs MPICH\'s)')
-    return None
-
-
 needs_mpi = pytest.mark.skipif(mpi_skip_reason() is not None, reason=str(mpi_skip_reason()))
 
 
@@ -66,13 +45,12 @@ def run_worker(P: int, mode: str, path: pathlib.Path, names: list[str] = ()) -> 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(WORKER.parent), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")  # 4 ranks on 2 cores: no thread oversubscription on top
-    command = [find_mpiexec(), "-n", str(P), sys.executable, str(WORKER), mode, str(path), *names]
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=REPO)
+        proc = run_mpi(P, WORKER, [mode, path, *names], env=env, cwd=REPO, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as err:
-        pytest.fail(f"{' '.join(command)} did not finish in {TIMEOUT_S} s (deadlock?)\n{err.stdout}\n{err.stderr}")
+        pytest.fail(f"{' '.join(err.cmd)} did not finish in {TIMEOUT_S} s (deadlock?)\n{err.stdout}\n{err.stderr}")
     if proc.returncode != 0 or not path.exists():
-        pytest.fail(f"{' '.join(command)} exited with {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+        pytest.fail(f"{' '.join(proc.args)} exited with {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     result = json.loads(path.read_text())
     assert result["size"] == P, (
         f"mpiexec started {result['size']} rank(s), not {P}: {find_mpiexec()} belongs to a different MPI "
@@ -254,7 +232,6 @@ def test_importing_npattn_does_not_import_mpi4py():
 @needs_mpi
 def test_example_script_runs_on_two_ranks():
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, str(REPO / "examples" / "ring_attention.py")],
-                          capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=REPO)
+    proc = run_mpi(2, REPO / "examples" / "ring_attention.py", env=env, cwd=REPO, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "max |ring - single process|" in proc.stdout

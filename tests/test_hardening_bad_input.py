@@ -1053,24 +1053,18 @@ def test_ring_attention_bad_dout_or_stats_raise_on_every_rank(tmp_path):
     raised AttributeError after the exchange on its rank only. Both are now
     TypeErrors raised on every rank, and the communicator stays usable."""
     import json
-    import shutil
     import subprocess
-    import sys
-    import sysconfig
 
-    pytest.importorskip("mpi4py")
-    mpiexec = next((found for found in (shutil.which("mpiexec", path=d) for d in
-                                        (os.path.dirname(sys.executable), sysconfig.get_path("scripts")))
-                    if found), None) or shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("no mpiexec (pip install \"npattn[mpi]\")")
+    from mpi_support import mpi_skip_reason, run_mpi
+
+    if mpi_skip_reason():
+        pytest.skip(mpi_skip_reason())
     script, result = tmp_path / "ring_errors.py", tmp_path / "result.json"
     script.write_text(RING_SCRIPT)
     repo = pathlib.Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     try:
-        proc = subprocess.run([mpiexec, "-n", "2", sys.executable, str(script), str(result)], capture_output=True,
-                              text=True, timeout=90, env=env, cwd=repo)
+        proc = run_mpi(2, script, [result], env=env, cwd=repo, timeout=90)
     except subprocess.TimeoutExpired:
         pytest.fail("ring attention deadlocked on a bad argument given to one rank")
     assert proc.returncode == 0, proc.stdout + proc.stderr
