@@ -17,7 +17,7 @@ import tracemalloc
 import numpy as np
 
 from . import attention_backward, attention_forward, check_gradients
-from .options import IMPLS
+from .options import IMPLS, check_int
 
 
 def _backend(name: str):
@@ -72,14 +72,18 @@ def _peak_mib(fn) -> float:
 
 
 def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (0 or negatives failed deep inside the demo)."""
+    """argparse type: an int >= 1 (0 or negatives failed deep inside the demo).
+
+    The library's :func:`~npattn.options.check_int` decides; this adapter only
+    turns its error into argparse's, which names the flag itself."""
     try:
-        value = int(text)
+        value: int | str = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
+        value = text
+    try:
+        return check_int("value", value, minimum=1)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,7 @@ import array_api_compat
 import numpy as np  # plotting only (matplotlib draws NumPy arrays); compute uses the array namespace
 
 from .namespace import check_floating, compute_dtype, resolve_namespace
+from .options import check_int
 
 __all__ = [
     "attention_entropy",
@@ -128,15 +129,6 @@ def _check_real(name: str, value: Any, *, minimum: float | None = None) -> float
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
     return float(value)
-
-
-def _check_count(name: str, value: Any) -> int:
-    """An int >= 0, else TypeError/ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return int(value)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -322,7 +314,7 @@ def row_sum_check(weights, /, *, atol=None, max_listed=10, xp=None) -> RowSumRep
     """
     xp, p = _prepare(weights, xp)
     atol = _default_atol(xp, weights.dtype) if atol is None else _check_real("atol", atol, minimum=0.0)
-    max_listed = _check_count("max_listed", max_listed)
+    max_listed = check_int("max_listed", max_listed, minimum=0)
     sums = xp.sum(p, axis=-1)  # (..., T)
     live = _live_rows(xp, p)  # (..., T)
     dev = xp.abs(sums - xp.astype(live, p.dtype))  # (..., T)

@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +71,7 @@ from typing import Any
 from .attention import AttentionGrads, ChunkedResiduals, attention_backward, attention_forward, chunked_kernel
 from .merge import merge_partials
 from .namespace import array_device, compute_dtype, resolve_namespace
-from .options import make_spec
+from .options import check_int, make_spec
 
 __all__ = [
     "ring_attention_forward",
@@ -552,9 +551,8 @@ def _local_meta(q, k, v, causal, window, align, scale, q_start, kv_start, impl, 
                 transport, xp) -> dict:
     """Check this rank's inputs; describe the shard for the other ranks."""
     xp = resolve_namespace({"q": q, "k": k, "v": v}, xp)
-    for name, value in (("q_start", q_start), ("kv_start", kv_start)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
-            raise TypeError(f"{name} must be an int >= 0 or None, got {value!r}")
+    q_start = check_int("q_start", q_start, minimum=0, allow_none=True)
+    kv_start = check_int("kv_start", kv_start, minimum=0, allow_none=True)
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if getattr(k, "ndim", 0) >= 3 and k.shape[-2] == 0:
@@ -565,8 +563,7 @@ def _local_meta(q, k, v, causal, window, align, scale, q_start, kv_start, impl, 
     return {
         "batch_shape": spec.batch_shape, "num_heads": spec.num_heads, "num_kv_heads": spec.num_kv_heads,
         "head_dim": spec.head_dim, "value_dim": spec.value_dim, "dtype": _dtype_name(spec.dtype),
-        "T": spec.q_len, "S": spec.kv_len, "q_start": None if q_start is None else int(q_start),
-        "kv_start": None if kv_start is None else int(kv_start),
+        "T": spec.q_len, "S": spec.kv_len, "q_start": q_start, "kv_start": kv_start,
         "window": (spec.window_left, spec.window_right), "align": align,
         "scale": None if scale is None else float(scale), "error": None,
     }

@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .namespace import array_device, resolve_namespace
+from .options import check_int
 
 __all__ = ["check_gradients", "GradcheckResult", "GradcheckError"]
 
@@ -251,11 +252,8 @@ def _check_arguments(forward, backward, inputs, names, wrt, eps, atol, rtol, see
             raise TypeError(f"{name} must be a finite real number, got {value!r}")
         if value < 0 or (positive and value == 0):
             raise ValueError(f"{name} must be {'> 0' if positive else '>= 0'}, got {value!r}")
-    for name, value in (("seed", seed), ("max_jacobian_elements", max_jacobian_elements)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {value!r}")
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value!r}")
+    check_int("seed", seed, minimum=0)
+    check_int("max_jacobian_elements", max_jacobian_elements, minimum=0)
     if not (isinstance(jacobian, bool) or (isinstance(jacobian, str) and jacobian == "auto")):
         raise TypeError(f"jacobian must be True, False or 'auto', got {jacobian!r}")
 

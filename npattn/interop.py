@@ -25,12 +25,12 @@ Masks: PyTorch's ``key_padding_mask`` (True = ignore this key) and boolean
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
 from .mha import layer_dims
 from .namespace import resolve_namespace
+from .options import check_int
 
 __all__ = ["mha_params_from_torch", "mha_params_to_torch", "mha_masks_from_torch"]
 
@@ -259,10 +259,7 @@ def mha_masks_from_torch(*, key_padding_mask=None, attn_mask=None, num_heads=Non
         if am.ndim == 3:
             if num_heads is None:
                 raise ValueError("a 3-D attn_mask (B*N, T, S) needs num_heads to split its first axis")
-            if isinstance(num_heads, bool) or not isinstance(num_heads, numbers.Integral):
-                raise TypeError(f"num_heads must be an int >= 1, got {num_heads!r}")
-            if num_heads < 1:
-                raise ValueError(f"num_heads must be an int >= 1, got {num_heads!r}")
+            num_heads = check_int("num_heads", num_heads, minimum=1)
             if am.shape[0] % num_heads:
                 raise ValueError(
                     f"attn_mask's first axis ({am.shape[0]}) must be B * num_heads (num_heads={num_heads})"

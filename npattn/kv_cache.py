@@ -20,10 +20,10 @@ out earlier keep their values.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 from .namespace import array_device, check_float_dtype, check_namespace, resolve_namespace
+from .options import check_int
 
 __all__ = ["KVCache", "default_float_dtype"]
 
@@ -40,14 +40,6 @@ def default_float_dtype(xp: Any, device: Any = None) -> Any:
     if info is None:
         return xp.float64
     return info().default_dtypes(device=device)["real floating"]
-
-
-def _check_positive_int(name: str, value: Any, *, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 class KVCache:
@@ -111,10 +103,10 @@ class KVCache:
                  device=None, xp=None):
         if xp is None:
             import array_api_compat.numpy as xp
-        self._batch_size = _check_positive_int("batch_size", batch_size)
-        self._num_kv_heads = _check_positive_int("num_kv_heads", num_kv_heads)
-        self._head_dim = _check_positive_int("head_dim", head_dim)
-        self._max_length = None if max_length is None else _check_positive_int("max_length", max_length)
+        self._batch_size = check_int("batch_size", batch_size, minimum=1)
+        self._num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
+        self._head_dim = check_int("head_dim", head_dim, minimum=1)
+        self._max_length = None if max_length is None else check_int("max_length", max_length, minimum=1)
         self._xp = check_namespace(xp)
         self._dtype = default_float_dtype(xp, device) if dtype is None else dtype
         check_float_dtype(xp, "dtype", self._dtype)

@@ -29,7 +29,6 @@ dim, kdim/vdim the widths of the key/value sources.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -41,6 +40,7 @@ from .dense import expand_kv_heads
 from .kv_cache import KVCache, default_float_dtype
 from .masking import bias_tile, visible_tile
 from .namespace import check_float_dtype, check_namespace, compute_dtype, resolve_namespace
+from .options import check_int
 
 __all__ = [
     "mha_init",
@@ -60,18 +60,10 @@ PARAM_KEYS = ("q_weight", "q_bias", "k_weight", "k_bias", "v_weight", "v_bias", 
 WEIGHT_KEYS = ("q_weight", "k_weight", "v_weight", "out_weight")
 
 
-def _check_int(name: str, value: Any, *, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 def _check_heads(embed_dim: int, num_heads: Any, num_kv_heads: Any) -> tuple[int, int]:
     """Validate the head counts; returns ``(N, K)`` with ``K`` defaulting to ``N``."""
-    N = _check_int("num_heads", num_heads)
-    K = N if num_kv_heads is None else _check_int("num_kv_heads", num_kv_heads)
+    N = check_int("num_heads", num_heads, minimum=1)
+    K = N if num_kv_heads is None else check_int("num_kv_heads", num_kv_heads, minimum=1)
     if embed_dim % N:
         raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={N}")
     if N % K:
@@ -145,13 +137,13 @@ def mha_init(embed_dim, num_heads, *, num_kv_heads=None, kdim=None, vdim=None, b
     {'q_weight': (8, 8), 'k_weight': (4, 5), 'v_weight': (4, 8), 'out_weight': (8, 8),
      'q_bias': (8,), 'k_bias': (4,), 'v_bias': (4,), 'out_bias': (8,)}
     """
-    E = _check_int("embed_dim", embed_dim)
+    E = check_int("embed_dim", embed_dim, minimum=1)
     N, K = _check_heads(E, num_heads, num_kv_heads)
-    kdim = E if kdim is None else _check_int("kdim", kdim)
-    vdim = E if vdim is None else _check_int("vdim", vdim)
+    kdim = E if kdim is None else check_int("kdim", kdim, minimum=1)
+    vdim = E if vdim is None else check_int("vdim", vdim, minimum=1)
     if not isinstance(bias, bool):
         raise TypeError(f"bias must be a bool, got {bias!r}")
-    _check_int("seed", seed, minimum=0)
+    check_int("seed", seed, minimum=0)
     if xp is None:
         import array_api_compat.numpy as xp
     check_namespace(xp)
@@ -217,7 +209,7 @@ def layer_dims(params, /, *, num_heads, num_kv_heads=None) -> LayerDims:
             f"params['q_weight'] must have shape (embed_dim, embed_dim) with embed_dim >= 1, got {shape('q_weight')}"
         )
     E = shape("q_weight")[0]
-    N = _check_int("num_heads", num_heads)
+    N = check_int("num_heads", num_heads, minimum=1)
     if E % N:
         raise ValueError(f"embed_dim={E} (params['q_weight'].shape) must be divisible by num_heads={N}")
     H = E // N
@@ -228,7 +220,7 @@ def layer_dims(params, /, *, num_heads, num_kv_heads=None) -> LayerDims:
         )
     Kd, kdim = shape("k_weight")
     K = Kd // H
-    if num_kv_heads is not None and _check_int("num_kv_heads", num_kv_heads) != K:
+    if num_kv_heads is not None and check_int("num_kv_heads", num_kv_heads, minimum=1) != K:
         raise ValueError(
             f"num_kv_heads={num_kv_heads}, but params['k_weight'] has {Kd} rows = {K} heads of head_dim {H}"
         )

@@ -4,6 +4,10 @@ one validated, immutable :class:`AttentionSpec` that every path reads.
 All checks happen here, before any compute, so the dense and chunked paths
 see identical, already-normalized options and every bad input gets one clear
 ``TypeError`` or ``ValueError`` that names the argument.
+
+:func:`check_int` is the integer-argument check every other module (the
+layer, the KV cache, diagnostics, the gradient checker, interop, ring
+attention, the demo's command line) uses too.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 from .namespace import array_device, compute_dtype, resolve_namespace
 
-__all__ = ["AttentionSpec", "make_spec", "IMPLS", "ALIGNS"]
+__all__ = ["AttentionSpec", "make_spec", "check_int", "IMPLS", "ALIGNS"]
 
 IMPLS = ("auto", "dense", "chunked")
 ALIGNS = ("top_left", "bottom_right")
@@ -105,14 +109,30 @@ def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     return all(s == t or s == 1 for s, t in zip(shape[::-1], target[::-1]))
 
 
-def _check_int(name: str, value: Any, *, minimum: int, allow_none: bool = False) -> None:
+def check_int(name: str, value: Any, *, minimum: int, allow_none: bool = False) -> int | None:
+    """Return ``value`` as a Python int after checking it is an integer (any
+    ``numbers.Integral``, NumPy's included; bool is not) ``>= minimum``, or
+    None when ``allow_none`` and it is None.
+
+    The one integer-argument check of npattn: ``TypeError`` ("{name} must be
+    an int, got ...") or ``ValueError`` ("{name} must be >= {minimum}, got
+    ..."), both naming the argument.
+
+    >>> check_int("block_q", 64, minimum=1)
+    64
+    >>> check_int("seed", -1, minimum=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: seed must be >= 0, got -1
+    """
     if value is None and allow_none:
-        return
+        return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         expected = "an int or None" if allow_none else "an int"
         raise TypeError(f"{name} must be {expected}, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
 
 
 def _check_lengths(xp, name, lengths, batch_shape, limit, device):
@@ -242,8 +262,8 @@ def make_spec(
         if not isinstance(window, (tuple, list)) or len(window) != 2:
             raise TypeError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
         left, right = window
-        _check_int("window[0] (left)", left, minimum=0, allow_none=True)
-        _check_int("window[1] (right)", right, minimum=0, allow_none=True)
+        left = check_int("window[0] (left)", left, minimum=0, allow_none=True)
+        right = check_int("window[1] (right)", right, minimum=0, allow_none=True)
     if causal:
         if right not in (None, 0):
             raise ValueError(
@@ -297,15 +317,15 @@ def make_spec(
     if dropout_p > 0 and seed is None:
         raise ValueError("seed is required when dropout_p > 0: the keep mask is a pure function of the seed")
     if seed is not None:
-        _check_int("seed", seed, minimum=0)
+        seed = check_int("seed", seed, minimum=0)
         if seed >= 2**64:
             raise ValueError(f"seed must be < 2**64 (the dropout hash reads 64 bits), got {seed}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         impl = "chunked" if math.prod(full) > AUTO_CHUNKED_MIN_SCORES else "dense"
-    _check_int("block_q", block_q, minimum=1, allow_none=True)
-    _check_int("block_k", block_k, minimum=1, allow_none=True)
+    block_q = check_int("block_q", block_q, minimum=1, allow_none=True)
+    block_k = check_int("block_k", block_k, minimum=1, allow_none=True)
 
     return AttentionSpec(
         xp=xp, device=device, batch_shape=batch_shape, num_heads=N, num_kv_heads=K,
@@ -314,7 +334,5 @@ def make_spec(
         window_left=left, window_right=right, align=align,
         q_lengths=q_lengths, kv_lengths=kv_lengths, q_offset=q_offset,
         offset_bounds=offset_bounds, q_len_bounds=q_len_bounds, kv_len_bounds=kv_len_bounds,
-        dropout_p=float(dropout_p), seed=None if seed is None else int(seed), impl=impl,
-        block_q=None if block_q is None else int(block_q),
-        block_k=None if block_k is None else int(block_k),
+        dropout_p=float(dropout_p), seed=seed, impl=impl, block_q=block_q, block_k=block_k,
     )

@@ -341,7 +341,7 @@ def _():
                                 num_heads=2)
 
 
-@case("mha_masks_from_torch: num_heads 0 (TypeError before)", ValueError, "num_heads must be an int >= 1, got 0")
+@case("mha_masks_from_torch: num_heads 0 (TypeError before)", ValueError, "num_heads must be >= 1, got 0")
 def _():
     npattn.mha_masks_from_torch(attn_mask=np.zeros((4, 3, 3), bool), num_heads=0)
 
@@ -844,7 +844,7 @@ rows(
      lambda: npattn.mha_masks_from_torch(attn_mask=np.zeros(3, bool))),
     ("masks_from_torch: 3-D attn_mask without num_heads", ValueError, "needs num_heads to split its first axis",
      lambda: npattn.mha_masks_from_torch(attn_mask=np.zeros((4, 3, 3), bool))),
-    ("masks_from_torch: num_heads a string", TypeError, "num_heads must be an int >= 1, got '2'",
+    ("masks_from_torch: num_heads a string", TypeError, "num_heads must be an int, got '2'",
      lambda: npattn.mha_masks_from_torch(attn_mask=np.zeros((4, 3, 3), bool), num_heads="2")),
     ("masks_from_torch: first axis not B * num_heads", ValueError, "attn_mask's first axis (4) must be B * num_heads",
      lambda: npattn.mha_masks_from_torch(attn_mask=np.zeros((4, 3, 3), bool), num_heads=3)),
