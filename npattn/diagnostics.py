@@ -44,7 +44,7 @@ from typing import Any
 import array_api_compat
 import numpy as np  # plotting only (matplotlib draws NumPy arrays); compute uses the array namespace
 
-from .namespace import check_floating, compute_dtype, resolve_namespace
+from .namespace import check_floating, compute_dtype, dtype_name, resolve_namespace, to_numpy
 from .options import check_int
 
 __all__ = [
@@ -129,11 +129,6 @@ def _check_real(name: str, value: Any, *, minimum: float | None = None) -> float
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
     return float(value)
-
-
-def _dtype_name(dtype: Any) -> str:
-    """``float32`` whatever the library prints (``torch.float32``, ``array_api_strict.float32``)."""
-    return str(dtype).rsplit(".", 1)[-1]
 
 
 def _default_atol(xp: Any, dtype: Any) -> float:
@@ -456,7 +451,7 @@ def check_finite(arrays: Mapping[str, Any], /, *, allow_neginf: Iterable[str] = 
 
 
 def _finite_entry(xp: Any, name: str, a: Any, neginf_allowed: bool) -> FiniteEntry:
-    shape, dtype = tuple(a.shape), _dtype_name(a.dtype)
+    shape, dtype = tuple(a.shape), dtype_name(a.dtype)
     if xp.isdtype(a.dtype, "complex floating"):
         raise TypeError(f"{name}: complex arrays are not supported, got {a.dtype}")
     if not xp.isdtype(a.dtype, "real floating"):
@@ -586,24 +581,11 @@ def summarize(weights, /, *, atol=None, peak_warning=PEAK_WARNING, xp=None) -> A
                         f"mean peak >= {peak_warning}: nearly one-hot attention "
                         "(check the scale, learning rate, warm-up)")
     S = weights.shape[-1]
-    return AttentionSummary(tuple(weights.shape), _dtype_name(weights.dtype), entropy, peak,
+    return AttentionSummary(tuple(weights.shape), dtype_name(weights.dtype), entropy, peak,
                             math.log(S) if S else math.nan, row_sums, finite.n_nan, n_inf, tuple(warnings))
 
 
 # --------------------------------------------------------------------------- plotting
-
-
-def _to_numpy(x: Any):
-    """Copy an array of any supported library to a NumPy array (plotting only)."""
-    library = type(x).__module__.split(".")[0]
-    if library == "cupy":
-        return x.get()
-    if library == "torch":
-        return x.detach().cpu().numpy()
-    try:
-        return np.asarray(x)
-    except (TypeError, ValueError, RuntimeError):
-        return np.from_dlpack(x)  # e.g. array-api-strict on a non-default device
 
 
 def _labels(name: str, tokens: Any, length: int, axis: str) -> list[str] | None:
@@ -741,7 +723,7 @@ def plot_attention(weights, /, *, path, tokens=None, query_tokens=None, key_toke
     p = xp.astype(w, compute_dtype(xp, w.dtype), copy=False)  # (N, T, S)
     entropy = _floats(attention_entropy(p, xp=xp))
     peak = _floats(attention_peak(p, xp=xp))
-    host = _to_numpy(p)  # (N, T, S)
+    host = to_numpy(p)  # (N, T, S)
     try:
         colormap = matplotlib.colormaps[cmap].with_extremes(bad="lightgrey")  # fully masked rows
     except (KeyError, TypeError) as err:

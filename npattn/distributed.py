@@ -68,9 +68,11 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .attention import AttentionGrads, ChunkedResiduals, attention_backward, attention_forward, chunked_kernel
 from .merge import merge_partials
-from .namespace import array_device, compute_dtype, resolve_namespace
+from .namespace import array_device, compute_dtype, dtype_name, resolve_namespace, to_numpy
 from .options import check_int, make_spec
 
 __all__ = [
@@ -115,11 +117,6 @@ def _check_comm(MPI: Any, comm: Any) -> int:
     if size < 1:
         raise ValueError(f"comm has size {size}; ring attention needs at least one rank")
     return size
-
-
-def _dtype_name(dtype: Any) -> str:
-    """``float32`` whatever the library prints (``torch.float32``, ...)."""
-    return str(dtype).rsplit(".", 1)[-1]
 
 
 # --------------------------------------------------------------------------- layout
@@ -232,18 +229,6 @@ def _is_host_array(x: Any) -> bool:
         return type(x).__module__.split(".")[0] == "numpy"
 
 
-def _to_host(x: Any) -> Any:
-    """A C-contiguous NumPy copy of ``x`` (any library, any device)."""
-    import numpy as np
-
-    if hasattr(x, "get") and type(x).__module__.split(".")[0] == "cupy":
-        return np.ascontiguousarray(x.get())
-    try:
-        return np.ascontiguousarray(np.from_dlpack(x, device="cpu", copy=True))
-    except (AttributeError, TypeError, ValueError, RuntimeError, BufferError):
-        return np.ascontiguousarray(np.asarray(x))
-
-
 def _is_c_contiguous(x: Any) -> bool:
     """Whether ``x``'s memory is known to be in C order (NumPy, CuPy, PyTorch);
     False when the library does not say."""
@@ -314,9 +299,7 @@ class _Transport:
             if self.mode == "buffer":
                 buf = self.xp.empty(shape, dtype=self.dtype, device=self.device)
             else:
-                import numpy as np
-
-                buf = np.empty(shape, dtype=_dtype_name(self.dtype))
+                buf = np.empty(shape, dtype=dtype_name(self.dtype))
             recvs.append(buf)
             requests.append(self.comm.Irecv([buf, MPI.BYTE], source=self.left, tag=tag + i))
             self.bytes_received += math.prod(shape) * self.itemsize
@@ -325,7 +308,7 @@ class _Transport:
                 payload = x if _is_c_contiguous(x) else self.contiguous(x)
                 _synchronize(payload)
             else:
-                payload = _to_host(x)
+                payload = np.ascontiguousarray(to_numpy(x))  # kept alive in `keep` until the wait
             keep.append(payload)
             requests.append(self.comm.Isend([payload, MPI.BYTE], dest=self.right, tag=tag + i))
             self.bytes_sent += math.prod(tuple(x.shape)) * self.itemsize
@@ -562,7 +545,7 @@ def _local_meta(q, k, v, causal, window, align, scale, q_start, kv_start, impl, 
                      impl=impl, block_q=block_q, block_k=block_k, xp=xp)
     return {
         "batch_shape": spec.batch_shape, "num_heads": spec.num_heads, "num_kv_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim, "value_dim": spec.value_dim, "dtype": _dtype_name(spec.dtype),
+        "head_dim": spec.head_dim, "value_dim": spec.value_dim, "dtype": dtype_name(spec.dtype),
         "T": spec.q_len, "S": spec.kv_len, "q_start": q_start, "kv_start": kv_start,
         "window": (spec.window_left, spec.window_right), "align": align,
         "scale": None if scale is None else float(scale), "error": None,

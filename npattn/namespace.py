@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import array_api_compat
+import numpy as np
 
 __all__ = [
     "resolve_namespace",
@@ -29,6 +30,8 @@ __all__ = [
     "check_floating",
     "check_float_dtype",
     "sum_to_shape",
+    "to_numpy",
+    "dtype_name",
 ]
 
 
@@ -143,6 +146,46 @@ def check_float_dtype(xp: Any, name: str, dtype: Any) -> None:
         ok = False
     if not ok:
         raise TypeError(f"{name} must be a real floating dtype of {xp.__name__} (e.g. xp.float32), got {dtype!r}")
+
+
+def dtype_name(dtype: Any) -> str:
+    """``"float32"`` whatever the library prints (``torch.float32``,
+    ``array_api_strict.float32``); a name NumPy understands.
+
+    >>> import numpy as np
+    >>> dtype_name(np.dtype("float16"))
+    'float16'
+    """
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """``x``'s values as a NumPy array, from any supported library and device:
+    for host work (plots, MPI staging, the gradient checker's float64 sums),
+    never for compute.
+
+    CuPy copies with ``.get()``; PyTorch is detached and moved to the CPU;
+    array-api-strict, which refuses ``__array__`` off its CPU device, is moved
+    there first; anything else goes through ``np.asarray``, then DLPack. A
+    NumPy array comes back as it is, and a CPU array may share its memory.
+
+    >>> import numpy as np
+    >>> to_numpy(np.arange(3)).tolist()
+    [0, 1, 2]
+    """
+    library = _library_name(x)
+    if library == "cupy":
+        return x.get()
+    if library == "torch":
+        x = x.detach().cpu()
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError, RuntimeError):
+        pass
+    if library == "array_api_strict":
+        xps = array_api_compat.array_namespace(x)
+        return np.asarray(xps.asarray(x, device=xps.Device("CPU_DEVICE"), copy=True))
+    return np.from_dlpack(x)
 
 
 def sum_to_shape(xp: Any, x: Any, shape: tuple[int, ...]) -> Any:
