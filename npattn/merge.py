@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .namespace import array_device, compute_dtype, resolve_namespace
+from .namespace import array_device, check_floating, compute_dtype, resolve_namespace
 
 __all__ = ["merge_partials", "merge_partials_backward", "MergeResiduals"]
 
@@ -91,8 +91,7 @@ def _check_parts(outs: Any, lses: Any, xp: Any) -> Any:
                 f"lses[{i}] must have shape out.shape[:-1] = {shape[:-1]} (one lse per row), got {tuple(s.shape)}"
             )
         for name, a, first in ((f"outs[{i}]", o, outs[0]), (f"lses[{i}]", s, lses[0])):
-            if not xp.isdtype(a.dtype, "real floating"):
-                raise TypeError(f"{name} must have a real floating dtype, got {a.dtype}")
+            check_floating(xp, name, a)
             if a.dtype != first.dtype:
                 raise TypeError(f"{name} has dtype {a.dtype}, but part 0 has {first.dtype}; parts must share one dtype")
     return xp

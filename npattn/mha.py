@@ -39,7 +39,7 @@ from .attention import AttentionResiduals, DenseResiduals, attention_backward, a
 from .dense import expand_kv_heads
 from .kv_cache import KVCache, default_float_dtype
 from .masking import bias_tile, visible_tile
-from .namespace import check_float_dtype, check_namespace, compute_dtype, resolve_namespace
+from .namespace import check_float_dtype, check_floating, check_namespace, compute_dtype, resolve_namespace
 from .options import check_int
 
 __all__ = [
@@ -535,8 +535,7 @@ def mha_forward(
             )
 
     # --- dtypes --------------------------------------------------------------
-    if not xp.isdtype(x.dtype, "real floating"):
-        raise TypeError(f"x must have a real floating dtype, got {x.dtype}")
+    check_floating(xp, "x", x)
     for name, a in [(names[0], key_source), (names[1], value_source)] + [
         (f"params[{key!r}]", a) for key, a in params.items()
     ]:

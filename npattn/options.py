@@ -17,7 +17,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from .namespace import array_device, compute_dtype, resolve_namespace
+from .namespace import array_device, check_floating, compute_dtype, resolve_namespace
 
 __all__ = ["AttentionSpec", "make_spec", "check_int", "IMPLS", "ALIGNS"]
 
@@ -226,8 +226,7 @@ def make_spec(
         )
     # --- dtypes -----------------------------------------------------------
     for name, a in (("q", q), ("k", k), ("v", v)):
-        if not xp.isdtype(a.dtype, "real floating"):
-            raise TypeError(f"{name} must have a real floating dtype, got {a.dtype}")
+        check_floating(xp, name, a)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     device = array_device(q)
