@@ -31,7 +31,7 @@ from .namespace import sum_to_shape
 from .options import AttentionSpec
 from .softmax import masked_softmax
 
-__all__ = ["dense_forward", "dense_backward", "expand_kv_heads", "reduce_kv_heads"]
+__all__ = ["dense_forward", "dense_backward", "dense_scores", "expand_kv_heads", "reduce_kv_heads"]
 
 
 def expand_kv_heads(xp: Any, x: Any, group_size: int) -> Any:
@@ -67,7 +67,10 @@ def _dropout_scale(spec: AttentionSpec) -> Any | None:
     return xp.astype(keep, spec.compute_dtype) / (1.0 - spec.dropout_p)
 
 
-def _scores(spec: AttentionSpec, q: Any, k: Any) -> Any:
+def dense_scores(spec: AttentionSpec, q: Any, k: Any) -> Any:
+    """``S = scale * Q K^T + bias`` over the whole ``(..., N, T, S)``, before
+    masking: the one definition of the dense scores (the multi-head layer
+    rebuilds the chunked path's probabilities from it)."""
     xp = spec.xp
     k_heads = expand_kv_heads(xp, k, spec.group_size)  # (..., N, S, H)
     s = spec.scale * (q @ xp.matrix_transpose(k_heads))  # (..., N, T, S)
@@ -78,7 +81,7 @@ def _scores(spec: AttentionSpec, q: Any, k: Any) -> Any:
 def dense_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
     """Return ``(out, lse, probs)`` in the compute dtype; inputs already cast."""
     xp = spec.xp
-    s = _scores(spec, q, k)  # (..., N, T, S)
+    s = dense_scores(spec, q, k)  # (..., N, T, S)
     p, lse = masked_softmax(xp, s, visible_tile(spec, 0, spec.q_len, 0, spec.kv_len))
     drop = _dropout_scale(spec)
     p_dropped = p if drop is None else p * drop  # (..., N, T, S)

@@ -36,9 +36,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .attention import AttentionResiduals, DenseResiduals, attention_backward, attention_forward
-from .dense import expand_kv_heads
+from .dense import dense_scores
 from .kv_cache import KVCache, default_float_dtype
-from .masking import bias_tile, visible_tile
+from .masking import visible_tile
 from .namespace import check_float_dtype, check_floating, check_namespace, compute_dtype, resolve_namespace
 from .options import check_int
 
@@ -290,11 +290,7 @@ def _recompute_weights(attn: AttentionResiduals) -> Any:
     saved ``lse`` (materializes ``(B, N, T, S)``)."""
     spec = attn.spec
     xp = spec.xp
-    k_heads = expand_kv_heads(xp, attn.k, spec.group_size)  # (B, N, S, H)
-    s = spec.scale * (attn.q @ xp.matrix_transpose(k_heads))  # (B, N, T, S)
-    b = bias_tile(spec, 0, spec.q_len, 0, spec.kv_len)
-    if b is not None:
-        s = s + b  # (B, N, T, S)
+    s = dense_scores(spec, attn.q, attn.k)  # (B, N, T, S)
     visible = visible_tile(spec, 0, spec.q_len, 0, spec.kv_len)
     if visible is not None:
         s = xp.where(visible, s, -xp.inf)  # (B, N, T, S)
