@@ -140,14 +140,6 @@ class RingLayout:
     kv_starts: tuple[int, ...]
     q_offset: int
 
-    @property
-    def q_total(self) -> int:
-        return sum(self.q_lengths)
-
-    @property
-    def kv_total(self) -> int:
-        return sum(self.kv_lengths)
-
 
 def _starts(name: str, given: list, lengths: tuple[int, ...]) -> tuple[int, ...]:
     """Default (rank-order) or checked explicit shard starts."""

@@ -32,7 +32,7 @@ on fully masked rows).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from .namespace import array_device, check_floating, compute_dtype, resolve_namespace
 
