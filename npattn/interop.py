@@ -188,6 +188,17 @@ def mha_params_to_torch(params):
     return out
 
 
+def _sort_torch_mask(xp: Any, name: str, m: Any, masks: list, biases: list) -> None:
+    """File one PyTorch mask: a bool one (True = not allowed) is inverted into
+    ``masks`` (True = may attend), a float one (additive) goes to ``biases``."""
+    if m.dtype == xp.bool:
+        masks.append(xp.logical_not(m))
+    elif xp.isdtype(m.dtype, "real floating"):
+        biases.append(m)
+    else:
+        raise TypeError(f"{name} must be bool or floating, got {m.dtype}")
+
+
 def mha_masks_from_torch(*, key_padding_mask=None, attn_mask=None, num_heads=None, xp=None):
     r"""Convert ``nn.MultiheadAttention``'s masks to npattn's ``(mask, bias)``.
 
@@ -248,12 +259,7 @@ def mha_masks_from_torch(*, key_padding_mask=None, attn_mask=None, num_heads=Non
             kpm = xp.reshape(kpm, (kpm.shape[0], 1, 1, kpm.shape[1]))  # (B, 1, 1, S)
         else:
             kpm = xp.reshape(kpm, (1, 1, kpm.shape[0]))  # (1, 1, S)
-        if kpm.dtype == xp.bool:
-            masks.append(xp.logical_not(kpm))
-        elif xp.isdtype(kpm.dtype, "real floating"):
-            biases.append(kpm)
-        else:
-            raise TypeError(f"key_padding_mask must be bool or floating, got {kpm.dtype}")
+        _sort_torch_mask(xp, "key_padding_mask", kpm, masks, biases)
     if attn_mask is not None:
         am = attn_mask
         if am.ndim == 3:
@@ -267,12 +273,7 @@ def mha_masks_from_torch(*, key_padding_mask=None, attn_mask=None, num_heads=Non
             am = xp.reshape(am, (am.shape[0] // num_heads, num_heads, am.shape[1], am.shape[2]))  # (B, N, T, S)
         elif am.ndim != 2:
             raise ValueError(f"attn_mask must have shape (T, S) or (B*N, T, S), got {tuple(am.shape)}")
-        if am.dtype == xp.bool:
-            masks.append(xp.logical_not(am))
-        elif xp.isdtype(am.dtype, "real floating"):
-            biases.append(am)
-        else:
-            raise TypeError(f"attn_mask must be bool or floating, got {am.dtype}")
+        _sort_torch_mask(xp, "attn_mask", am, masks, biases)
     if key_padding_mask is not None and attn_mask is not None:
         S_kpm, S_am = key_padding_mask.shape[-1], attn_mask.shape[-1]
         if S_kpm != S_am:
