@@ -1,7 +1,8 @@
 """Dense vs chunked attention on NumPy: time and peak memory.
 
 Times :mod:`npattn.dense` against the generic Array API chunked path,
-:mod:`npattn.chunked` (not a backend-specific fast path).
+:mod:`npattn.chunked`, and against the NumPy fast path of the same
+algorithm, :mod:`npattn.fast_numpy` (what ``impl="chunked"`` runs on NumPy).
 
 For float32, B=1, N=8, H=64, T=S in {1024, 2048, 4096, 8192}, non-causal and
 causal, prints one table with the best wall time of the forward and of
@@ -31,6 +32,7 @@ try:
     import npattn  # noqa: F401
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from npattn import fast_numpy
 from npattn.chunked import chunked_backward, chunked_forward
 from npattn.dense import dense_backward, dense_forward
 from npattn.options import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, make_spec
@@ -82,22 +84,24 @@ def _measure(q, k, v, dout, impl, causal, repeats):
     Calls the paths' own functions, as ``npattn.attention_forward`` and
     ``attention_backward`` do (float32 needs no casts), so that "chunked" is
     always the generic Array API path of :mod:`npattn.chunked`, whatever
-    backend-specific fast path the public API may dispatch NumPy inputs to.
+    backend-specific fast path the public API may dispatch NumPy inputs to;
+    ``impl="fast"`` is that NumPy fast path.
     """
+    kernels = {"chunked": (chunked_forward, chunked_backward), "fast": (fast_numpy.forward, fast_numpy.backward)}
 
     def forward():
-        spec = make_spec(q, k, v, impl=impl, causal=causal)
+        spec = make_spec(q, k, v, impl="dense" if impl == "dense" else "chunked", causal=causal)
         if impl == "dense":
             out, lse, probs = dense_forward(spec, q, k, v)
             return spec, out, lse, probs
-        return (spec, *chunked_forward(spec, q, k, v))
+        return (spec, *kernels[impl][0](spec, q, k, v))
 
     def forward_backward():
         if impl == "dense":
             spec, out, lse, probs = forward()
             return dense_backward(spec, q, k, v, probs, dout, None)
         spec, out, lse = forward()
-        return chunked_backward(spec, q, k, v, out, lse, dout, None)
+        return kernels[impl][1](spec, q, k, v, out, lse, dout, None)
 
     return _best_seconds(forward, repeats), _best_seconds(forward_backward, repeats), _peak_bytes(forward_backward)
 
@@ -125,10 +129,11 @@ def main(argv=None):
           f"blocks {DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}, "
           f"{os.cpu_count()} CPU cores; times are best-of-n wall seconds, memory is the tracemalloc peak of fwd+bwd")
     warm = rng.standard_normal((1, 1, 8, 4), dtype=np.float32)
-    for impl in ("dense", "chunked"):  # imports and first-call costs stay out of the table
+    for impl in ("dense", "chunked", "fast"):  # imports and first-call costs stay out of the table
         _measure(warm, warm, warm, warm, impl, True, 1)
     header = (f"{'T=S':>6} {'mask':>7} | {'dense fwd':>9} {'dense f+b':>9} {'dense MiB':>9} | "
-              f"{'chunk fwd':>9} {'chunk f+b':>9} {'chunk MiB':>9} | {'f+b ratio':>9} {'mem ratio':>9}")
+              f"{'chunk fwd':>9} {'chunk f+b':>9} {'chunk MiB':>9} | {'fast fwd':>9} {'fast f+b':>9} "
+              f"{'fast MiB':>9} | {'f+b ratio':>9} {'mem ratio':>9}")
     print(header)
     print("-" * len(header))
     for T in lengths:
@@ -139,6 +144,8 @@ def main(argv=None):
             name = "causal" if causal else "full"
             c_fwd, c_all, c_mem = _measure(q, k, v, dout, "chunked", causal, repeats)
             chunk = f"{c_fwd:9.3f} {c_all:9.3f} {c_mem / 2**20:9.1f}"
+            f_fwd, f_all, f_mem = _measure(q, k, v, dout, "fast", causal, repeats)
+            chunk += f" | {f_fwd:9.3f} {f_all:9.3f} {f_mem / 2**20:9.1f}"
             estimate = DENSE_LIVE_SCORE_TENSORS * scores_bytes
             if estimate > budget:
                 why = f"skip: ~{estimate / 2**30:.0f} GiB > {budget / 2**30:.0f} GiB budget"
@@ -147,7 +154,9 @@ def main(argv=None):
             d_fwd, d_all, d_mem = _measure(q, k, v, dout, "dense", causal, repeats)
             print(f"{T:>6} {name:>7} | {d_fwd:9.3f} {d_all:9.3f} {d_mem / 2**20:9.1f} | {chunk} | "
                   f"{c_all / d_all:9.2f} {c_mem / d_mem:9.4f}", flush=True)
-    print("f+b ratio = chunked / dense forward+backward time; mem ratio = chunked / dense peak")
+    print("f+b ratio = chunked (generic) / dense forward+backward time; mem ratio = chunked / dense peak; "
+          f"the fast path uses {fast_numpy.FAST_BLOCKS[0]}x{fast_numpy.FAST_BLOCKS[1]} tiles and "
+          f"{fast_numpy.num_threads()} threads")
     return 0
 
 

@@ -179,3 +179,22 @@ def test_backward_follows_the_kernel_of_the_forward(monkeypatch):
     assert calls == ["numpy"]
     _, res_generic = npattn.attention_forward(q, k, v, impl="chunked")
     assert res_generic.kernel == "generic"
+
+
+def test_fast_path_memory_stays_linear_in_sequence_length():
+    """T=S=4096, one head, H=16: forward+backward through the public API (the
+    fast path) peaks under a tenth of one T x S float32 score matrix."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((1, 1, 4096, 16), dtype=np.float32) for _ in range(4))
+    npattn.attention_backward(dout, npattn.attention_forward(q, k, v, impl="chunked")[1])  # imports, pool
+    tracemalloc.start()
+    try:
+        out, res = npattn.attention_forward(q, k, v, impl="chunked", causal=True)
+        assert res.kernel == "numpy"
+        npattn.attention_backward(dout, res)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4096 * 4096 * 4 / 10, f"peak {peak / 2**20:.1f} MiB"
