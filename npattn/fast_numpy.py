@@ -291,7 +291,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     v3 = np.reshape(v, (Bf, K, S, Hv))  # (B, K, S, Hv)
     kTa = _augmented_transposed(k3, dtype)  # (B, K, H+1, S)
     fused = _fuse_shifts(spec, q3, k3)
-    k_norms = np.sqrt(np.sum(k3 * k3, axis=-1))  # (B, K, S): |k_j|, for the bound below
+    k_norms = np.sqrt(np.sum(k3 * k3, axis=-1)) if fused else None  # (B, K, S): |k_j|, for the bound below
     out = np.zeros((Bf, N, T, Hv), dtype=dtype)
     lse = np.full((Bf, N, T), -np.inf, dtype=dtype)
     block_q, block_k = _blocks(spec)
@@ -305,7 +305,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
         m = np.zeros(rows, dtype=dtype)  # reference row maximum
         qa = _augmented_rows(q3[b, item.head_slice, q0:q1], 0, scale, dtype)  # (G*tq, H+1) = [scale Q_i, -m]
         unset = np.ones(rows, dtype=bool)  # rows that have seen no visible key yet
-        q_norms = np.sqrt(np.sum(qa[:, :H] * qa[:, :H], axis=1))  # (G*tq,) |scale q_i|
+        q_norms = np.sqrt(np.sum(qa[:, :H] * qa[:, :H], axis=1)) if fused else None  # (G*tq,) |scale q_i|
         s_buf = np.empty((rows, block_k), dtype=dtype)  # one score tile, reused
         pv = np.empty((rows, Hv), dtype=dtype)
         l = np.zeros(rows, dtype=dtype)  # running row sum
