@@ -119,3 +119,11 @@ def test_error_leaves_inputs_untouched():
     with pytest.raises(ValueError):
         npattn.attention_forward(q, K, V, causal=True)
     np.testing.assert_array_equal(q, Q)
+
+
+def test_xp_given_as_the_bare_torch_module_uses_the_compat_namespace():
+    """Regression: xp=torch was used as is and failed on torch.isdtype."""
+    torch = pytest.importorskip("torch")
+    t = torch.asarray(Q[:, :2, :, :3].copy())
+    out = npattn.attention(t, t, t, xp=torch)
+    np.testing.assert_allclose(out.numpy(), npattn.attention(Q[:, :2, :, :3], Q[:, :2, :, :3], Q[:, :2, :, :3]))
