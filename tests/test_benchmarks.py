@@ -12,7 +12,8 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def _run_script(name: str, argv: list[str]) -> None:
+def _run_script(name: str, argv: list[str]) -> int:
+    """Run a benchmark script as ``__main__``; return its exit code."""
     old = sys.argv
     sys.argv = [name, *argv]
     try:
@@ -20,18 +21,18 @@ def _run_script(name: str, argv: list[str]) -> None:
             runpy.run_path(str(BENCHMARKS / name), run_name="__main__")
     finally:
         sys.argv = old
-    assert exit_info.value.code == 0
+    return exit_info.value.code
 
 
 def test_cpu_benchmark_quick_prints_its_table(capsys):
-    _run_script("bench_cpu.py", ["--quick", "--no-torch"])
+    assert _run_script("bench_cpu.py", ["--quick", "--no-torch"]) == 0
     out = capsys.readouterr().out
     assert "large SGEMM" in out and "% SGEMM" in out
     assert out.count("chunked") == 4  # forward and fwd+bwd, full and causal
 
 
 def test_lever_benchmark_quick_prints_every_lever(capsys):
-    _run_script("bench_cpu_levers.py", ["--quick"])
+    assert _run_script("bench_cpu_levers.py", ["--quick"]) == 0
     out = capsys.readouterr().out
     for label in ("generic Array API path", "1 thread", "not limited", "128x128", "causal", "as shipped"):
         assert label in out
@@ -40,12 +41,5 @@ def test_lever_benchmark_quick_prints_every_lever(capsys):
 @pytest.mark.parametrize("script, argv", [("bench_cpu.py", ["--length", "0"]),
                                           ("bench_cpu_levers.py", ["--repeats", "0"])])
 def test_benchmarks_reject_bad_arguments(script, argv, capsys):
-    old = sys.argv
-    sys.argv = [script, *argv]
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
-    finally:
-        sys.argv = old
-    assert exit_info.value.code == 2
+    assert _run_script(script, argv) == 2
     assert "must be >= 1" in capsys.readouterr().err
