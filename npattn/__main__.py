@@ -71,6 +71,44 @@ def _peak_mib(fn) -> float:
         tracemalloc.stop()
 
 
+#: Pool behind :func:`cupy_peak_bytes`, made on first use and kept for the
+#: process (an allocation must not outlive the pool it came from).
+_PEAK_POOL = None
+
+
+def cupy_peak_bytes(cp, fn) -> int | None:
+    """Peak CuPy device memory, in bytes, allocated while ``fn()`` runs beyond
+    what was in use when it started; None where this CuPy cannot say.
+
+    ``fn`` runs with a dedicated ``cupy.cuda.MemoryPool`` as the allocator
+    (``cupy.cuda.using_allocator``), whose ``used_bytes()`` is read after every
+    allocation: bytes in use only grow at an allocation, so the largest value
+    read is the peak. Like tracemalloc for NumPy, arrays made before ``fn``
+    are not counted; the pool's cached blocks are given back afterwards.
+    """
+    global _PEAK_POOL
+    try:
+        if _PEAK_POOL is None:
+            _PEAK_POOL = cp.cuda.MemoryPool()
+        pool, using_allocator = _PEAK_POOL, cp.cuda.using_allocator
+    except AttributeError:
+        return None
+    cp.cuda.runtime.deviceSynchronize()
+    start = peak = pool.used_bytes()
+
+    def malloc(size):
+        nonlocal peak
+        memory = pool.malloc(size)
+        peak = max(peak, pool.used_bytes())
+        return memory
+
+    with using_allocator(malloc):
+        fn()
+        cp.cuda.runtime.deviceSynchronize()
+    pool.free_all_blocks()
+    return peak - start
+
+
 def _positive_int(text: str) -> int:
     """argparse type: an int >= 1 (0 or negatives failed deep inside the demo).
 
@@ -118,8 +156,12 @@ def main(argv: list[str] | None = None) -> int:
 
         t_fwd, _ = _timed(fwd, sync)
         t_all, results[impl] = _timed(fwd_bwd, sync)
-        peak = _peak_mib(fwd_bwd) if args.backend == "numpy" else float("nan")
-        print(f"{impl:>8} {t_fwd:11.1f} {t_all:11.1f} {peak:9.1f}")
+        if args.backend == "numpy":
+            peak = f"{_peak_mib(fwd_bwd):9.1f}"
+        else:  # tracemalloc sees host memory only: ask CuPy's allocator instead
+            peak_bytes = cupy_peak_bytes(xb, fwd_bwd)
+            peak = f"{'n/a':>9}" if peak_bytes is None else f"{peak_bytes / 2**20:9.1f}"
+        print(f"{impl:>8} {t_fwd:11.1f} {t_all:11.1f} {peak}")
 
     (out_d, res_d, g_d), (out_c, res_c, g_c) = results["dense"], results["chunked"]
     pairs = [("out", out_d, out_c), ("lse", res_d.lse, res_c.lse),
