@@ -1,0 +1,304 @@
+"""GPU speed and memory of npattn on CuPy against PyTorch's SDPA on CUDA, side by side.
+
+    python benchmarks/bench_gpu.py            # B=1, N=8, H=64, T=S in {1024, 4096, 8192, 16384}
+    python benchmarks/bench_gpu.py --quick    # small shapes, a smoke run (seconds)
+
+Prints one table. For each dtype (float32, float16; bfloat16 is reported as
+skipped because CuPy has no bfloat16), each length and each mask (non-causal,
+causal), one row per implementation measured in the same process:
+
+- ``torch sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on
+  CUDA (when torch with CUDA is importable; ``--no-torch`` leaves it out);
+- ``dense``: ``npattn.attention_forward(..., impl="dense")`` on CuPy;
+- ``chunked BQxBK``: ``impl="chunked"`` on CuPy (the generic Array API path)
+  for each tile size of ``--blocks`` (default: the library default 128x128,
+  then 1024x1024 and 2048x2048); the fastest is named after the table.
+  Measured on an H100 (float32, T=S=16384): 128x128 tiles are ~220x slower
+  than torch in fwd+bwd (the Python loop launches ~20 small kernels per
+  tile), 512x512 ~15x, 1024x1024 ~4-5x, 2048x2048 ~3.2-3.5x, the fastest,
+  at under 1 GiB of peak memory against dense's 32 GiB.
+
+Columns: best forward ms and forward+backward ms (the device synchronized
+before and after every run, after a warm-up run, best of ``--repeats``; a
+run slower than 2 s is not repeated), the peak device MiB of one
+forward+backward beyond the inputs (CuPy: a dedicated ``cupy.cuda.MemoryPool``
+read after every allocation, see ``npattn.__main__.cupy_peak_bytes``; torch:
+``torch.cuda.max_memory_allocated``), both times as a multiple of torch's,
+and ``max |out - torch|`` as a check that the rows compute the same thing.
+Both libraries' memory pools are emptied between cases. A dense row is
+skipped when its estimated peak (``DENSE_LIVE_SCORE_TENSORS`` float32 score
+tensors) exceeds 90% of the free device memory, and a chunked row when
+extrapolating its time from the previous length exceeds ``--row-budget``.
+
+Without CuPy or a CUDA device it prints ``skipped: ...`` and exits with 0;
+bad arguments exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+
+import numpy as np
+
+try:
+    import npattn  # noqa: F401
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from npattn import attention_backward, attention_forward
+from npattn.__main__ import cupy_peak_bytes
+from npattn.options import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
+
+#: Dense forward+backward keeps about this many (B, N, T, S) float32 tensors
+#: alive at its peak (scores, probabilities, dP, dS and a temporary).
+DENSE_LIVE_SCORE_TENSORS = 5
+
+#: A timed run longer than this is not repeated.
+SLOW_RUN_S = 2.0
+
+
+def _cupy():
+    """``(cupy, None)``, or ``(None, why)`` without CuPy or a CUDA device."""
+    try:
+        cp = importlib.import_module("cupy")
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no CUDA device is visible")
+        cp.zeros(1).sum()  # a device that cannot run a kernel fails here, not mid-table
+    except Exception as err:  # ImportError, CUDARuntimeError, ...
+        return None, f"{type(err).__name__}: {err}"
+    return cp, None
+
+
+def _torch_cuda():
+    """``(torch, None)``, or ``(None, why)`` without torch built with CUDA."""
+    try:
+        torch = importlib.import_module("torch")
+    except ImportError as err:
+        return None, f"torch is not installed ({err})"
+    if not torch.cuda.is_available():
+        return None, "torch sees no CUDA device"
+    return torch, None
+
+
+def _best_ms(fn, sync, repeats: int) -> float:
+    """Best wall time of ``fn()`` in ms, the device synchronized around each run."""
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        elapsed = time.perf_counter() - start
+        best = min(best, elapsed)
+        if elapsed > SLOW_RUN_S:
+            break
+    return best * 1e3
+
+
+class _Case:
+    """One (dtype, T, causal) problem: the same host data on CuPy and on torch."""
+
+    def __init__(self, cp, torch, dtype: str, B: int, N: int, T: int, H: int, causal: bool, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        host = [rng.standard_normal((B, N, T, H), dtype=np.float32) for _ in range(4)]  # q, k, v, dout
+        self.cp, self.torch, self.causal = cp, torch, causal
+        self.q, self.k, self.v, self.dout = (cp.asarray(a).astype(getattr(cp, dtype)) for a in host)  # (B, N, T, H)
+        self.t = None
+        if torch is not None:
+            tdtype = getattr(torch, dtype)
+            self.t = [torch.tensor(a, device="cuda").to(tdtype) for a in host]
+
+    # -- npattn on CuPy --
+
+    def npattn_forward(self, options):
+        return attention_forward(self.q, self.k, self.v, causal=self.causal, **options)
+
+    def npattn_forward_backward(self, options):
+        out, res = self.npattn_forward(options)
+        return out, attention_backward(self.dout, res)
+
+    # -- torch SDPA --
+
+    def _torch_inputs(self):
+        return [x.detach().requires_grad_(True) for x in self.t[:3]]
+
+    def torch_forward(self):
+        q, k, v = self._torch_inputs()  # grad-enabled, so the forward keeps what the backward needs
+        return self.torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+
+    def torch_forward_backward(self):
+        q, k, v = self._torch_inputs()
+        out = self.torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        out.backward(self.t[3])
+        return out, (q.grad, k.grad, v.grad)
+
+
+def _free_pools(cp, torch) -> None:
+    cp.cuda.runtime.deviceSynchronize()
+    cp.get_default_memory_pool().free_all_blocks()
+    if torch is not None:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _torch_row(case: _Case, repeats: int):
+    torch = case.torch
+    sync = torch.cuda.synchronize
+    _free_pools(case.cp, torch)
+    sync()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out, _ = case.torch_forward_backward()  # warm-up, and the memory peak
+    sync()
+    peak = torch.cuda.max_memory_allocated() - base
+    reference = case.cp.from_dlpack(out.detach().float().contiguous())  # (B, N, T, H) float32
+    del out
+    fwd = _best_ms(case.torch_forward, sync, repeats)
+    both = _best_ms(case.torch_forward_backward, sync, repeats)
+    return fwd, both, peak, reference
+
+
+def _npattn_row(case: _Case, options: dict, repeats: int, reference):
+    cp = case.cp
+    sync = cp.cuda.runtime.deviceSynchronize
+    _free_pools(cp, case.torch)
+    difference = [None]
+
+    def warm_up():  # warm-up (kernels compile on first use), and the memory peak
+        out, _ = case.npattn_forward_backward(options)
+        if reference is not None:
+            difference[0] = float(cp.max(cp.abs(out.astype(cp.float32) - reference)))
+
+    peak = cupy_peak_bytes(cp, warm_up)
+    fwd = _best_ms(lambda: case.npattn_forward(options), sync, repeats)
+    both = _best_ms(lambda: case.npattn_forward_backward(options), sync, repeats)
+    return fwd, both, peak, difference[0]
+
+
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be integers >= 1, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="T=S in {256, 512}, one repeat: a smoke run")
+    parser.add_argument("--lengths", type=_positive_ints, help="comma-separated T=S values")
+    parser.add_argument("--blocks", type=_positive_ints,
+                        help=f"comma-separated square chunked tile sizes (default {DEFAULT_BLOCK_Q},1024,2048)")
+    parser.add_argument("--dtypes", default="float32,float16,bfloat16",
+                        help="comma-separated, from float32, float16, bfloat16")
+    parser.add_argument("--repeats", type=int, default=3, help="best of this many timed runs (default 3)")
+    parser.add_argument("--row-budget", type=float, default=30.0,
+                        help="skip a chunked row whose fwd+bwd is extrapolated past this many seconds")
+    parser.add_argument("--no-torch", action="store_true", help="leave out torch SDPA")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if not args.row_budget > 0:
+        parser.error(f"--row-budget must be > 0, got {args.row_budget}")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for d in dtypes:
+        if d not in ("float32", "float16", "bfloat16"):
+            parser.error(f"--dtypes: unknown dtype {d!r} (choose from float32, float16, bfloat16)")
+
+    cp, why_not = _cupy()
+    if cp is None:
+        print(f"skipped: CuPy with a CUDA device is not available ({why_not})")
+        return 0
+    torch, why_no_torch = (None, "--no-torch") if args.no_torch else _torch_cuda()
+
+    B, N, H = 1, 8, 64
+    lengths = args.lengths or ([256, 512] if args.quick else [1024, 4096, 8192, 16384])
+    blocks = args.blocks or ([DEFAULT_BLOCK_Q, 256] if args.quick else [DEFAULT_BLOCK_Q, 1024, 2048])
+    repeats = 1 if args.quick else args.repeats
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    print(f"npattn on CuPy {cp.__version__} vs torch SDPA ({torch.__version__ if torch else why_no_torch}) "
+          f"on {name}, {props['totalGlobalMem'] / 2**30:.0f} GiB; B={B}, N={N}, H={H}, T=S; "
+          f"CUPY_TF32={os.environ.get('CUPY_TF32', 'unset')}")
+    print(f"times: best of {repeats} after a warm-up, device synchronized; peak MiB: one fwd+bwd beyond the inputs; "
+          "x torch: this row's time / torch's")
+    header = (f"{'dtype':<8} {'T=S':>6} {'mask':<6} {'impl':<22} {'fwd ms':>9} {'f+b ms':>9} {'peak MiB':>9} "
+              f"{'fwd x torch':>11} {'f+b x torch':>11} {'max|out-torch|':>14}")
+    print(header)
+    print("-" * len(header))
+    failures = 0
+    best = {}  # (dtype, causal) -> {impl label: f+b ms at the largest length measured}
+    slow = {}  # (dtype, causal, impl label) -> (T, f+b seconds) of the last row
+    for dtype in dtypes:
+        if dtype == "bfloat16" and not hasattr(cp, "bfloat16"):
+            print(f"{dtype:<8} skipped: CuPy has no bfloat16 dtype (npattn supports bfloat16 where the namespace has it)")
+            continue
+        for T in lengths:
+            for causal in (False, True):
+                mask = "causal" if causal else "full"
+                case = _Case(cp, torch, dtype, B, N, T, H, causal)
+                prefix = f"{dtype:<8} {T:>6} {mask:<6}"
+                reference, t_fwd, t_both = None, None, None
+                if torch is not None:
+                    try:
+                        t_fwd, t_both, t_peak, reference = _torch_row(case, repeats)
+                        print(f"{prefix} {'torch sdpa':<22} {t_fwd:9.2f} {t_both:9.2f} {t_peak / 2**20:9.1f} "
+                              f"{1:11.2f} {1:11.2f} {0:14.1e}", flush=True)
+                    except torch.cuda.OutOfMemoryError:
+                        print(f"{prefix} {'torch sdpa':<22} out of device memory", flush=True)
+                impls = [("dense", dict(impl="dense"))]
+                impls += [(f"chunked {b}x{b}" + (" (default)" if b == DEFAULT_BLOCK_Q == DEFAULT_BLOCK_K else ""),
+                           dict(impl="chunked", block_q=b, block_k=b)) for b in blocks]
+                for label, options in impls:
+                    if label == "dense":
+                        _free_pools(cp, torch)
+                        need = DENSE_LIVE_SCORE_TENSORS * B * N * T * T * 4
+                        free = cp.cuda.runtime.memGetInfo()[0]
+                        if need > 0.9 * free:
+                            print(f"{prefix} {label:<22} skipped: needs ~{need / 2**30:.0f} GiB, "
+                                  f"{free / 2**30:.0f} GiB free", flush=True)
+                            continue
+                    else:
+                        last = slow.get((dtype, causal, label))
+                        if last is not None and last[1] * (T / last[0]) ** 2 > args.row_budget:
+                            print(f"{prefix} {label:<22} skipped: fwd+bwd extrapolated to "
+                                  f"~{last[1] * (T / last[0]) ** 2:.0f} s > --row-budget {args.row_budget:g} s",
+                                  flush=True)
+                            continue
+                    try:
+                        fwd, both, peak, diff = _npattn_row(case, options, repeats, reference)
+                    except cp.cuda.memory.OutOfMemoryError:
+                        print(f"{prefix} {label:<22} out of device memory", flush=True)
+                        continue
+                    except Exception as err:  # a failure is a finding: report it and go on
+                        print(f"{prefix} {label:<22} FAILED: {type(err).__name__}: {err}", flush=True)
+                        failures += 1
+                        continue
+                    slow[(dtype, causal, label)] = (T, both / 1e3)
+                    if T == max(lengths):
+                        best.setdefault((dtype, causal), {})[label] = both
+                    ratio_f = f"{fwd / t_fwd:11.2f}" if t_fwd else f"{'n/a':>11}"
+                    ratio_b = f"{both / t_both:11.2f}" if t_both else f"{'n/a':>11}"
+                    peak_s = f"{peak / 2**20:9.1f}" if peak is not None else f"{'n/a':>9}"
+                    diff_s = f"{diff:14.1e}" if diff is not None else f"{'n/a':>14}"
+                    print(f"{prefix} {label:<22} {fwd:9.2f} {both:9.2f} {peak_s} {ratio_f} {ratio_b} {diff_s}",
+                          flush=True)
+                del case
+                _free_pools(cp, torch)
+    for (dtype, causal), rows in best.items():
+        chunked = {label: ms for label, ms in rows.items() if label.startswith("chunked")}
+        if chunked:
+            pick = min(chunked, key=chunked.get)
+            print(f"fastest chunked tiles, {dtype} {'causal' if causal else 'full'} at T=S={max(lengths)}: "
+                  f"{pick} ({chunked[pick]:.1f} ms fwd+bwd"
+                  + (f"; dense {rows['dense']:.1f} ms" if "dense" in rows else "; dense skipped") + ")")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
