@@ -66,6 +66,10 @@ FAST_BLOCKS = (512, 512)
 #: rescaling pass at all.
 RESCALE_THRESHOLD = 16.0
 
+#: ``log2(e)``: fused passes work in base 2 (``exp2`` is about twice as fast
+#: as ``exp`` in NumPy's float32 loops), as FlashAttention's kernels do.
+LOG2E = 1.4426950408889634
+
 
 # --- the thread pool and the BLAS limit ------------------------------------------------
 
@@ -196,7 +200,7 @@ def _fuse_shifts(spec: AttentionSpec, q3: Any, k3: Any) -> bool:
         return False
     if q3.size == 0 or k3.size == 0:
         return True
-    bound = abs(spec.scale) * float(np.sqrt(np.max(np.sum(q3 * q3, axis=-1)))) \
+    bound = LOG2E * abs(spec.scale) * float(np.sqrt(np.max(np.sum(q3 * q3, axis=-1)))) \
         * float(np.sqrt(np.max(np.sum(k3 * k3, axis=-1))))
     return bound < _fused_shift_limit(spec.compute_dtype)
 
@@ -212,18 +216,117 @@ def _augmented_transposed(x3: Any, dtype: Any) -> Any:
 
 
 def _augmented_rows(x: Any, column: Any, scale: Any, dtype: Any) -> Any:
-    """``[scale * x, column]``: ``(G, tq, D)`` and ``(G*tq,)`` -> ``(G*tq, D + 1)``."""
+    """``[scale * x, column]`` in position-major row order: ``(G, tq, D)`` and
+    ``(tq*G,)`` -> ``(tq*G, D + 1)``, row ``t*G + g`` holding ``x[g, t]``."""
     G, tq, D = x.shape
-    xa = np.empty((G * tq, D + 1), dtype=dtype)
-    np.multiply(x.reshape(G * tq, D), scale, out=xa[:, :D])  # (G*tq, D)
+    xa = np.empty((tq * G, D + 1), dtype=dtype)
+    np.multiply(np.swapaxes(x, 0, 1), scale, out=xa.reshape(tq, G, D + 1)[:, :, :D])  # (tq, G, D)
     xa[:, D] = column
     return xa
 
 
+def _position_major(x: Any) -> Any:
+    """``(G, tq, ...) -> (tq*G, ...)``, row ``t*G + g`` holding ``x[g, t]``."""
+    return np.swapaxes(x, 0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+def _head_major(x: Any, tq: int, G: int) -> Any:
+    """Inverse of :func:`_position_major`: ``(tq*G, ...) -> (G, tq, ...)`` (a view)."""
+    return np.swapaxes(x.reshape((tq, G) + x.shape[1:]), 0, 1)
+
+
+# --- tile plans -------------------------------------------------------------------------
+
+#: Partly visible tiles are planned in sub-blocks of this many query
+#: positions and keys (see :func:`plan_tile`).
+SPLIT_BLOCK = 128
+
+
+def _coalesce(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Sorted union of half-open ranges, touching ones merged."""
+    merged: list[list[int]] = []
+    for start, stop in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    return tuple((start, stop) for start, stop in merged)
+
+
+def plan_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> list[tuple]:
+    """The spans of the tile ``[q0, q1) x [k0, k1)`` worth computing.
+
+    Each span is ``(p0, p1, c0, c1, hidden)``: query positions ``[p0, p1)``
+    against keys ``[c0, c1)``, where ``hidden`` lists the key ranges that need
+    the visibility mask (the rest of the span is fully visible). A fully
+    visible tile is one span with nothing hidden, a fully hidden tile none.
+
+    A partly visible tile (a causal diagonal, a window's edge, the end of the
+    padded keys) is cut into :data:`SPLIT_BLOCK`-row chunks; each chunk keeps
+    the keys from its first to its last sub-block that is not fully hidden,
+    and consecutive chunks with the same keys are merged. A causal diagonal
+    tile of 512 thus computes 10/16 of its area, and masks only its four
+    128x128 diagonal sub-blocks. Only the index rules can hide a sub-block,
+    so tiles that only a user mask makes partial stay whole.
+    """
+    kind = classify_tile(spec, q0, q1, k0, k1)
+    if kind == NONE:
+        return []
+    if kind == ALL:
+        return [(q0, q1, k0, k1, ())]
+    sub = SPLIT_BLOCK
+    if not spec.has_positional_mask or (q1 - q0 <= sub and k1 - k0 <= sub):
+        return [(q0, q1, k0, k1, ((k0, k1),))]
+    key_blocks = [(j0, min(j0 + sub, k1)) for j0 in range(k0, k1, sub)]
+    spans: list[tuple] = []
+    for p0 in range(q0, q1, sub):
+        p1 = min(p0 + sub, q1)
+        kinds = [classify_tile(spec, p0, p1, j0, j1) for j0, j1 in key_blocks]
+        shown = [i for i, block_kind in enumerate(kinds) if block_kind != NONE]
+        if not shown:
+            continue
+        first, last = shown[0], shown[-1]
+        c0, c1 = key_blocks[first][0], key_blocks[last][1]
+        hidden = [key_blocks[i] for i in range(first, last + 1) if kinds[i] != ALL]
+        if spans and spans[-1][1] == p0 and spans[-1][2:4] == (c0, c1):
+            hidden += spans[-1][4]
+            p0 = spans.pop()[0]
+        spans.append((p0, p1, c0, c1, _coalesce(hidden)))
+    return spans
+
+
+def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list[list[tuple]]]:
+    """``plans[i][j]``: :func:`plan_tile` of query tile ``i`` and key tile ``j``,
+    made once per call and shared by every (batch element, kv head) item.
+
+    Each hidden range becomes ``(j0, j1, hidden)``: when visibility is the
+    same for every item (only causal/window rules, no mask, no lengths),
+    ``hidden`` is the ``(R, j1 - j0)`` boolean of entries to hide, built here
+    once rather than per item; otherwise None, and each item builds its own.
+    """
+    shared = spec.mask is None and spec.q_lengths is None and spec.kv_lengths is None
+    G = spec.group_size
+
+    def with_masks(span):
+        p0, p1, c0, c1, hidden = span
+        masks = []
+        for j0, j1 in hidden:
+            rows_hidden = None
+            if shared:
+                visible = visible_tile(spec, p0, p1, j0, j1)  # (tq, tk)
+                rows_hidden = _position_major(np.broadcast_to(~visible, (G, p1 - p0, j1 - j0)))  # (tq*G, tk)
+            masks.append((j0, j1, rows_hidden))
+        return (p0, p1, c0, c1, tuple(masks))
+
+    return [[[with_masks(span) for span in plan_tile(spec, q0, q1, k0, k1)] for k0, k1 in k_tiles]
+            for q0, q1 in q_tiles]
+
+
 class _Item:
-    """One (batch element, kv head) of the problem: its query heads, and the
-    mask, bias and dropout tiles restricted to them as ``(G*tq, tk)`` matrices
-    matching the stacked scores."""
+    """One (batch element, kv head) of the problem: its G query heads stacked
+    position-major (row ``t*G + g`` is head ``g`` at query ``t``), so that
+    a range of query positions is a contiguous range of rows, and the mask,
+    bias and dropout tiles restricted to them as ``(tq*G, tk)`` matrices."""
 
     def __init__(self, spec: AttentionSpec, b: int, kv_head: int):
         self.spec, self.b, self.kv, self.G = spec, b, kv_head, spec.group_size
@@ -231,41 +334,77 @@ class _Item:
         self.head_slice = slice(*self.heads)
 
     def _as_rows(self, tile: Any, tq: int, tk: int) -> Any:
-        """``(G|1, tq|1, tk|1)`` or ``(tq|1, tk|1)`` -> ``(G*tq, tk)``."""
-        return np.broadcast_to(tile, (self.G, tq, tk)).reshape(self.G * tq, tk)  # (G*tq, tk)
+        """``(G|1, tq|1, tk|1)`` or ``(tq|1, tk|1)`` -> ``(tq*G, tk)``."""
+        return _position_major(np.broadcast_to(tile, (self.G, tq, tk)))  # (tq*G, tk)
 
-    def mask_scores(self, s: Any, q0: int, q1: int, k0: int, k1: int, kind: str) -> None:
-        """Add the bias tile to the scores ``s (G*tq, tk)`` and set hidden entries to -inf."""
-        tq, tk = q1 - q0, k1 - k0
-        bias = bias_tile(self.spec, q0, q1, k0, k1, batch=self.b, heads=self.heads)
+    def add_bias(self, s: Any, p0: int, p1: int, c0: int, c1: int) -> None:
+        """Add the bias over positions ``[p0, p1)`` and keys ``[c0, c1)`` to ``s``."""
+        bias = bias_tile(self.spec, p0, p1, c0, c1, batch=self.b, heads=self.heads)
         if bias is not None:
-            s += self._as_rows(bias, tq, tk)
-        if kind != ALL:
-            visible = visible_tile(self.spec, q0, q1, k0, k1, batch=self.b, heads=self.heads)
-            if visible is not None:
-                np.copyto(s, -np.inf, where=~self._as_rows(visible, tq, tk))
+            s += self._as_rows(bias, p1 - p0, c1 - c0)
 
-    def dropout_scale(self, q0: int, q1: int, k0: int, k1: int) -> Any | None:
-        """``keep_ij / (1 - p)`` as ``(G*tq, tk)``, or None without dropout."""
+    def hide(self, s: Any, p0: int, p1: int, c0: int, c1: int) -> None:
+        """Set the hidden entries of ``s``, positions ``[p0, p1)`` by keys ``[c0, c1)``, to -inf."""
+        visible = visible_tile(self.spec, p0, p1, c0, c1, batch=self.b, heads=self.heads)
+        if visible is not None:
+            np.copyto(s, -np.inf, where=~self._as_rows(visible, p1 - p0, c1 - c0))
+
+    def scores(self, out: Any, qa: Any, kTa: Any, span: tuple) -> None:
+        """``out = qa @ kTa[:, c0:c1]``, then the bias and the mask of the span."""
+        p0, p1, c0, c1, hidden = span
+        np.matmul(qa, kTa[:, c0:c1], out=out)  # (R, H+1) @ (H+1, tk) -> (R, tk)
+        self.add_bias(out, p0, p1, c0, c1)
+        for j0, j1, rows_hidden in hidden:
+            if rows_hidden is None:
+                self.hide(out[:, j0 - c0 : j1 - c0], p0, p1, j0, j1)
+            else:
+                np.copyto(out[:, j0 - c0 : j1 - c0], -np.inf, where=rows_hidden)
+
+    def dropout_scale(self, p0: int, p1: int, c0: int, c1: int) -> Any | None:
+        """``keep_ij / (1 - p)`` as ``(tq*G, tk)``, or None without dropout."""
         spec = self.spec
         if spec.dropout_p == 0:
             return None
-        keep = _dropout.keep_tile(spec, q0, q1, k0, k1, heads=self.heads, batch=self.b)  # (G, tq, tk)
+        keep = _dropout.keep_tile(spec, p0, p1, c0, c1, heads=self.heads, batch=self.b)  # (G, tq, tk)
         scale = spec.compute_dtype.type(1.0 / (1.0 - spec.dropout_p))
-        return keep.reshape(self.G * (q1 - q0), k1 - k0).astype(spec.compute_dtype) * scale
+        return _position_major(np.multiply(keep, scale, dtype=spec.compute_dtype))  # (tq*G, tk)
 
-    def add_dbias(self, dbias: Any, ds: Any, q0: int, q1: int, k0: int, k1: int) -> None:
-        """Add ``dS_ij (G*tq, tk)`` into the full-rank ``dbias`` over this
-        item's batch element, heads and tile, summing over broadcast axes."""
-        tq, tk = q1 - q0, k1 - k0
+    def add_dbias(self, dbias: Any, ds: Any, p0: int, p1: int, c0: int, c1: int) -> None:
+        """Add ``dS (tq*G, tk)`` into the full-rank ``dbias`` over this item's
+        batch element and heads, positions ``[p0, p1)`` and keys ``[c0, c1)``,
+        summing over broadcast axes."""
         lead = dbias.ndim - 3
         index = np.unravel_index(self.b, self.spec.batch_shape) if self.spec.batch_shape else ()
         batch = tuple(0 if dbias.shape[a] == 1 else int(index[a]) for a in range(lead))
         heads = slice(None) if dbias.shape[-3] == 1 else self.head_slice
-        rows = slice(None) if dbias.shape[-2] == 1 else slice(q0, q1)
-        cols = slice(None) if dbias.shape[-1] == 1 else slice(k0, k1)
+        rows = slice(None) if dbias.shape[-2] == 1 else slice(p0, p1)
+        cols = slice(None) if dbias.shape[-1] == 1 else slice(c0, c1)
         target = dbias[batch + (heads, rows, cols)]  # (G|1, tq|1, tk|1)
-        target += sum_to_shape(np, ds.reshape(self.G, tq, tk), target.shape)
+        target += sum_to_shape(np, _head_major(ds, p1 - p0, self.G), target.shape)
+
+
+class _RangeMax:
+    """``self[c0, c1]``: ``max(values[c0:c1])`` as a Python float, memoized
+    (the same key ranges recur for every query tile)."""
+
+    def __init__(self, values: Any):
+        self.values, self.memo = values, {}
+
+    def __getitem__(self, key: tuple[int, int]) -> float:
+        found = self.memo.get(key)
+        if found is None:
+            found = self.memo[key] = float(self.values[key[0]:key[1]].max())
+        return found
+
+
+def _rows(span: tuple, q0: int, G: int) -> slice:
+    """The item rows of a span's query positions (position-major stacking)."""
+    return slice((span[0] - q0) * G, (span[1] - q0) * G)
+
+
+def _buffer(flat: Any, rows: int, cols: int) -> Any:
+    """A contiguous ``(rows, cols)`` matrix at the start of a flat buffer."""
+    return flat[: rows * cols].reshape(rows, cols)
 
 
 # --- forward ----------------------------------------------------------------------------
@@ -274,14 +413,14 @@ class _Item:
 def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     """Online-softmax forward; same contract as :func:`npattn.chunked.chunked_forward`.
 
-    Each row keeps a reference maximum ``m``, updated lazily. Per key tile,
-    with the shifted scores ``S_ij - m`` (from one GEMM when fused, see the
-    module docstring) and ``t = rowmax``: rows whose ``t`` exceeds
-    :data:`RESCALE_THRESHOLD` (or that saw nothing yet) move ``m`` up by
-    ``t`` and rescale ``l`` and ``acc`` by ``exp(-t)`` (FlashAttention-2's
-    rescale, done only when needed); then ``P~ = exp(.)``,
-    ``l += rowsum(P~)`` and ``acc += P~ V_j``. At the end ``O = acc / l`` and
-    ``lse = m + log l``.
+    Each row keeps a reference maximum ``m``, updated lazily. Per span of a
+    key tile (see :func:`plan_tile`), with the shifted scores ``S_ij - m``
+    (from one GEMM when fused, see the module docstring) and
+    ``t = rowmax``: rows whose ``t`` exceeds :data:`RESCALE_THRESHOLD` (or
+    that saw nothing yet) move ``m`` up by ``t`` and rescale ``l`` and
+    ``acc`` by ``exp(-t)`` (FlashAttention-2's rescale, done only when
+    needed); then ``P~ = exp(.)``, ``l += rowsum(P~)`` and
+    ``acc += P~ V_j``. At the end ``O = acc / l`` and ``lse = m + log l``.
     """
     dtype = spec.compute_dtype
     Bf, N, K, G = spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.group_size
@@ -296,69 +435,88 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     lse = np.full((Bf, N, T), -np.inf, dtype=dtype)
     block_q, block_k = _blocks(spec)
     q_tiles, k_tiles = tile_ranges(T, block_q), tile_ranges(S, block_k)
-    scale = dtype.type(spec.scale)
+    plans = _plans(spec, q_tiles, k_tiles)
+    # Fused, scores are kept in base 2 (log2(e) folded into the scale, exp2
+    # for exp); unfused, in base e, exactly as the generic path.
+    base = LOG2E if fused else 1.0
+    exp = np.exp2 if fused else np.exp
+    scale = dtype.type(spec.scale * base)
+    threshold = RESCALE_THRESHOLD * base
     ones_k = np.ones(block_k, dtype=dtype)
+    k_norm_max = [[_RangeMax(k_norms[b, kv]) if fused else None for kv in range(K)] for b in range(Bf)]
 
     def work(job):
-        b, kv, q0, q1 = job
+        b, kv, qi = job
+        q0, q1 = q_tiles[qi]
         item = _Item(spec, b, kv)
         tq, rows = q1 - q0, G * (q1 - q0)
         m = np.zeros(rows, dtype=dtype)  # reference row maximum
-        qa = _augmented_rows(q3[b, item.head_slice, q0:q1], 0, scale, dtype)  # (G*tq, H+1) = [scale Q_i, -m]
+        qa = _augmented_rows(q3[b, item.head_slice, q0:q1], 0, scale, dtype)  # (tq*G, H+1) = [base scale Q_i, -m]
         unset = np.ones(rows, dtype=bool)  # rows that have seen no visible key yet
-        q_norms = np.sqrt(np.sum(qa[:, :H] * qa[:, :H], axis=1)) if fused else None  # (G*tq,) |scale q_i|
-        s_buf = np.empty((rows, block_k), dtype=dtype)  # one score tile, reused
+        q_norms = np.sqrt(np.sum(qa[:, :H] * qa[:, :H], axis=1)) if fused else None  # (tq*G,) |base scale q_i|
+        s_flat = np.empty(rows * block_k, dtype=dtype)  # one score tile, reused
         pv = np.empty((rows, Hv), dtype=dtype)
         row_sum = np.empty(rows, dtype=dtype)
         l = np.zeros(rows, dtype=dtype)  # running row sum
         acc = np.zeros((rows, Hv), dtype=dtype)  # unnormalized output
-        for k0, k1 in k_tiles:
-            kind = classify_tile(spec, q0, q1, k0, k1)
-            if kind == NONE:
-                continue
-            s = s_buf[:, : k1 - k0]
-            np.matmul(qa, kTa[b, kv, :, k0:k1], out=s)  # (G*tq, H+1) @ (H+1, tk) -> scale Q K^T [- m]
-            item.mask_scores(s, q0, q1, k0, k1, kind)
-            # Cauchy-Schwarz: S_ij - m <= |scale q_i| max_j |k_j| - m. When that
-            # bound stays under the threshold for every row (fused means no
-            # bias), no row can need a rescale and the row-max pass is skipped.
-            if fused and rows and not unset.any() and \
-                    np.max(q_norms * k_norms[b, kv, k0:k1].max() - m) <= RESCALE_THRESHOLD:
-                grow = None
-            else:
-                # t: the tile's row maximum, relative to m when fused, raw otherwise
-                t = s.max(axis=1)  # (G*tq,)
-                growth = t if fused else t - m
-                grow = (growth > RESCALE_THRESHOLD) | (unset & (t > -np.inf))
-            if grow is not None and grow.any():
-                m_new = np.where(grow, m + t if fused else t, m).astype(dtype, copy=False)  # (G*tq,)
-                alpha = np.exp(np.where(unset, 0, m - m_new)).astype(dtype, copy=False)  # nothing to rescale yet
-                l *= alpha
-                acc *= alpha[:, None]
-                if fused:
-                    s -= (m_new - m)[:, None]
-                    qa[:, H] = -m_new
-                m = m_new
-                unset &= ~grow
-            if not fused:  # m stays an exact score, so the backward's S - lse matches
-                s -= m[:, None]
-            np.exp(s, out=s)  # P~_ij
-            np.matmul(s, ones_k[: k1 - k0], out=row_sum)  # (G*tq, tk) @ (tk,): a GEMV, 4x faster than s.sum(axis=1)
-            l += row_sum
-            drop = item.dropout_scale(q0, q1, k0, k1)
-            if drop is not None:
-                s *= drop
-            np.matmul(s, v3[b, kv, k0:k1], out=pv)  # (G*tq, tk) @ (tk, Hv) -> (G*tq, Hv)
-            acc += pv
+        # Python scalars for the cheap form of the bound below: max_i |scale q_i|,
+        # min_i m_i, and whether any row is unset (refreshed when m moves).
+        q_norm_max = float(q_norms.max()) if fused and rows else 0.0
+        m_min, any_unset = 0.0, True
+        for plan in plans[qi]:
+            for span in plan:
+                r, (c0, c1) = _rows(span, q0, G), span[2:4]
+                s = _buffer(s_flat, r.stop - r.start, c1 - c0)  # (R, tk)
+                item.scores(s, qa[r], kTa[b, kv], span)  # scale Q K^T [- m]
+                m_r, unset_r = m[r], unset[r]  # views
+                # Cauchy-Schwarz: S_ij - m_i <= |scale q_i| max_j |k_j| - m_i. When that
+                # bound stays under the threshold for every row (fused means no bias),
+                # no row can need a rescale and the row-max pass is skipped. The bound
+                # is tried first in scalars (no array operation, so no GIL hand-off
+                # between the pool's threads), then row by row.
+                if fused and not any_unset and (
+                        q_norm_max * k_norm_max[b][kv][c0, c1] - m_min <= threshold
+                        or np.max(q_norms[r] * k_norm_max[b][kv][c0, c1] - m_r) <= threshold):
+                    grow = None
+                else:
+                    # t: the span's row maximum, relative to m when fused, raw otherwise
+                    t = s.max(axis=1)  # (R,)
+                    growth = t if fused else t - m_r
+                    grow = (growth > threshold) | (unset_r & (t > -np.inf))
+                if grow is not None and grow.any():
+                    m_new = np.where(grow, m_r + t if fused else t, m_r).astype(dtype, copy=False)  # (R,)
+                    alpha = exp(np.where(unset_r, 0, m_r - m_new)).astype(dtype, copy=False)  # nothing to rescale yet
+                    l[r] *= alpha
+                    acc[r] *= alpha[:, None]
+                    if fused:
+                        s -= (m_new - m_r)[:, None]
+                        qa[r, H] = -m_new
+                    m_r[...] = m_new
+                    unset_r &= ~grow
+                    any_unset = bool(unset.any())
+                    m_min = float(m.min()) if fused and not any_unset else 0.0
+                if not fused:  # m stays an exact score, so the backward's S - lse matches
+                    s -= m_r[:, None]
+                exp(s, out=s)  # P~_ij
+                np.matmul(s, ones_k[: c1 - c0], out=row_sum[r])  # (R, tk) @ (tk,): a GEMV, 4x faster than s.sum(axis=1)
+                l[r] += row_sum[r]
+                drop = item.dropout_scale(*span[:4])
+                if drop is not None:
+                    s *= drop
+                np.matmul(s, v3[b, kv, c0:c1], out=pv[r])  # (R, tk) @ (tk, Hv) -> (R, Hv)
+                acc[r] += pv[r]
         empty = l == 0
         l[empty] = 1
         acc /= l[:, None]
-        out[b, item.head_slice, q0:q1] = acc.reshape(G, tq, Hv)  # (G, tq, Hv)
-        row_lse = m + np.log(l)
+        out[b, item.head_slice, q0:q1] = _head_major(acc, tq, G)  # (G, tq, Hv)
+        row_lse = (m + np.log(l) * base) / base if fused else m + np.log(l)  # lse = (m + log2 l) ln 2, fused
         row_lse[empty] = -np.inf
-        lse[b, item.head_slice, q0:q1] = row_lse.reshape(G, tq)
+        lse[b, item.head_slice, q0:q1] = _head_major(row_lse, tq, G)  # (G, tq)
 
-    _run([(b, kv, q0, q1) for b in range(Bf) for kv in range(K) for q0, q1 in q_tiles], work)
+    # Costliest query tiles first, so that no thread is left with a long one at the end.
+    cost = [sum((p1 - p0) * (c1 - c0) for plan in row for p0, p1, c0, c1, _ in plan) for row in plans]
+    order = sorted(range(len(q_tiles)), key=lambda qi: -cost[qi])
+    _run([(b, kv, qi) for qi in order for b in range(Bf) for kv in range(K) if cost[qi]], work)
     return out.reshape(spec.batch_shape + (N, T, Hv)), lse.reshape(spec.batch_shape + (N, T))
 
 
@@ -376,8 +534,9 @@ def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, do
         dP_ij - D_i   = [dO_i, -D_i] @ [V_j^T; 1]          (without dropout)
 
     then ``dS = P * (dP - D)``, ``dV_j += Pd^T dO_i``, ``dQ_i += dS K_j``,
-    ``dK_j += dS^T (scale Q_i)``. With dropout, ``dP`` is scaled by
-    ``keep / (1 - p)`` before ``D`` is subtracted.
+    ``dK_j += dS^T (scale Q_i)``, span by span of each tile (:func:`plan_tile`).
+    With dropout, ``dP`` is scaled by ``keep / (1 - p)`` before ``D`` is
+    subtracted.
     """
     dtype = spec.compute_dtype
     Bf, N, K, G = spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.group_size
@@ -399,6 +558,9 @@ def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, do
     dbias = None if spec.bias is None else np.zeros(spec.bias.shape, dtype=dtype)  # full-rank view shape
     block_q, block_k = _blocks(spec)
     q_tiles, k_tiles = tile_ranges(T, block_q), tile_ranges(S, block_k)
+    plans = _plans(spec, q_tiles, k_tiles)
+    base = LOG2E if fused else 1.0  # as in the forward
+    exp = np.exp2 if fused else np.exp
     scale = dtype.type(spec.scale)
     one = dtype.type(1)
     fold_D = fused and spec.dropout_p == 0
@@ -408,49 +570,49 @@ def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, do
         item = _Item(spec, b, kv)
         heads = item.head_slice
         dk_item, dv_item = dk[b, kv], dv[b, kv]  # (S, H), (S, Hv): owned by this item
-        s_buf = np.empty((G * block_q, block_k), dtype=dtype)  # scores, then P, of one tile
-        dp_buf = np.empty_like(s_buf)  # dP - D, then dS, of one tile
+        s_flat = np.empty(G * block_q * block_k, dtype=dtype)  # scores, then P, of one span
+        dp_flat = np.empty_like(s_flat)  # dP - D, then dS, of one span
         dk_tmp = np.empty((block_k, H), dtype=dtype)
         dv_tmp = np.empty((block_k, Hv), dtype=dtype)
         dq_tmp = np.empty((G * block_q, H), dtype=dtype)
-        for q0, q1 in q_tiles:
+        for (q0, q1), plan_row in zip(q_tiles, plans):
             tq, rows = q1 - q0, G * (q1 - q0)
-            lse_i = lse3[b, heads, q0:q1].reshape(rows)  # (G*tq,)
-            D_i = D[b, heads, q0:q1].reshape(rows)  # (G*tq,)
-            qa = _augmented_rows(q3[b, heads, q0:q1], -lse_i if fused else 0, scale, dtype)  # (G*tq, H+1)
-            doa = _augmented_rows(do3[b, heads, q0:q1], -D_i if fold_D else 0, one, dtype)  # (G*tq, Hv+1)
-            qs_i, do_i = qa[:, :H], doa[:, :Hv]  # (G*tq, H), (G*tq, Hv) views
+            lse_i = _position_major(lse3[b, heads, q0:q1])  # (tq*G,)
+            D_i = _position_major(D[b, heads, q0:q1])  # (tq*G,)
+            qa = _augmented_rows(q3[b, heads, q0:q1], -base * lse_i if fused else 0, scale * base, dtype)  # (tq*G, H+1)
+            doa = _augmented_rows(do3[b, heads, q0:q1], -D_i if fold_D else 0, one, dtype)  # (tq*G, Hv+1)
+            qs_i, do_i = qa[:, :H], doa[:, :Hv]  # (tq*G, H), (tq*G, Hv) views
             dq_i = np.zeros((rows, H), dtype=dtype)
-            for k0, k1 in k_tiles:
-                kind = classify_tile(spec, q0, q1, k0, k1)
-                if kind == NONE:
-                    continue
-                tk = k1 - k0
-                p = s_buf[:rows, :tk]
-                np.matmul(qa, kTa[b, kv, :, k0:k1], out=p)  # (G*tq, H+1) @ (H+1, tk) -> S_ij [- lse_i]
-                item.mask_scores(p, q0, q1, k0, k1, kind)
-                if not fused:
-                    p -= lse_i[:, None]
-                np.exp(p, out=p)  # P_ij
-                drop = item.dropout_scale(q0, q1, k0, k1)
-                p_dropped = p if drop is None else p * drop
-                np.matmul(p_dropped.T, do_i, out=dv_tmp[:tk])  # (tk, G*tq) @ (G*tq, Hv) -> (tk, Hv)
-                dv_item[k0:k1] += dv_tmp[:tk]
-                ds = dp_buf[:rows, :tk]
-                np.matmul(doa, vTa[b, kv, :, k0:k1], out=ds)  # (G*tq, Hv+1) @ (Hv+1, tk) -> dP [- D]
-                if drop is not None:
-                    ds *= drop
-                if not fold_D:
-                    ds -= D_i[:, None]
-                ds *= p  # dS_ij = P_ij * (dP_ij - D_i)
-                np.matmul(ds, k3[b, kv, k0:k1], out=dq_tmp[:rows])  # (G*tq, tk) @ (tk, H) -> (G*tq, H)
-                dq_i += dq_tmp[:rows]
-                np.matmul(ds.T, qs_i, out=dk_tmp[:tk])  # (tk, G*tq) @ (G*tq, H) -> (tk, H)
-                dk_item[k0:k1] += dk_tmp[:tk]
-                if dbias is not None:
-                    item.add_dbias(dbias, ds, q0, q1, k0, k1)
+            for plan in plan_row:
+                for span in plan:
+                    r, (c0, c1) = _rows(span, q0, G), span[2:4]
+                    R, tk = r.stop - r.start, c1 - c0
+                    p = _buffer(s_flat, R, tk)  # (R, tk)
+                    item.scores(p, qa[r], kTa[b, kv], span)  # S_ij [- lse_i]
+                    if not fused:
+                        p -= lse_i[r, None]
+                    exp(p, out=p)  # P_ij
+                    drop = item.dropout_scale(*span[:4])
+                    p_dropped = p if drop is None else p * drop
+                    np.matmul(p_dropped.T, do_i[r], out=dv_tmp[:tk])  # (tk, R) @ (R, Hv) -> (tk, Hv)
+                    dv_item[c0:c1] += dv_tmp[:tk]
+                    ds = _buffer(dp_flat, R, tk)
+                    np.matmul(doa[r], vTa[b, kv, :, c0:c1], out=ds)  # (R, Hv+1) @ (Hv+1, tk) -> dP [- D]
+                    if drop is not None:
+                        ds *= drop
+                    if not fold_D:
+                        ds -= D_i[r, None]
+                    ds *= p  # dS_ij = P_ij * (dP_ij - D_i)
+                    np.matmul(ds, k3[b, kv, c0:c1], out=dq_tmp[:R])  # (R, tk) @ (tk, H) -> (R, H)
+                    dq_i[r] += dq_tmp[:R]
+                    np.matmul(ds.T, qs_i[r], out=dk_tmp[:tk])  # (tk, R) @ (R, H) -> (tk, H)
+                    dk_item[c0:c1] += dk_tmp[:tk]
+                    if dbias is not None:
+                        item.add_dbias(dbias, ds, *span[:4])
             dq_i *= scale
-            dq[b, heads, q0:q1] = dq_i.reshape(G, tq, H)  # (G, tq, H)
+            dq[b, heads, q0:q1] = _head_major(dq_i, tq, G)  # (G, tq, H)
+        if base != 1.0:
+            dk_item /= dtype.type(base)  # qs_i carried base * scale * Q
 
     _run([(b, kv) for b in range(Bf) for kv in range(K)], work, parallel=dbias is None)
     bs = spec.batch_shape

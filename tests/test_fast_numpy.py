@@ -30,11 +30,16 @@ def _run(module_forward, module_backward, case, dout_seed=0, **extra):
     return out, lse, grads
 
 
-@settings(max_examples=40)
-@given(case=attention_cases(), block_q=st.sampled_from([1, 2, 3, 5, 64]), block_k=st.sampled_from([1, 2, 4, 7, 64]))
-def test_fast_path_equals_generic_chunked_path(case, block_q, block_k):
+@settings(max_examples=60)
+@given(case=attention_cases(), block_q=st.sampled_from([1, 2, 3, 5, 64]), block_k=st.sampled_from([1, 2, 4, 7, 64]),
+       split=st.sampled_from([1, 2, 3, fast_numpy.SPLIT_BLOCK]))
+def test_fast_path_equals_generic_chunked_path(case, block_q, block_k, split):
+    """``split`` below the block sizes makes partly visible tiles run as
+    several spans (:func:`npattn.fast_numpy.plan_tile`)."""
     blocks = dict(block_q=block_q, block_k=block_k)
-    fast = _run(fast_numpy.forward, fast_numpy.backward, case, **blocks)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fast_numpy, "SPLIT_BLOCK", split)
+        fast = _run(fast_numpy.forward, fast_numpy.backward, case, **blocks)
     generic = _run(chunked.chunked_forward, chunked.chunked_backward, case, **blocks)
     out_f, lse_f, grads_f = fast
     out_g, lse_g, grads_g = generic
@@ -48,6 +53,57 @@ def test_fast_path_equals_generic_chunked_path(case, block_q, block_k):
         else:
             assert a.shape == b.shape, name
             np.testing.assert_allclose(a, b, atol=1e-11, rtol=0, err_msg=name)
+
+
+def _tile_visibility(spec, q0, q1, k0, k1):
+    """``(any item sees it, every item sees it)`` over the tile, each ``(tq, tk)``."""
+    from npattn.masking import visible_tile
+
+    visible = visible_tile(spec, q0, q1, k0, k1)
+    if visible is None:
+        everything = np.ones((q1 - q0, k1 - k0), dtype=bool)
+        return everything, everything
+    visible = np.broadcast_to(visible, visible.shape[:-2] + (q1 - q0, k1 - k0))
+    lead = tuple(range(visible.ndim - 2))
+    return np.any(visible, axis=lead), np.all(visible, axis=lead)
+
+
+@settings(max_examples=200)
+@given(data=st.data(), split=st.integers(1, 5))
+def test_tile_plans_cover_every_visible_entry_once_and_mask_every_partial_one(data, split):
+    case = data.draw(attention_cases(max_len=12, features=("causal", "window", "lengths")))
+    spec = make_spec(*case.arrays, impl="chunked", **case.options)
+    T, S = spec.q_len, spec.kv_len
+    q0 = data.draw(st.integers(0, T - 1))
+    q1 = data.draw(st.integers(q0 + 1, T))
+    k0 = data.draw(st.integers(0, S - 1))
+    k1 = data.draw(st.integers(k0 + 1, S))
+    seen_by_some, seen_by_all = _tile_visibility(spec, q0, q1, k0, k1)
+    covered = np.zeros((q1 - q0, k1 - k0), dtype=int)
+    unmasked = np.zeros_like(covered, dtype=bool)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fast_numpy, "SPLIT_BLOCK", split)
+        spans = fast_numpy.plan_tile(spec, q0, q1, k0, k1)
+    for p0, p1, c0, c1, hidden in spans:
+        assert q0 <= p0 < p1 <= q1 and k0 <= c0 < c1 <= k1
+        covered[p0 - q0:p1 - q0, c0 - k0:c1 - k0] += 1
+        unmasked[p0 - q0:p1 - q0, c0 - k0:c1 - k0] = True
+        for j0, j1 in hidden:
+            assert c0 <= j0 < j1 <= c1
+            unmasked[p0 - q0:p1 - q0, j0 - k0:j1 - k0] = False
+    assert covered.max(initial=0) <= 1, "spans overlap"
+    assert np.all(covered[seen_by_some] == 1), "a visible entry is in no span"
+    assert np.all(seen_by_all[unmasked]), "an entry left unmasked is hidden from some item"
+
+
+def test_a_causal_diagonal_tile_computes_ten_sixteenths_of_its_area():
+    x = np.zeros((1, 1, 512, 4), dtype=np.float32)
+    spec = make_spec(x, x, x, causal=True, impl="chunked")
+    spans = fast_numpy.plan_tile(spec, 0, 512, 0, 512)  # SPLIT_BLOCK = 128: four row chunks
+    assert [(p0, p1, c0, c1) for p0, p1, c0, c1, _ in spans] == [(128 * i, 128 * i + 128, 0, 128 * i + 128)
+                                                                  for i in range(4)]
+    assert sum((p1 - p0) * (c1 - c0) for p0, p1, c0, c1, _ in spans) == 512 * 512 * 10 // 16
+    assert [hidden for *_, hidden in spans] == [((128 * i, 128 * i + 128),) for i in range(4)]  # the diagonal blocks
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
