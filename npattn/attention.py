@@ -161,8 +161,15 @@ def attention_forward(
         ``"auto"`` is chunked once the score tensor would exceed
         ``npattn.options.AUTO_CHUNKED_MIN_SCORES`` (2**24) entries.
     block_q, block_k : int, optional
-        Tile sizes of the chunked path. Default: 128 x 128 on the generic
-        path; the NumPy fast path picks sizes tuned for each pass.
+        Tile sizes of the chunked path; given ones always win. Defaults
+        (:func:`npattn.chunked.default_blocks`): the NumPy fast path picks
+        sizes tuned for each pass; the generic path uses 128 x 128 on the CPU
+        (array-api-strict on any device, torch CPU tensors) and, on an
+        accelerator (CuPy; torch on a non-CPU device), powers of two in
+        [128, 2048], clipped to T and S, as large as keeps one score tile over
+        all batch elements and heads, ``B*N*block_q*block_k``, within
+        ``npattn.options.ACCELERATOR_TILE_SCORES`` = 2**25 entries (2048 x 2048
+        at B*N = 8): per-tile kernel launches, not tile size, dominate there.
     xp : namespace, optional
         Array API namespace; inferred from the inputs by default.
 

@@ -55,6 +55,12 @@ Memory: besides the inputs and a user mask or bias (sliced per tile, never
 copied whole), forward + backward allocate ``O((T + S) * H + block_q * block_k)``
 per head: ``out``, ``lse``, ``D``, the gradients and one tile of scores.
 
+Tile sizes: the caller's ``block_q``/``block_k``, else :func:`default_blocks`:
+128 x 128 on the CPU; on an accelerator (CuPy, torch on a GPU) as large as
+keeps one score tile over all batch elements and heads within
+``npattn.options.ACCELERATOR_TILE_SCORES`` = 2**25 entries, because there the
+cost is the ~20 kernel launches per tile, not the tile's size.
+
 ``impl="auto"`` picks this path when the dense score tensor ``(..., N, T, S)``
 would hold more than ``npattn.options.AUTO_CHUNKED_MIN_SCORES`` = 2**24
 entries (64 MiB in float32), all batch elements and heads together.
@@ -62,14 +68,112 @@ entries (64 MiB in float32), all batch elements and heads together.
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+import array_api_compat
 
 from . import dropout as _dropout
 from .masking import ALL, NONE, bias_tile, classify_tile, visible_tile
 from .namespace import sum_to_shape
-from .options import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, AttentionSpec
+from .options import (
+    ACCELERATOR_BLOCK_MAX,
+    ACCELERATOR_BLOCK_MIN,
+    ACCELERATOR_TILE_SCORES,
+    DEFAULT_BLOCK_K,
+    DEFAULT_BLOCK_Q,
+    AttentionSpec,
+)
 
-__all__ = ["chunked_forward", "chunked_backward", "tile_ranges"]
+__all__ = ["chunked_forward", "chunked_backward", "tile_ranges", "default_blocks", "on_accelerator"]
+
+#: torch device types that are not accelerators ("meta" holds no data at all).
+_HOST_TORCH_DEVICE_TYPES = ("cpu", "meta")
+
+
+def on_accelerator(xp: Any, device: Any) -> bool:
+    """Whether arrays of namespace ``xp`` on ``device`` live on an accelerator:
+    CuPy arrays, or torch tensors on a non-CPU device (``cuda``, ``xpu``,
+    ``mps``, ...). NumPy, array-api-strict (whatever its device, ``device1``
+    included: it is a CPU stand-in) and torch CPU tensors are not.
+
+    >>> import numpy as np, array_api_compat
+    >>> on_accelerator(array_api_compat.array_namespace(np.zeros(1)), "cpu")
+    False
+    """
+    if array_api_compat.is_cupy_namespace(xp):
+        return True
+    if array_api_compat.is_torch_namespace(xp):
+        return getattr(device, "type", "cpu") not in _HOST_TORCH_DEVICE_TYPES
+    return False
+
+
+def _fit(x: int) -> int:
+    """The largest power of two ``<= x``, clipped to
+    ``[ACCELERATOR_BLOCK_MIN, ACCELERATOR_BLOCK_MAX]``."""
+    power = 1 << (x.bit_length() - 1) if x >= 1 else 0
+    return min(max(power, ACCELERATOR_BLOCK_MIN), ACCELERATOR_BLOCK_MAX)
+
+
+def default_blocks(spec: AttentionSpec) -> tuple[int, int]:
+    r"""``(block_q, block_k)`` of the generic chunked path: the caller's where
+    given, else a default that depends on where the arrays live.
+
+    On an accelerator (:func:`on_accelerator`: CuPy, torch on a non-CPU
+    device), with ``P = B * N`` (batch elements times query heads),
+    ``E = ACCELERATOR_TILE_SCORES`` = 2**25 and ``fit(x)`` the largest power of
+    two ``<= x`` clipped to ``[128, 2048]``::
+
+        b  = fit(sqrt(E / P))                    the square share of the budget
+        bq = block_q, else T when T <= b         a fixed side: the caller's size,
+        bk = block_k, else S when S <= b         or a whole short sequence
+        free sides (still unset) take the rest of the budget:
+          both free:  bq = b,  bk = min(S, fit(E / (P * bq)))
+          bq free:    bq = min(T, fit(E / (P * bk)))
+          bk free:    bk = min(S, fit(E / (P * bq)))
+
+    so one score tile over all (batch, head) pairs, ``P * bq * bk`` entries,
+    stays within ``E`` (128 MiB in float32) unless the lower clip at 128 or a
+    caller's size asks for more. Each tile costs ~20 small kernel launches
+    whatever its size, so on a GPU large tiles are what makes the path fast
+    (H100, float32, T = S = 16384, B*N = 8: 128 x 128 tiles are ~200-330x
+    slower than torch SDPA in forward + backward, 2048 x 2048 ~3.5x).
+
+    On the CPU (NumPy's generic path, array-api-strict on any device, torch
+    CPU tensors) a missing size is ``DEFAULT_BLOCK_Q`` x ``DEFAULT_BLOCK_K`` =
+    128 x 128, as it always was.
+
+    A pure function of ``spec``, so the backward tiles exactly as the forward.
+
+    Examples
+    --------
+    ``B = 1``, ``N = 8``, ``T = S = 16384``: ``P = 8``, ``b = fit(2048)``,
+    tiles 2048 x 2048 (exactly 2**25 entries). With ``B = 2``: ``P = 16``,
+    ``b = fit(1448) = 1024``, and keys take the rest, 1024 x 2048. Decoding
+    one token against 32768 keys with ``B = 32``, ``N = 32``: ``P = 1024``,
+    ``b = 128``, ``bq = T = 1``, ``bk = fit(32768) = 2048``. On NumPy, the
+    CPU default:
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> q = np.zeros((1, 8, 300, 4))
+    >>> default_blocks(make_spec(q, q, q)), default_blocks(make_spec(q, q, q, block_q=64))
+    ((128, 128), (64, 128))
+    """
+    if not on_accelerator(spec.xp, spec.device):
+        return spec.block_q or DEFAULT_BLOCK_Q, spec.block_k or DEFAULT_BLOCK_K
+    E, P = ACCELERATOR_TILE_SCORES, max(spec.num_batch * spec.num_heads, 1)
+    T, S = max(spec.q_len, 1), max(spec.kv_len, 1)
+    b = _fit(math.isqrt(E // P))
+    bq = spec.block_q or (T if T <= b else None)
+    bk = spec.block_k or (S if S <= b else None)
+    if bq is None and bk is not None:
+        bq = min(T, _fit(E // (P * bk)))
+    else:
+        bq = bq or b
+        if bk is None:
+            bk = min(S, _fit(E // (P * bq)))
+    return bq, bk
 
 
 def tile_ranges(length: int, block: int) -> list[tuple[int, int]]:
@@ -176,9 +280,10 @@ def chunked_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, A
     qs = xp.reshape(q, bs + (K, G, T, H)) * spec.scale  # (..., K, G, T, H), pre-scaled
     kT = xp.matrix_transpose(xp.reshape(k, bs + (K, 1, S, H)))  # (..., K, 1, H, S)
     vg = xp.reshape(v, bs + (K, 1, S, Hv))  # (..., K, 1, S, Hv)
-    k_tiles = tile_ranges(S, spec.block_k or DEFAULT_BLOCK_K)
+    block_q, block_k = default_blocks(spec)
+    k_tiles = tile_ranges(S, block_k)
     out_tiles, lse_tiles = [], []
-    for q0, q1 in tile_ranges(T, spec.block_q or DEFAULT_BLOCK_Q):
+    for q0, q1 in tile_ranges(T, block_q):
         qs_i = qs[..., q0:q1, :]  # (..., K, G, tq, H)
         m = xp.full(bs + (K, G, q1 - q0, 1), -xp.inf, dtype=spec.compute_dtype, device=spec.device)
         l = _zeros(spec, bs + (K, G, q1 - q0, 1))  # (..., K, G, tq, 1)
@@ -251,8 +356,8 @@ def chunked_backward(
     D = xp.reshape(D, bs + (K, G, T, 1))  # (..., K, G, T, 1)
     lse = xp.reshape(lse, bs + (K, G, T, 1))  # (..., K, G, T, 1)
     lse = xp.where(lse == -xp.inf, xp.zeros_like(lse), lse)  # masked rows: S = -inf gives P = 0
-    q_tiles = tile_ranges(T, spec.block_q or DEFAULT_BLOCK_Q)
-    k_tiles = tile_ranges(S, spec.block_k or DEFAULT_BLOCK_K)
+    block_q, block_k = default_blocks(spec)  # the forward's tiles: a pure function of spec
+    q_tiles, k_tiles = tile_ranges(T, block_q), tile_ranges(S, block_k)
     dq_tiles: list[Any] = [None] * len(q_tiles)  # sum_j dS_ij K_j, each (..., K, G, tq, H)
     dk_tiles, dv_tiles = [], []
     dbias_acc = _DbiasAccumulator(spec, q_tiles, k_tiles)

@@ -29,10 +29,26 @@ ALIGNS = ("top_left", "bottom_right")
 #: heads and batch elements together): 2**24 entries is 64 MiB in float32.
 AUTO_CHUNKED_MIN_SCORES = 2**24
 
-#: Tile sizes of the generic chunked path when ``block_q``/``block_k`` are
-#: None (the NumPy fast path picks its own, see :mod:`npattn.fast_numpy`).
+#: Tile sizes of the generic chunked path on the CPU (array-api-strict on any
+#: device, torch CPU tensors) when ``block_q``/``block_k`` are None. On an
+#: accelerator the defaults grow with the budget below, see
+#: :func:`npattn.chunked.default_blocks`; the NumPy fast path picks its own,
+#: see :mod:`npattn.fast_numpy`.
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
+
+#: On an accelerator (CuPy; torch on a non-CPU device) the generic chunked
+#: path's default tiles are as large as keeps one score tile over all batch
+#: elements and query heads, ``B * N * block_q * block_k``, within this many
+#: entries: 2**25 is 128 MiB in float32, 2048 x 2048 tiles at ``B * N = 8``.
+#: Each tile loop step launches ~20 small kernels, so on a GPU fewer, larger
+#: tiles are what makes the path fast (see :func:`npattn.chunked.default_blocks`).
+ACCELERATOR_TILE_SCORES = 2**25
+
+#: The range of those accelerator default tile sides (powers of two), before
+#: they are clipped to the sequence lengths.
+ACCELERATOR_BLOCK_MIN = 128
+ACCELERATOR_BLOCK_MAX = 2048
 
 
 @dataclass(frozen=True, eq=False)
