@@ -8,6 +8,10 @@
 - edge cases: T=0, B=0, T=1 decoding, fully masked rows (0 / -inf / 0, no NaN);
 - tile skipping, counted: hidden tiles are never computed, visible tiles build
   no mask;
+- default tile sizes: 128 x 128 on every CPU backend, the score-budget rule
+  of ``chunked.default_blocks`` on an accelerator (forced here by
+  monkeypatching the detection), the caller's sizes always winning, and the
+  backward tiling as the forward;
 - memory: tracemalloc peak of forward+backward at T=S=4096 is < T*S*4/10 bytes;
 - impl="auto" switches at AUTO_CHUNKED_MIN_SCORES; the benchmark smoke-runs.
 """
@@ -18,7 +22,9 @@ import importlib.util
 import math
 import pathlib
 import tracemalloc
+import types
 
+import array_api_compat
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -393,6 +399,92 @@ def test_hidden_tiles_are_never_computed(monkeypatch, case):
         assert forward_masks == 0  # with blocks of 1 every computed tile is fully visible
     ref = npattn.attention(q, k, v, impl="dense", **options)
     np.testing.assert_allclose(out, ref, **TOL)
+
+
+# --- default tile sizes: 128 on the CPU, a score budget on an accelerator ----------
+
+
+def _spec_without_memory(B, N, T, S, **options):
+    """A NumPy spec of q (B, N, T, 4), k = v (B, N, S, 4) with no memory behind it."""
+    zero = np.zeros((), dtype=np.float32)
+    q, kv = np.broadcast_to(zero, (B, N, T, 4)), np.broadcast_to(zero, (B, N, S, 4))
+    return make_spec(q, kv, kv, impl="chunked", **options)
+
+
+DEFAULT_BLOCK_CASES = {
+    # name: (B, N, T, S, options, expected (block_q, block_k) on an accelerator)
+    "B*N=8, T=S=16384: 2048x2048 = 2**25": (1, 8, 16384, 16384, {}, (2048, 2048)),
+    "B*N=8, T=S=4096: same tiles": (1, 8, 4096, 4096, {}, (2048, 2048)),
+    "B*N=16: b=1024, keys take the rest": (2, 8, 16384, 16384, {}, (1024, 2048)),
+    "B*N=64: b=512, keys take the rest": (8, 8, 8192, 8192, {}, (512, 1024)),
+    "B*N=2**17: clipped up to 128": (4096, 32, 4096, 4096, {}, (128, 128)),
+    "short sequences: one whole tile": (1, 8, 300, 389, {}, (300, 389)),
+    "decoding T=1, B*N=1024: keys get 2048": (32, 32, 1, 32768, {}, (1, 2048)),
+    "short keys: queries get the rest": (1, 8, 16384, 100, {}, (2048, 100)),
+    "caller's block_q wins, keys take the rest": (1, 8, 16384, 16384, dict(block_q=256), (256, 2048)),
+    "caller's block_k wins, queries take the rest": (1, 8, 16384, 16384, dict(block_k=64), (2048, 64)),
+    "caller's sizes win": (1, 8, 16384, 16384, dict(block_q=3, block_k=5000), (3, 5000)),
+    "T=0: a valid size": (1, 8, 0, 5, {}, (1, 5)),
+}
+
+
+@pytest.mark.parametrize("case", list(DEFAULT_BLOCK_CASES), ids=list(DEFAULT_BLOCK_CASES))
+def test_default_blocks_on_an_accelerator(monkeypatch, case):
+    B, N, T, S, options, expected = DEFAULT_BLOCK_CASES[case]
+    spec = _spec_without_memory(B, N, T, S, **options)
+    assert chunked.default_blocks(spec) == (options.get("block_q", 128), options.get("block_k", 128))  # NumPy
+    monkeypatch.setattr(chunked, "on_accelerator", lambda xp, device: True)
+    bq, bk = chunked.default_blocks(spec)
+    assert (bq, bk) == expected
+    if not options:  # the rule's promises: powers of two in range, or a whole sequence; the budget holds
+        for size, length in ((bq, T), (bk, S)):
+            assert size == max(length, 1) or (128 <= size <= 2048 and size & (size - 1) == 0), (size, length)
+        assert B * N * bq * bk <= chunked.ACCELERATOR_TILE_SCORES or (bq, bk) == (128, 128)
+
+
+def test_default_blocks_on_the_cpu_backends_are_128(backend):
+    """NumPy, read-only NumPy, array-api-strict on both devices (``device1`` is
+    a CPU stand-in, not an accelerator) and torch CPU tensors keep 128 x 128;
+    only CuPy is an accelerator."""
+    q = backend.asarray(np.zeros((1, 2, 300, 4)))
+    kv = backend.asarray(np.zeros((1, 2, 389, 4)))
+    spec = make_spec(q, kv, kv, impl="chunked")
+    accelerated = backend.name == "cupy"
+    assert chunked.on_accelerator(spec.xp, spec.device) is accelerated
+    assert chunked.default_blocks(spec) == ((300, 389) if accelerated else (128, 128))
+    spec = make_spec(q, kv, kv, impl="chunked", block_q=64)
+    assert chunked.default_blocks(spec) == ((64, 389) if accelerated else (64, 128))
+
+
+def test_on_accelerator_detection():
+    numpy_ns = array_api_compat.array_namespace(np.zeros(1))
+    assert not chunked.on_accelerator(numpy_ns, "cpu")
+    assert chunked.on_accelerator(types.ModuleType("cupy"), None)  # by namespace, no GPU needed
+    xps = pytest.importorskip("array_api_strict")
+    assert not chunked.on_accelerator(xps, xps.Device("device1"))
+    torch = pytest.importorskip("torch")
+    torch_ns = array_api_compat.array_namespace(torch.zeros(1))
+    assert not chunked.on_accelerator(torch_ns, torch.device("cpu"))
+    assert not chunked.on_accelerator(torch_ns, torch.device("meta"))
+    assert chunked.on_accelerator(torch_ns, torch.device("cuda", 0))  # a device object needs no GPU
+
+
+def test_accelerator_default_tiles_are_the_same_in_forward_and_backward(monkeypatch):
+    """With the accelerator rule forced on the CPU and a budget of 2**17
+    scores, B*N = 2 at T=300, S=389 gives 256 x 256 tiles: the forward and the
+    backward compute the same four tiles, and the result equals dense."""
+    monkeypatch.setattr(chunked, "on_accelerator", lambda xp, device: True)
+    monkeypatch.setattr(chunked, "ACCELERATOR_TILE_SCORES", 2**17)
+    q, k, v = _qkv(batch=(1,), N=2, K=1, T=300, S=389, seed=4)
+    rng = np.random.default_rng(5)
+    dout, dlse = rng.standard_normal((1, 2, 300, 4)), rng.standard_normal((1, 2, 300))
+    options = dict(bias=rng.standard_normal((300, 1)))
+    assert chunked.default_blocks(make_spec(q, k, v, impl="chunked", **options)) == (256, 256)
+    counter = _Counter(monkeypatch)
+    chunk = _chunked(q, k, v, dout, dlse, **options)
+    tiles = {(q0, k0) for q0 in (0, 256) for k0 in (0, 256)}
+    assert len(counter.scored) == 8 and set(counter.scored[:4]) == set(counter.scored[4:]) == tiles
+    _assert_paths_agree(chunk, _run(q, k, v, options, dout, dlse, "dense"))
 
 
 # --- memory ----------------------------------------------------------------------

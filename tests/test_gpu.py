@@ -12,6 +12,9 @@ as skipped (the fixture skips), never as an error. On a GPU:
 - ``npattn.check_gradients`` (full Jacobian, float64) on CuPy, both paths;
 - hypothesis: the chunked path equals the dense one on CuPy for the problems
   of ``test_chunked.problems()`` (block sizes 1, primes, larger than T);
+- default tiles: without block sizes the chunked path on CuPy (and on torch
+  CUDA tensors) takes the large accelerator tiles of
+  ``chunked.default_blocks``, forward and backward alike, and equals dense;
 - fully masked rows: output 0, lse -inf, zero gradients, no NaN;
 - dropout: the keep mask is bit-identical to NumPy's on both paths;
 - float32/float16 dtype policy and bitwise determinism on the device;
@@ -33,6 +36,7 @@ from test_chunked import _qkv as chunked_qkv
 from test_dense import FEATURES
 
 import npattn
+import npattn.chunked as chunked
 from npattn.dropout import keep_tile
 from npattn.mha import mha_backward, mha_forward, mha_init
 from npattn.namespace import to_numpy
@@ -139,21 +143,79 @@ def test_feature_matches_numpy_float64(backend, feature, impl):
         np.testing.assert_array_equal(cp.asnumpy(device_inputs[name]), original, err_msg=name)
 
 
-def test_longer_sequences_default_tiles_match_numpy(backend):
-    """Many default-size (128) tiles, the last one partial, with causal
+def test_longer_sequences_128_tiles_match_numpy(backend):
+    """Many 128 x 128 tiles (the CPU default, asked for explicitly: on the GPU
+    the default takes these lengths whole), the last one partial, with causal
     bottom_right, GQA, lengths, a bias row per query and dropout: CuPy's
     chunked and dense paths both equal NumPy's dense path."""
     cp = backend.xp
     q, k, v = _qkv(batch=(2,), N=4, K=2, T=300, S=389, H=16, Hv=8, seed=3)
     rng = np.random.default_rng(4)
     options = dict(causal=True, align="bottom_right", q_lengths=np.array([300, 211]),
-                   kv_lengths=np.array([389, 260]), bias=rng.standard_normal((300, 1)), dropout_p=0.1, seed=77)
+                   kv_lengths=np.array([389, 260]), bias=rng.standard_normal((300, 1)), dropout_p=0.1, seed=77,
+                   block_q=128, block_k=128)
     dout, dlse = rng.standard_normal(q.shape[:-1] + v.shape[-1:]), rng.standard_normal(q.shape[:-1])
     want, _ = _run(q, k, v, dout, dlse, {**options, "impl": "dense"})
     args = [cp.asarray(a) for a in (q, k, v, dout, dlse)]
     for impl in IMPLS:
         got, _ = _run(*args, {**_on_device(backend, options), "impl": impl})
         _assert_equal_results(_host(got), want, rtol=1e-11, atol=1e-11)
+
+
+def test_default_tiles_are_large_on_the_gpu_and_match_dense(backend, monkeypatch):
+    """``impl="chunked"`` with no block sizes on CuPy follows the accelerator
+    rule of ``chunked.default_blocks``: B*N = 2 at T=3000, S=2500 gives
+    2048 x 2048 tiles, two per side with the last partial. Causal bottom_right
+    hides tile (0, 2048); the forward and the backward compute the same three
+    tiles, and out, lse and every gradient equal the dense path's on CuPy and
+    NumPy's dense path."""
+    cp = backend.xp
+    q, k, v = _qkv(batch=(1,), N=2, K=1, T=3000, S=2500, H=16, Hv=8, seed=12)
+    rng = np.random.default_rng(13)
+    options = dict(causal=True, align="bottom_right", bias=rng.standard_normal((3000, 1)), dropout_p=0.1, seed=3)
+    dout, dlse = rng.standard_normal((1, 2, 3000, 8)), rng.standard_normal((1, 2, 3000))
+    args = [cp.asarray(a) for a in (q, k, v, dout, dlse)]
+    dev_options = _on_device(backend, options)
+    spec = make_spec(*args[:3], impl="chunked", **dev_options)
+    assert chunked.on_accelerator(spec.xp, spec.device)
+    assert chunked.default_blocks(spec) == (2048, 2048)
+    scored = []
+    tile_scores = chunked._tile_scores
+
+    def counting_scores(spec, qs_i, kT_j, q0, q1, k0, k1, kind):
+        scored.append((q0, k0))
+        return tile_scores(spec, qs_i, kT_j, q0, q1, k0, k1, kind)
+
+    monkeypatch.setattr(chunked, "_tile_scores", counting_scores)
+    chunk, res = _run(*args, {**dev_options, "impl": "chunked"})
+    monkeypatch.undo()
+    assert res.kernel == "generic"
+    assert scored[:3] == [(0, 0), (2048, 0), (2048, 2048)] and sorted(scored[3:]) == sorted(scored[:3])
+    dense, _ = _run(*args, {**dev_options, "impl": "dense"})
+    chunk, dense = _host(chunk), _host(dense)
+    assert_paths_agree([chunk[n] for n in NAMES], [dense[n] for n in NAMES], rtol=1e-11, atol=1e-11)
+    want, _ = _run(q, k, v, dout, dlse, {**options, "impl": "dense"})
+    _assert_equal_results(dense, want, rtol=1e-11, atol=1e-11)
+
+
+def test_torch_cuda_tensors_take_the_accelerator_default(backend):
+    """torch tensors on CUDA are an accelerator too (torch CPU tensors are
+    not), and the generic chunked path with its large default tiles runs on
+    them and equals NumPy's dense path."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    q, k, v = _qkv(batch=(1,), N=2, K=1, T=3000, S=2500, H=16, Hv=8, seed=14)
+    cuda = [torch.asarray(a, device="cuda") for a in (q, k, v)]
+    spec = make_spec(*cuda, impl="chunked")
+    assert chunked.on_accelerator(spec.xp, spec.device)
+    assert chunked.default_blocks(spec) == (2048, 2048)
+    assert chunked.default_blocks(make_spec(*(t.cpu() for t in cuda), impl="chunked")) == (128, 128)
+    options = dict(causal=True, align="bottom_right", bias=np.linspace(-1, 1, 2500))
+    out = npattn.attention(*cuda, impl="chunked", **{**options, "bias": torch.asarray(options["bias"], device="cuda")})
+    assert out.device.type == "cuda"
+    np.testing.assert_allclose(out.cpu().numpy(), npattn.attention(q, k, v, impl="dense", **options),
+                               rtol=1e-11, atol=1e-11)
 
 
 # --- gradients by central differences on the device --------------------------------
