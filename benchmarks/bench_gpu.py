@@ -10,13 +10,18 @@ causal), one row per implementation measured in the same process:
 - ``torch sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on
   CUDA (when torch with CUDA is importable; ``--no-torch`` leaves it out);
 - ``dense``: ``npattn.attention_forward(..., impl="dense")`` on CuPy;
-- ``chunked BQxBK``: ``impl="chunked"`` on CuPy (the generic Array API path)
-  for each tile size of ``--blocks`` (default: the library default 128x128,
-  then 1024x1024 and 2048x2048); the fastest is named after the table.
-  Measured on an H100 (float32, T=S=16384): 128x128 tiles are ~220x slower
-  than torch in fwd+bwd (the Python loop launches ~20 small kernels per
-  tile), 512x512 ~15x, 1024x1024 ~4-5x, 2048x2048 ~3.2-3.5x, the fastest,
-  at under 1 GiB of peak memory against dense's 32 GiB.
+- ``chunked BQxBK (default)``: ``impl="chunked"`` on CuPy (the generic Array
+  API path) with no block sizes, so the tiles are the library's accelerator
+  default, ``npattn.chunked.default_blocks`` (2048x2048 at B*N = 8: one score
+  tile over all heads holds ``ACCELERATOR_TILE_SCORES`` = 2**25 entries);
+- ``chunked BQxBK``: the same with explicit square tiles, for each size of
+  ``--blocks`` (default: 128, the CPU default, and 1024; ``--blocks none``
+  leaves them out; a size equal to the default tiles is not repeated). The
+  fastest chunked row is named after the table.
+  Measured on an H100 (float32, T=S=16384): 128x128 tiles are ~200-330x
+  slower than torch in fwd+bwd (the Python loop launches ~20 small kernels
+  per tile), 512x512 ~15x, 1024x1024 ~4-8x, 2048x2048 (the default) ~3.2-3.5x,
+  the fastest, at under 1 GiB of peak memory against dense's 32 GiB.
 
 Columns: best forward ms and forward+backward ms (the device synchronized
 before and after every run, after a warm-up run, best of ``--repeats``; a
@@ -50,7 +55,8 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from npattn import attention_backward, attention_forward
 from npattn.__main__ import cupy_peak_bytes
-from npattn.options import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
+from npattn.chunked import default_blocks
+from npattn.options import DEFAULT_BLOCK_Q, make_spec
 
 #: Dense forward+backward keeps about this many (B, N, T, S) float32 tensors
 #: alive at its peak (scores, probabilities, dP, dS and a temporary).
@@ -58,6 +64,9 @@ DENSE_LIVE_SCORE_TENSORS = 5
 
 #: A timed run longer than this is not repeated.
 SLOW_RUN_S = 2.0
+
+#: Width of the table's impl column ("chunked 2048x2048 (default)" fits).
+LABEL = 28
 
 
 def _cupy():
@@ -179,6 +188,8 @@ def _npattn_row(case: _Case, options: dict, repeats: int, reference):
 
 
 def _positive_ints(text: str) -> list[int]:
+    if text.strip().lower() == "none":
+        return []
     try:
         values = [int(x) for x in text.split(",")]
     except ValueError:
@@ -193,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="T=S in {256, 512}, one repeat: a smoke run")
     parser.add_argument("--lengths", type=_positive_ints, help="comma-separated T=S values")
     parser.add_argument("--blocks", type=_positive_ints,
-                        help=f"comma-separated square chunked tile sizes (default {DEFAULT_BLOCK_Q},1024,2048)")
+                        help=f"comma-separated square chunked tile sizes besides the default tiles "
+                             f"(default {DEFAULT_BLOCK_Q},1024; 'none' for none)")
     parser.add_argument("--dtypes", default="float32,float16,bfloat16",
                         help="comma-separated, from float32, float16, bfloat16")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many timed runs (default 3)")
@@ -218,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
     B, N, H = 1, 8, 64
     lengths = args.lengths or ([256, 512] if args.quick else [1024, 4096, 8192, 16384])
-    blocks = args.blocks or ([DEFAULT_BLOCK_Q, 256] if args.quick else [DEFAULT_BLOCK_Q, 1024, 2048])
+    blocks = args.blocks if args.blocks is not None else ([DEFAULT_BLOCK_Q] if args.quick else [DEFAULT_BLOCK_Q, 1024])
     repeats = 1 if args.quick else args.repeats
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
@@ -227,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
           f"CUPY_TF32={os.environ.get('CUPY_TF32', 'unset')}")
     print(f"times: best of {repeats} after a warm-up, device synchronized; peak MiB: one fwd+bwd beyond the inputs; "
           "x torch: this row's time / torch's")
-    header = (f"{'dtype':<8} {'T=S':>6} {'mask':<6} {'impl':<22} {'fwd ms':>9} {'f+b ms':>9} {'peak MiB':>9} "
+    header = (f"{'dtype':<8} {'T=S':>6} {'mask':<6} {'impl':<{LABEL}} {'fwd ms':>9} {'f+b ms':>9} {'peak MiB':>9} "
               f"{'fwd x torch':>11} {'f+b x torch':>11} {'max|out-torch|':>14}")
     print(header)
     print("-" * len(header))
@@ -247,46 +259,48 @@ def main(argv: list[str] | None = None) -> int:
                 if torch is not None:
                     try:
                         t_fwd, t_both, t_peak, reference = _torch_row(case, repeats)
-                        print(f"{prefix} {'torch sdpa':<22} {t_fwd:9.2f} {t_both:9.2f} {t_peak / 2**20:9.1f} "
+                        print(f"{prefix} {'torch sdpa':<{LABEL}} {t_fwd:9.2f} {t_both:9.2f} {t_peak / 2**20:9.1f} "
                               f"{1:11.2f} {1:11.2f} {0:14.1e}", flush=True)
                     except torch.cuda.OutOfMemoryError:
-                        print(f"{prefix} {'torch sdpa':<22} out of device memory", flush=True)
-                impls = [("dense", dict(impl="dense"))]
-                impls += [(f"chunked {b}x{b}" + (" (default)" if b == DEFAULT_BLOCK_Q == DEFAULT_BLOCK_K else ""),
-                           dict(impl="chunked", block_q=b, block_k=b)) for b in blocks]
-                for label, options in impls:
-                    if label == "dense":
+                        print(f"{prefix} {'torch sdpa':<{LABEL}} out of device memory", flush=True)
+                bq, bk = default_blocks(make_spec(case.q, case.k, case.v, causal=causal, impl="chunked"))
+                impls = [("dense", "dense", dict(impl="dense")),  # (key for extrapolation, label, options)
+                         ("default", f"chunked {bq}x{bk} (default)", dict(impl="chunked"))]
+                impls += [(f"{b}x{b}", f"chunked {b}x{b}", dict(impl="chunked", block_q=b, block_k=b))
+                          for b in blocks if (b, b) != (bq, bk)]
+                for key, label, options in impls:
+                    if key == "dense":
                         _free_pools(cp, torch)
                         need = DENSE_LIVE_SCORE_TENSORS * B * N * T * T * 4
                         free = cp.cuda.runtime.memGetInfo()[0]
                         if need > 0.9 * free:
-                            print(f"{prefix} {label:<22} skipped: needs ~{need / 2**30:.0f} GiB, "
+                            print(f"{prefix} {label:<{LABEL}} skipped: needs ~{need / 2**30:.0f} GiB, "
                                   f"{free / 2**30:.0f} GiB free", flush=True)
                             continue
                     else:
-                        last = slow.get((dtype, causal, label))
+                        last = slow.get((dtype, causal, key))
                         if last is not None and last[1] * (T / last[0]) ** 2 > args.row_budget:
-                            print(f"{prefix} {label:<22} skipped: fwd+bwd extrapolated to "
+                            print(f"{prefix} {label:<{LABEL}} skipped: fwd+bwd extrapolated to "
                                   f"~{last[1] * (T / last[0]) ** 2:.0f} s > --row-budget {args.row_budget:g} s",
                                   flush=True)
                             continue
                     try:
                         fwd, both, peak, diff = _npattn_row(case, options, repeats, reference)
                     except cp.cuda.memory.OutOfMemoryError:
-                        print(f"{prefix} {label:<22} out of device memory", flush=True)
+                        print(f"{prefix} {label:<{LABEL}} out of device memory", flush=True)
                         continue
                     except Exception as err:  # a failure is a finding: report it and go on
-                        print(f"{prefix} {label:<22} FAILED: {type(err).__name__}: {err}", flush=True)
+                        print(f"{prefix} {label:<{LABEL}} FAILED: {type(err).__name__}: {err}", flush=True)
                         failures += 1
                         continue
-                    slow[(dtype, causal, label)] = (T, both / 1e3)
+                    slow[(dtype, causal, key)] = (T, both / 1e3)
                     if T == max(lengths):
                         best.setdefault((dtype, causal), {})[label] = both
                     ratio_f = f"{fwd / t_fwd:11.2f}" if t_fwd else f"{'n/a':>11}"
                     ratio_b = f"{both / t_both:11.2f}" if t_both else f"{'n/a':>11}"
                     peak_s = f"{peak / 2**20:9.1f}" if peak is not None else f"{'n/a':>9}"
                     diff_s = f"{diff:14.1e}" if diff is not None else f"{'n/a':>14}"
-                    print(f"{prefix} {label:<22} {fwd:9.2f} {both:9.2f} {peak_s} {ratio_f} {ratio_b} {diff_s}",
+                    print(f"{prefix} {label:<{LABEL}} {fwd:9.2f} {both:9.2f} {peak_s} {ratio_f} {ratio_b} {diff_s}",
                           flush=True)
                 del case
                 _free_pools(cp, torch)
