@@ -254,3 +254,69 @@ def test_fast_path_memory_stays_linear_in_sequence_length():
     finally:
         tracemalloc.stop()
     assert peak < 4096 * 4096 * 4 / 10, f"peak {peak / 2**20:.1f} MiB"
+
+
+# --- subnormal probabilities ------------------------------------------------------------
+
+
+def _subnormal_count(x):
+    x = np.asarray(x)
+    if x.dtype.kind != "f":
+        return 0
+    return int(np.count_nonzero((x != 0) & (np.abs(x) < np.finfo(x.dtype).tiny)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_flushed_exp_gives_zeros_for_hidden_and_tiny_entries_and_no_subnormals(dtype):
+    for fused in (True, False):
+        exp = fast_numpy._Exp(fused, np.dtype(dtype))
+        s = np.array([[-np.inf, 0.0, -1.0, -30.0, exp.floor * 0.99, exp.floor * 1.01, -1e6]], dtype=dtype)
+        expected = (np.exp2 if fused else np.exp)(s.astype(np.float64))
+        expected[expected < 2.0 ** fast_numpy.FLUSH_EXPONENT[np.dtype(dtype)]] = 0
+        got = s.copy()
+        exp.flushed(got)
+        assert got[0, 0] == 0 and got[0, -1] == 0 and got[0, -2] == 0
+        assert got[0, 4] > 0  # just above the floor: kept
+        assert _subnormal_count(got) == 0
+        np.testing.assert_allclose(got, expected, rtol=4 * np.finfo(dtype).eps, atol=2 * float(exp.tiny))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"bias": "random"}], ids=["plain", "causal", "bias"])
+def test_large_logits_send_no_subnormal_into_a_matrix_product(monkeypatch, dtype, options):
+    """Scores spread over hundreds of units (q scaled by 40 for float32, 600 for
+    float64) make most probabilities underflow; none reaches a GEMM as a
+    subnormal (which would run 10-100x slower), and the results still match
+    the float64 dense path."""
+    rng = np.random.default_rng(11)
+    big = 40.0 if dtype == np.float32 else 600.0
+    q = (rng.standard_normal((1, 2, 96, 16)) * big).astype(dtype)
+    k, v, dout = (rng.standard_normal((1, 2, 96, 16)).astype(dtype) for _ in range(3))
+    if options.get("bias") == "random":
+        options = {"bias": rng.standard_normal((2, 96, 96)).astype(dtype)}
+    subnormal_operands = []
+    real_matmul = np.matmul
+
+    def checking_matmul(a, b, *args, **kwargs):
+        subnormal_operands.append(_subnormal_count(a) + _subnormal_count(b))
+        return real_matmul(a, b, *args, **kwargs)
+
+    class NumpyWithCheckedMatmul:
+        def __getattr__(self, name):
+            return checking_matmul if name == "matmul" else getattr(np, name)
+
+    monkeypatch.setattr(fast_numpy, "np", NumpyWithCheckedMatmul())
+    spec = make_spec(q, k, v, impl="chunked", block_q=32, block_k=32, **options)
+    out, lse = fast_numpy.forward(spec, q, k, v)
+    dq, dk, dv, _ = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)
+    monkeypatch.undo()
+    assert subnormal_operands and max(subnormal_operands) == 0
+    wide = [a.astype(np.float64) for a in (q, k, v)]
+    wide_options = {name: (value.astype(np.float64) if isinstance(value, np.ndarray) else value)
+                    for name, value in options.items()}
+    ref_out, ref_res = npattn.attention_forward(*wide, impl="dense", **wide_options)
+    ref = npattn.attention_backward(dout.astype(np.float64), ref_res)
+    tol = dict(rtol=2e-3, atol=2e-3) if dtype == np.float32 else dict(rtol=1e-9, atol=1e-9)
+    for got, want in ((out, ref_out), (lse, ref_res.lse), (dq, ref.dq), (dk, ref.dk), (dv, ref.dv)):
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, want, **tol)
