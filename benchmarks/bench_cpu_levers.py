@@ -10,6 +10,8 @@ Rows, each against the full NumPy fast path (the last row):
 - the fast path with BLAS threads left unlimited inside the pool's threads;
 - the fast path with the generic path's 128x128 tiles;
 - the fast path with causal masking (hidden tiles skipped);
+- the same without cutting partly visible tiles into spans
+  (:func:`npattn.fast_numpy.plan_tile`): each diagonal tile whole, masked;
 - the fast path as shipped.
 
 Times are the best of ``--repeats`` runs (the generic path runs once: it is
@@ -98,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("fast path, BLAS threads not limited", measure(args.repeats)))
     rows.append(("fast path, 128x128 tiles", measure(args.repeats, block_q=128, block_k=128)))
     rows.append(("fast path, causal (hidden tiles skipped)", measure(args.repeats, causal=True)))
+    split = fast_numpy.SPLIT_BLOCK
+    fast_numpy.SPLIT_BLOCK = max(T, 1)  # a partly visible tile is then one span
+    try:
+        rows.append(("fast path, causal, diagonal tiles not split", measure(args.repeats, causal=True)))
+    finally:
+        fast_numpy.SPLIT_BLOCK = split
     shipped = measure(args.repeats)
     rows.append(("fast path as shipped", shipped))
 

@@ -4,6 +4,7 @@ their tables (no timing is asserted: speed lives in the benchmarks)."""
 from __future__ import annotations
 
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,12 +35,36 @@ def test_cpu_benchmark_quick_prints_its_table(capsys):
 def test_lever_benchmark_quick_prints_every_lever(capsys):
     assert _run_script("bench_cpu_levers.py", ["--quick"]) == 0
     out = capsys.readouterr().out
-    for label in ("generic Array API path", "1 thread", "not limited", "128x128", "causal", "as shipped"):
+    for label in ("generic Array API path", "1 thread", "not limited", "128x128", "causal", "not split", "as shipped"):
         assert label in out
 
 
+def _in_git_checkout() -> bool:
+    try:
+        done = subprocess.run(["git", "-C", str(BENCHMARKS), "rev-parse", "HEAD"], capture_output=True)
+    except OSError:
+        return False
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(not _in_git_checkout(), reason="needs git and a checkout")
+def test_revision_benchmark_quick_times_each_revision(capsys):
+    assert _run_script("bench_cpu_ab.py", ["HEAD", "worktree", "--quick"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("full", "causal"))]
+    assert [(row[0], row[1]) for row in rows] == [("full", "HEAD"), ("full", "worktree"),
+                                                  ("causal", "HEAD"), ("causal", "worktree")]
+    assert all(float(row[3]) == 1.0 for row in rows if row[1] == "HEAD")  # ratios are to the first revision
+
+
+@pytest.mark.skipif(not _in_git_checkout(), reason="needs git and a checkout")
+def test_revision_benchmark_names_a_revision_it_cannot_read():
+    message = _run_script("bench_cpu_ab.py", ["no-such-revision", "--quick"])  # SystemExit(str): exit status 1
+    assert "cannot read npattn/fast_numpy.py at 'no-such-revision'" in message
+
+
 @pytest.mark.parametrize("script, argv", [("bench_cpu.py", ["--length", "0"]),
-                                          ("bench_cpu_levers.py", ["--repeats", "0"])])
+                                          ("bench_cpu_levers.py", ["--repeats", "0"]),
+                                          ("bench_cpu_ab.py", ["HEAD", "--rounds", "0"])])
 def test_benchmarks_reject_bad_arguments(script, argv, capsys):
     assert _run_script(script, argv) == 2
     assert "must be >= 1" in capsys.readouterr().err
