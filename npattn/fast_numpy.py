@@ -609,57 +609,63 @@ def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, do
         b, kv = job
         item = _Item(spec, b, kv)
         heads = item.head_slice
-        dk_item, dv_item = dk[b, kv], dv[b, kv]  # (S, H), (S, Hv): owned by this item
+        # The item's query side, all T positions stacked position-major: row t*G + g.
+        lse_b = _position_major(lse3[b, heads])  # (T*G,)
+        D_b = _position_major(D[b, heads])  # (T*G,)
+        qa = _augmented_rows(q3[b, heads], -base * lse_b if fused else 0, scale * base, dtype)  # (T*G, H+1)
+        doa = _augmented_rows(do3[b, heads], -D_b if fold_D else 0, one, dtype)  # (T*G, Hv+1)
+        qs, do_b = qa[:, :H], doa[:, :Hv]  # (T*G, H), (T*G, Hv) views
+        dq_b = np.zeros((T * G, H), dtype=dtype)
+        # S_ij - lse_i >= -|base scale q_i| max_j |k_j| - lse_i (the forward's bound), per query tile
+        q_norms = np.sqrt(np.sum(qs * qs, axis=1)) if fused else None  # (T*G,)
+        bounds = [(float(q_norms[q0 * G:q1 * G].max()) if fused and q1 > q0 and G else 0.0,
+                   base * float(lse_b[q0 * G:q1 * G].max()) if q1 > q0 and G else 0.0) for q0, q1 in q_tiles]
+        k_norm_max = _RangeMax(k_norms[b, kv]) if fused else None
         s_flat = np.empty(G * block_q * block_k, dtype=dtype)  # scores, then P, of one span
         dp_flat = np.empty_like(s_flat)  # dP - D, then dS, of one span
-        k_norm_max = _RangeMax(k_norms[b, kv]) if fused else None
-        dk_tmp = np.empty((block_k, H), dtype=dtype)
-        dv_tmp = np.empty((block_k, Hv), dtype=dtype)
+        dk_j, dv_j = np.empty((block_k, H), dtype=dtype), np.empty((block_k, Hv), dtype=dtype)
+        dk_tmp, dv_tmp = np.empty_like(dk_j), np.empty_like(dv_j)
         dq_tmp = np.empty((G * block_q, H), dtype=dtype)
-        for (q0, q1), plan_row in zip(q_tiles, plans):
-            tq, rows = q1 - q0, G * (q1 - q0)
-            lse_i = _position_major(lse3[b, heads, q0:q1])  # (tq*G,)
-            D_i = _position_major(D[b, heads, q0:q1])  # (tq*G,)
-            qa = _augmented_rows(q3[b, heads, q0:q1], -base * lse_i if fused else 0, scale * base, dtype)  # (tq*G, H+1)
-            doa = _augmented_rows(do3[b, heads, q0:q1], -D_i if fold_D else 0, one, dtype)  # (tq*G, Hv+1)
-            qs_i, do_i = qa[:, :H], doa[:, :Hv]  # (tq*G, H), (tq*G, Hv) views
-            dq_i = np.zeros((rows, H), dtype=dtype)
-            # S_ij - lse_i >= -|base scale q_i| max_j |k_j| - lse_i (the forward's bound)
-            q_norm_max = float(np.sqrt(np.max(np.sum(qs_i * qs_i, axis=1)))) if fused and rows else 0.0
-            lse_max = base * float(lse_i.max()) if rows else 0.0
-            for plan in plan_row:
+        # Key tiles outside, query tiles inside (FlashAttention-2's order): dK_j and
+        # dV_j accumulate in small buffers that stay in cache, written out once.
+        for kj, (k0, k1) in enumerate(k_tiles):
+            dk_j[:] = 0
+            dv_j[:] = 0
+            for plan, (q_norm_max, lse_max) in zip((row[kj] for row in plans), bounds):
                 for span in plan:
-                    r, (c0, c1) = _rows(span, q0, G), span[2:4]
-                    R, tk = r.stop - r.start, c1 - c0
+                    r, (c0, c1) = _rows(span, 0, G), span[2:4]
+                    R, tk, cols = r.stop - r.start, c1 - c0, slice(c0 - k0, c1 - k0)
                     p = _buffer(s_flat, R, tk)  # (R, tk)
                     item.scores(p, qa[r], kTa[b, kv], span)  # S_ij [- lse_i]
                     if not fused:
-                        p -= lse_i[r, None]
+                        p -= lse_b[r, None]
                     if fused and not span[4] and q_norm_max * k_norm_max[c0, c1] + lse_max < -exp.floor:
                         exp.fast(p, out=p)  # P_ij
                     else:
                         exp.flushed(p)
                     drop = item.dropout_scale(*span[:4])
                     p_dropped = p if drop is None else p * drop
-                    np.matmul(p_dropped.T, do_i[r], out=dv_tmp[:tk])  # (tk, R) @ (R, Hv) -> (tk, Hv)
-                    dv_item[c0:c1] += dv_tmp[:tk]
+                    np.matmul(p_dropped.T, do_b[r], out=dv_tmp[:tk])  # (tk, R) @ (R, Hv) -> (tk, Hv)
+                    dv_j[cols] += dv_tmp[:tk]
                     ds = _buffer(dp_flat, R, tk)
                     np.matmul(doa[r], vTa[b, kv, :, c0:c1], out=ds)  # (R, Hv+1) @ (Hv+1, tk) -> dP [- D]
                     if drop is not None:
                         ds *= drop
                     if not fold_D:
-                        ds -= D_i[r, None]
+                        ds -= D_b[r, None]
                     ds *= p  # dS_ij = P_ij * (dP_ij - D_i)
                     np.matmul(ds, k3[b, kv, c0:c1], out=dq_tmp[:R])  # (R, tk) @ (tk, H) -> (R, H)
-                    dq_i[r] += dq_tmp[:R]
-                    np.matmul(ds.T, qs_i[r], out=dk_tmp[:tk])  # (tk, R) @ (R, H) -> (tk, H)
-                    dk_item[c0:c1] += dk_tmp[:tk]
+                    dq_b[r] += dq_tmp[:R]
+                    np.matmul(ds.T, qs[r], out=dk_tmp[:tk])  # (tk, R) @ (R, H) -> (tk, H)
+                    dk_j[cols] += dk_tmp[:tk]
                     if dbias is not None:
                         item.add_dbias(dbias, ds, *span[:4])
-            dq_i *= scale
-            dq[b, heads, q0:q1] = _head_major(dq_i, tq, G)  # (G, tq, H)
-        if base != 1.0:
-            dk_item /= dtype.type(base)  # qs_i carried base * scale * Q
+            if base != 1.0:
+                dk_j /= dtype.type(base)  # qs carried base * scale * Q
+            dk[b, kv, k0:k1] = dk_j[: k1 - k0]
+            dv[b, kv, k0:k1] = dv_j[: k1 - k0]
+        dq_b *= scale
+        dq[b, heads] = _head_major(dq_b, T, G)  # (G, T, H)
 
     _run([(b, kv) for b in range(Bf) for kv in range(K)], work, parallel=dbias is None)
     bs = spec.batch_shape
