@@ -35,7 +35,7 @@ def test_cpu_benchmark_quick_prints_its_table(capsys):
 def test_lever_benchmark_quick_prints_every_lever(capsys):
     assert _run_script("bench_cpu_levers.py", ["--quick"]) == 0
     out = capsys.readouterr().out
-    for label in ("generic Array API path", "1 thread", "not limited", "128x128", "causal", "not split", "as shipped"):
+    for label in ("generic Array API path", "1 pool thread", "not limited", "128x128", "causal", "not split", "as shipped"):
         assert label in out
 
 
