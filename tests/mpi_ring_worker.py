@@ -49,6 +49,10 @@ CASES = {
                                           transport="host"),
     "numpy-readonly-inputs": dict(lengths="unequal", causal=True, backend="numpy-readonly"),
     "torch-cpu": dict(lengths="unequal", causal=True, backend="torch"),
+    # CuPy (skipped without a CUDA device): auto transport stages device arrays through host buffers.
+    "cupy-device": dict(lengths="unequal", causal=True, backend="cupy"),
+    "cupy-gqa-chunked-float32": dict(lengths="unequal", causal=True, backend="cupy", dtype="float32",
+                                     shape=(2, 4, 2, 3, 2), impl="chunked", block_q=2, block_k=3),
     "float32": dict(lengths="unequal", causal=True, dtype="float32"),
     "float16-computes-in-float32": dict(lengths="unequal", causal=True, dtype="float16"),
 }
@@ -90,6 +94,10 @@ def _backend(name: str):
         import torch
 
         return (lambda a: torch.asarray(np.array(a))), (lambda x: x.detach().numpy())
+    if name == "cupy":
+        import cupy
+
+        return cupy.asarray, cupy.asnumpy
     raise ValueError(name)
 
 
@@ -115,6 +123,14 @@ def run_case(comm, name: str) -> dict:
             import torch  # noqa: F401
         except ImportError:
             return {"skipped": "torch is not installed"}
+    if case.get("backend") == "cupy":
+        try:
+            import cupy
+
+            if cupy.cuda.runtime.getDeviceCount() < 1:
+                raise RuntimeError("no CUDA device")
+        except Exception as err:  # ImportError, or CUDA's own errors without a driver
+            return {"skipped": f"CuPy with a CUDA device is not available ({type(err).__name__})"}
     B, N, K, H, Hv = case.get("shape", (2, 2, 2, 3, 2))
     lead = () if B is None else (B,)
     q_lengths, kv_lengths = shard_lengths(case, P)
@@ -175,6 +191,7 @@ def run_case(comm, name: str) -> dict:
         "dv": err(grads.dv, ref.dv[..., ks, :]),
         "out_dtype": str(out.dtype).rsplit(".", 1)[-1],
         "grad_dtype": str(grads.dq.dtype).rsplit(".", 1)[-1],
+        "libraries": sorted({type(a).__module__.split(".")[0] for a in (out, lse, grads.dq, grads.dk, grads.dv)}),
         "fully_masked_rows": int(np.isneginf(ref_res.lse[..., qs]).sum()),
         "forward": fwd_stats,
         "backward": bwd_stats,

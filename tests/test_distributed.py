@@ -81,7 +81,8 @@ def _case_params():
         for name in worker.CASES:
             if P == 1 and name not in P1_CASES:
                 continue
-            yield pytest.param(P, name, id=f"n{P}-{name}")
+            marks = [pytest.mark.gpu] if worker.CASES[name].get("backend") == "cupy" else []
+            yield pytest.param(P, name, id=f"n{P}-{name}", marks=marks)
 
 
 @needs_mpi
@@ -98,6 +99,10 @@ def test_ring_equals_single_process_attention(ring_results, P, name):
         for key in ("out", "lse", "dq", "dk", "dv", "out_oracle", "lse_oracle"):
             assert result[key] <= tol, f"rank {r}: max |ring - single process| of {key} is {result[key]:.3g}"
         assert result["out_dtype"] == dtype and result["grad_dtype"] == dtype
+        backend = worker.CASES[name].get("backend", "numpy")
+        expected_library = {"cupy": "cupy", "torch": "torch"}.get(backend, "numpy" if backend.startswith("numpy")
+                                                                 else "array_api_strict")
+        assert result["libraries"] == [expected_library], f"rank {r} returned {result['libraries']}"
 
 
 @needs_mpi
