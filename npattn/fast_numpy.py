@@ -14,7 +14,8 @@ NumPy on a multi-core CPU:
   threads do not oversubscribe the pool's.
 - **in-place float32/float64 ufuncs** (``out=``) on one preallocated score
   tile per item, and the G query heads that share a kv head stacked into one
-  ``(G * tq, H)`` matrix so each tile is one large GEMM.
+  ``(tq * G, H)`` matrix, position-major (row ``t*G + g``), so each tile is
+  one large GEMM and a range of query positions is a range of rows.
 - **per-row shifts inside the GEMMs.** ``[scale Q, -c] @ [K^T; 1]`` is
   ``scale Q K^T - c`` for a per-row constant ``c`` (the running maximum in the
   forward, ``lse`` and ``D`` in the backward), saving a pass over each tile.
@@ -22,7 +23,16 @@ NumPy on a multi-core CPU:
   moderate; when a bias is given or the scores could reach
   :func:`_fused_shift_limit`, the shifts are applied after the product as in
   the generic path, so the backward recomputes exactly the forward's scores.
-- **tile skipping** exactly as the generic path (:func:`npattn.masking.classify_tile`).
+  Fused, the scores are kept in base 2 (``log2 e`` folded into the scale) and
+  exponentiated with ``exp2``, about twice as fast as ``exp`` in float32.
+- **tile skipping** as the generic path (:func:`npattn.masking.classify_tile`),
+  and within a partly visible tile, spans that skip what no row can see
+  (:func:`plan_tile`).
+- **no subnormal probabilities**: those below ``2**FLUSH_EXPONENT`` are
+  flushed to zero (:class:`_Exp`), since NumPy's loops and the BLAS run
+  10-100 times slower on subnormal numbers.
+- **FlashAttention-2's loop order in the backward**: key tiles outside, so
+  that ``dK_j`` and ``dV_j`` accumulate in cache-resident buffers.
 
 With an additive bias the backward's items would share ``dbias`` entries
 wherever the bias broadcasts, so they then run one after another, in the same
@@ -67,13 +77,13 @@ FAST_BLOCKS = (512, 512)
 RESCALE_THRESHOLD = 16.0
 
 #: Probabilities below ``2**FLUSH_EXPONENT`` are flushed to zero, as a CPU
-#: in flush-to-zero mode would (see :func:`_exp_flushed`): float32 ``exp`` of
-#: a score more than ~87 below its row maximum is subnormal, and NumPy's
-#: loops and the BLAS run 10-100 times slower on subnormals (a forward at
-#: T=S=2048 took 809 ms instead of 55 ms with q scaled by 20). The exponents
-#: leave room below them, so that ``P * (dP - D)`` stays normal too; what is
-#: flushed is under 1e-30 of the row's largest probability (1e-301 in
-#: float64), far below the dtype's precision.
+#: in flush-to-zero mode would (see :class:`_Exp`): float32 ``exp`` of a
+#: score more than ~87 below its row maximum is subnormal, and NumPy's loops
+#: and the BLAS run 10-100 times slower on subnormals (a forward at T=S=2048
+#: took 809 ms instead of 55 ms with q scaled by 20). The exponents leave room
+#: below them, so that ``P * (dP - D)`` stays normal too. What is flushed is
+#: below 8e-31 (1e-301 in float64), as a normalized probability or relative to
+#: the forward's running maximum: far below the dtype's precision.
 FLUSH_EXPONENT = {np.dtype(np.float32): -100, np.dtype(np.float64): -1000}
 
 #: ``log2(e)``: fused passes work in base 2 (``exp2`` is about twice as fast
@@ -203,8 +213,8 @@ def _fused_shift_limit(dtype: Any) -> float:
 
 def _fuse_shifts(spec: AttentionSpec, q3: Any, k3: Any) -> bool:
     """Whether the per-row shifts may be fused into the GEMMs: no bias, and
-    ``scale * max|q_i| * max|k_j|`` (a bound on every score) below
-    :func:`_fused_shift_limit`. Computed from the inputs alone, so the
+    ``log2(e) * scale * max|q_i| * max|k_j|`` (a bound on every score in base
+    2) below :func:`_fused_shift_limit`. Computed from the inputs alone, so the
     forward and the backward decide alike."""
     if spec.bias is not None:
         return False
@@ -452,7 +462,8 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     that saw nothing yet) move ``m`` up by ``t`` and rescale ``l`` and
     ``acc`` by ``exp(-t)`` (FlashAttention-2's rescale, done only when
     needed); then ``P~ = exp(.)``, ``l += rowsum(P~)`` and
-    ``acc += P~ V_j``. At the end ``O = acc / l`` and ``lse = m + log l``.
+    ``acc += P~ V_j``. At the end ``O = acc / l`` and ``lse = m + log l``,
+    all in the scores' base (2 when fused, with ``lse`` converted to nats).
     """
     dtype = spec.compute_dtype
     Bf, N, K, G = spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.group_size
