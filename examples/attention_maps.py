@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     q, k, v = (np.concatenate([a, a]) for a in (q1, k1, v1))  # batch of 2: (2, 4, T, P+V), ...
     lengths = np.array([T, T - pad])  # element 1: the last `pad` positions are padding
     out, res = npattn.attention_forward(q, k, v, causal=True, scale=1.0, q_lengths=lengths,
-                                        kv_lengths=lengths)
+                                        kv_lengths=lengths, impl="dense")  # dense: res.probs is the map
     grads = npattn.attention_backward(np.ones_like(out), res)
     print(f"sentence: {' '.join(tokens)}")
     print("heads: " + ", ".join(f"{n} = {name}" for n, name in enumerate(HEADS)) + "\n")

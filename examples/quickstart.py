@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     q, k, v = (rng.standard_normal((B, N, T, H), dtype=np.float32) for _ in range(3))
     keep = np.ones((B, 1, 1, T), dtype=bool)  # (B, 1, 1, S) broadcasts over heads and queries
     keep[1, ..., T // 2:] = False  # batch element 1: the last half of its keys are padding
-    out, res = npattn.attention_forward(q, k, v, mask=keep, causal=True)  # out (B, N, T, H)
+    # impl="dense" keeps the attention matrix in res.probs (printed below)
+    out, res = npattn.attention_forward(q, k, v, mask=keep, causal=True, impl="dense")  # out (B, N, T, H)
     lse = res.lse  # (B, N, T) logsumexp of the scaled, masked scores
     dout = rng.standard_normal(out.shape, dtype=np.float32)  # the cotangent from the layer above
     grads = npattn.attention_backward(dout, res)  # dq, dk, dv (and dbias, None here)

@@ -187,12 +187,18 @@ def _run(items, work, *, parallel: bool = True) -> None:
 
 
 def supports(spec: AttentionSpec) -> bool:
-    """Whether this fast path handles ``spec``: NumPy inputs computing in
-    float32 or float64, unless disabled with ``NPATTN_FAST_NUMPY=0``."""
+    """Whether this fast path handles ``spec``: see :func:`handles`."""
+    return handles(spec.xp, spec.compute_dtype)
+
+
+def handles(xp: Any, compute_dtype: Any) -> bool:
+    """Whether inputs of namespace ``xp`` computing in ``compute_dtype`` take
+    this fast path: NumPy in float32 or float64, unless disabled with
+    ``NPATTN_FAST_NUMPY=0``."""
     return (
         os.environ.get("NPATTN_FAST_NUMPY", "1") != "0"
-        and array_api_compat.is_numpy_namespace(spec.xp)
-        and spec.compute_dtype in (np.float32, np.float64)
+        and array_api_compat.is_numpy_namespace(xp)
+        and compute_dtype in (np.float32, np.float64)
     )
 
 

@@ -13,7 +13,8 @@
   monkeypatching the detection), the caller's sizes always winning, and the
   backward tiling as the forward;
 - memory: tracemalloc peak of forward+backward at T=S=4096 is < T*S*4/10 bytes;
-- impl="auto" switches at AUTO_CHUNKED_MIN_SCORES; the benchmark smoke-runs.
+- impl="auto" switches at AUTO_CHUNKED_MIN_SCORES, and on NumPy at AUTO_FAST_MIN_SCORES_PER_HEAD;
+  the benchmark smoke-runs.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from hypothesis import strategies as st
 
 import npattn
 import npattn.chunked as chunked
-from npattn.options import AUTO_CHUNKED_MIN_SCORES, make_spec
+from npattn.options import AUTO_CHUNKED_MIN_SCORES, AUTO_FAST_MIN_SCORES_PER_HEAD, make_spec
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -512,11 +513,30 @@ def test_peak_memory_is_far_below_the_score_matrix(causal):
 # --- impl="auto" and the benchmark -----------------------------------------------
 
 
-def test_auto_switches_to_chunked_above_the_threshold():
+def test_auto_switches_to_chunked_above_the_threshold(monkeypatch):
+    monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")  # the generic path: only the size rule applies
     side = math.isqrt(AUTO_CHUNKED_MIN_SCORES)  # T = S = side gives exactly the threshold
     for T, expected in ((side, "dense"), (side + 1, "chunked")):
         q = np.broadcast_to(np.zeros((), dtype=np.float32), (1, T, 1))  # no memory behind it
         assert make_spec(q, q, q).impl == expected
+
+
+def test_auto_picks_the_numpy_fast_path_from_one_512x512_tile_per_head(monkeypatch):
+    def impl(T, S, dtype=np.float32, N=3):
+        q = np.broadcast_to(np.zeros((), dtype=dtype), (2, N, T, 4))  # no memory behind it
+        k = np.broadcast_to(np.zeros((), dtype=dtype), (2, N, S, 4))
+        return make_spec(q, k, k).impl
+
+    assert AUTO_FAST_MIN_SCORES_PER_HEAD == 512 * 512
+    assert impl(512, 512) == impl(1024, 256) == impl(512, 512, np.float64) == impl(512, 512, np.float16) == "chunked"
+    assert impl(511, 512) == impl(384, 384) == impl(4096, 1) == "dense"  # per head, not in total
+    assert impl(511, 512, N=40) == "chunked"  # 2*40*511*512 > 2**24: the size rule still applies
+    monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")
+    assert impl(512, 512) == "dense"
+    xps = pytest.importorskip("array_api_strict")
+    monkeypatch.delenv("NPATTN_FAST_NUMPY")
+    x = xps.zeros((1, 512, 4), dtype=xps.float32)
+    assert make_spec(x, x, x).impl == "dense"  # no fast path for other namespaces
 
 
 def test_benchmark_quick_smoke(capsys):
