@@ -17,6 +17,7 @@ from strategies import attention_cases
 
 import npattn
 from npattn import chunked, fast_numpy
+from npattn.chunked import tile_ranges
 from npattn.options import make_spec
 
 
@@ -320,3 +321,36 @@ def test_large_logits_send_no_subnormal_into_a_matrix_product(monkeypatch, dtype
     for got, want in ((out, ref_out), (lse, ref_res.lse), (dq, ref.dq), (dk, ref.dk), (dv, ref.dv)):
         assert np.all(np.isfinite(got))
         np.testing.assert_allclose(got, want, **tol)
+
+
+# --- default tiles: spans at the real SPLIT_BLOCK ------------------------------------------
+
+
+REAL_SIZE_CASES = {
+    "causal bottom_right, lengths": dict(T=600, S=900, causal=True, align="bottom_right",
+                                         kv_lengths=np.array([900, 401])),
+    "window, T != S": dict(T=700, S=1000, window=(150, 0), align="top_left"),
+    "causal, dropout": dict(T=640, S=640, causal=True, dropout_p=0.1, seed=3),
+}
+
+
+@pytest.mark.parametrize("case", list(REAL_SIZE_CASES), ids=list(REAL_SIZE_CASES))
+def test_default_tiles_and_spans_equal_the_generic_path(case):
+    """512-tiles cut into 128-row spans, as shipped, against the generic path in float64."""
+    options = dict(REAL_SIZE_CASES[case])
+    T, S = options.pop("T"), options.pop("S")
+    rng = np.random.default_rng(8)
+    q, k, v = rng.standard_normal((2, 4, T, 8)), rng.standard_normal((2, 2, S, 8)), rng.standard_normal((2, 2, S, 4))
+    spec = make_spec(q, k, v, impl="chunked", **options)
+    plans = fast_numpy._plans(spec, tile_ranges(T, 512), tile_ranges(S, 512))
+    assert any(len(plan) > 1 for row in plans for plan in row), "no tile was cut into spans"
+    out, lse = fast_numpy.forward(spec, q, k, v)
+    out_g, lse_g = chunked.chunked_forward(spec, q, k, v)
+    dout = rng.standard_normal(out.shape)
+    grads = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)[:3]
+    grads_g = chunked.chunked_backward(spec, q, k, v, out_g, lse_g, dout, None)[:3]
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_g))
+    finite = np.isfinite(lse_g)
+    np.testing.assert_allclose(lse[finite], lse_g[finite], atol=1e-12, rtol=0)
+    for got, want in zip((out, *grads), (out_g, *grads_g)):
+        np.testing.assert_allclose(got, want, atol=1e-12, rtol=0)
