@@ -42,7 +42,8 @@ This module is chosen by namespace (``supports``) when the forward runs, and
 the residuals remember that choice. It is optional: setting the environment
 variable ``NPATTN_FAST_NUMPY=0`` sends NumPy inputs through the generic Array
 API path, which the tests compare this one against. ``NPATTN_NUM_THREADS``
-(else ``OMP_NUM_THREADS``) sets the pool size (default: the CPUs available).
+(else ``OMP_NUM_THREADS``) sets how many items run at a time (default: the
+CPUs available, plus one spare in the forward, see :func:`_run`).
 """
 
 from __future__ import annotations
@@ -116,6 +117,17 @@ def num_threads() -> int:
     """Pool size: ``NPATTN_NUM_THREADS``, else ``OMP_NUM_THREADS`` (the usual
     way to cap threads per process, as under ``mpiexec``), else the number of
     usable CPUs."""
+    requested = _requested_threads()
+    if requested is not None:
+        return requested
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _requested_threads() -> int | None:
+    """The thread count set by ``NPATTN_NUM_THREADS`` or ``OMP_NUM_THREADS``, or None."""
     for name in ("NPATTN_NUM_THREADS", "OMP_NUM_THREADS"):
         env = os.environ.get(name, "").strip()
         if env:
@@ -123,16 +135,15 @@ def num_threads() -> int:
                 return max(1, int(env.split(",")[0]))
             except ValueError:
                 raise ValueError(f"{name} must be a positive integer, got {env!r}") from None
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    return None
 
 
 def _pool(size: int) -> ThreadPoolExecutor:
+    """The shared pool, with at least ``size`` threads (it only grows: each
+    call limits its own concurrency, see :func:`_run`)."""
     global _POOL, _POOL_SIZE
     with _LOCK:
-        if _POOL is None or _POOL_SIZE != size:
+        if _POOL is None or _POOL_SIZE < size:
             if _POOL is not None:
                 _POOL.shutdown(wait=False)
             _POOL, _POOL_SIZE = ThreadPoolExecutor(max_workers=size, thread_name_prefix="npattn"), size
@@ -162,18 +173,33 @@ def _single_threaded_blas():
                 _BLAS_LIMITER = None
 
 
-def _run(items, work, *, parallel: bool = True) -> None:
+def _run(items, work, *, parallel: bool = True, spare_thread: bool = False) -> None:
     """Run ``work(item)`` for every item: on the pool with single-threaded
     BLAS when there is more than one item and thread, else in order here.
-    If an item raises, the rest are cancelled or awaited, then it re-raises."""
+    If an item raises, the rest are cancelled or awaited, then it re-raises.
+
+    ``spare_thread``: run one item more at a time than there are CPUs, unless
+    a thread count was set. Items hand the GIL back and forth between NumPy
+    calls; while one waits for it, the spare keeps that core busy. It pays
+    where items are many (the forward), not where they are few and a spare
+    leaves the last round unbalanced (the backward's per-head items).
+    """
     threads = num_threads()
     if not parallel or threads == 1 or len(items) < 2:
         for item in items:
             work(item)
         return
+    if spare_thread and _requested_threads() is None:
+        threads += 1
     pool = _pool(threads)
+    gate = threading.Semaphore(threads)  # the pool may be larger, from an earlier call
+
+    def gated(item):
+        with gate:
+            work(item)
+
     with _single_threaded_blas():
-        futures = [pool.submit(work, item) for item in items]
+        futures = [pool.submit(gated, item) for item in items]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
         for future in pending:
             future.cancel()
@@ -572,7 +598,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     # Costliest query tiles first, so that no thread is left with a long one at the end.
     cost = [sum((p1 - p0) * (c1 - c0) for plan in row for p0, p1, c0, c1, _ in plan) for row in plans]
     order = sorted(range(len(q_tiles)), key=lambda qi: -cost[qi])
-    _run([(b, kv, qi) for qi in order for b in range(Bf) for kv in range(K) if cost[qi]], work)
+    _run([(b, kv, qi) for qi in order for b in range(Bf) for kv in range(K) if cost[qi]], work, spare_thread=True)
     return out.reshape(spec.batch_shape + (N, T, Hv)), lse.reshape(spec.batch_shape + (N, T))
 
 

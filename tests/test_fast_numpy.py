@@ -193,6 +193,30 @@ def test_an_exception_in_one_item_is_raised_after_the_others_finish(monkeypatch)
     assert _blas_threads() == _blas_threads()  # the limit was released (no deadlock on the lock)
 
 
+@pytest.mark.parametrize("spare, env, expected", [(False, None, 2), (True, None, 3), (True, "2", 2)],
+                         ids=["backward", "forward: one spare", "forward, NPATTN_NUM_THREADS=2: no spare"])
+def test_items_in_flight_at_once(monkeypatch, spare, env, expected):
+    monkeypatch.setattr(fast_numpy, "num_threads", lambda: 2)  # a 2-CPU machine
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    if env is None:
+        monkeypatch.delenv("NPATTN_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("NPATTN_NUM_THREADS", env)
+    fast_numpy._pool(4)  # a pool larger than this call may use, as after an earlier call
+    lock, running, most = threading.Lock(), [0], [0]
+
+    def work(item):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.02)  # lets every thread that may run pick an item meanwhile
+        with lock:
+            running[0] -= 1
+
+    fast_numpy._run(list(range(12)), work, spare_thread=spare)
+    assert most[0] == expected
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_can_use_the_pool(monkeypatch):
     monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
