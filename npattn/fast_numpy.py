@@ -243,17 +243,21 @@ def _fused_shift_limit(dtype: Any) -> float:
     return 2.0 ** (np.finfo(dtype).nmant + 1 - 12)
 
 
-def _fuse_shifts(spec: AttentionSpec, q3: Any, k3: Any) -> bool:
+def _row_norms(x3: Any) -> Any:
+    """``|x_i|`` over the last axis: ``(B, heads, L, D) -> (B, heads, L)``."""
+    return np.sqrt(np.einsum("...d,...d->...", x3, x3))
+
+
+def _fuse_shifts(spec: AttentionSpec, q_norms: Any, k_norms: Any) -> bool:
     """Whether the per-row shifts may be fused into the GEMMs: no bias, and
     ``log2(e) * scale * max|q_i| * max|k_j|`` (a bound on every score in base
     2) below :func:`_fused_shift_limit`. Computed from the inputs alone, so the
     forward and the backward decide alike."""
     if spec.bias is not None:
         return False
-    if q3.size == 0 or k3.size == 0:
+    if q_norms.size == 0 or k_norms.size == 0:
         return True
-    bound = LOG2E * abs(spec.scale) * float(np.sqrt(np.max(np.sum(q3 * q3, axis=-1)))) \
-        * float(np.sqrt(np.max(np.sum(k3 * k3, axis=-1))))
+    bound = LOG2E * abs(spec.scale) * float(q_norms.max()) * float(k_norms.max())
     return bound < _fused_shift_limit(spec.compute_dtype)
 
 
@@ -504,8 +508,8 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     k3 = np.reshape(k, (Bf, K, S, H))  # (B, K, S, H)
     v3 = np.reshape(v, (Bf, K, S, Hv))  # (B, K, S, Hv)
     kTa = _augmented_transposed(k3, dtype)  # (B, K, H+1, S)
-    fused = _fuse_shifts(spec, q3, k3)
-    k_norms = np.sqrt(np.sum(k3 * k3, axis=-1)) if fused else None  # (B, K, S): |k_j|, for the bound below
+    q_norms3, k_norms = _row_norms(q3), _row_norms(k3)  # (B, N, T), (B, K, S): for the bounds below
+    fused = _fuse_shifts(spec, q_norms3, k_norms)
     out = np.zeros((Bf, N, T, Hv), dtype=dtype)
     lse = np.full((Bf, N, T), -np.inf, dtype=dtype)
     block_q, block_k = _blocks(spec)
@@ -528,7 +532,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
         m = np.zeros(rows, dtype=dtype)  # reference row maximum
         qa = _augmented_rows(q3[b, item.head_slice, q0:q1], 0, scale, dtype)  # (tq*G, H+1) = [base scale Q_i, -m]
         unset = np.ones(rows, dtype=bool)  # rows that have seen no visible key yet
-        q_norms = np.sqrt(np.sum(qa[:, :H] * qa[:, :H], axis=1)) if fused else None  # (tq*G,) |base scale q_i|
+        q_norms = _position_major(q_norms3[b, item.head_slice, q0:q1]) * abs(scale)  # (tq*G,) |base scale q_i|
         s_flat = np.empty(rows * block_k, dtype=dtype)  # one score tile, reused
         pv = np.empty((rows, Hv), dtype=dtype)
         row_sum = np.empty(rows, dtype=dtype)
@@ -627,7 +631,8 @@ def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, do
     k3 = np.reshape(k, (Bf, K, S, H))  # (B, K, S, H)
     kTa = _augmented_transposed(k3, dtype)  # (B, K, H+1, S)
     vTa = _augmented_transposed(np.reshape(v, (Bf, K, S, Hv)), dtype)  # (B, K, Hv+1, S)
-    fused = _fuse_shifts(spec, q3, k3)
+    q_norms3, k_norms = _row_norms(q3), _row_norms(k3)  # (B, N, T), (B, K, S): for the flush bound
+    fused = _fuse_shifts(spec, q_norms3, k_norms)
     do3 = np.reshape(dout, (Bf, N, T, Hv))  # (B, N, T, Hv)
     D = np.sum(do3 * np.reshape(out, (Bf, N, T, Hv)), axis=-1)  # (B, N, T)
     if dlse is not None:
@@ -643,7 +648,6 @@ def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, do
     plans = _plans(spec, q_tiles, k_tiles)
     base = LOG2E if fused else 1.0  # as in the forward
     exp = _Exp(fused, dtype)
-    k_norms = np.sqrt(np.sum(k3 * k3, axis=-1)) if fused else None  # (B, K, S): |k_j|, for the flush bound
     scale = dtype.type(spec.scale)
     one = dtype.type(1)
     fold_D = fused and spec.dropout_p == 0
@@ -660,7 +664,7 @@ def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, do
         qs, do_b = qa[:, :H], doa[:, :Hv]  # (T*G, H), (T*G, Hv) views
         dq_b = np.zeros((T * G, H), dtype=dtype)
         # S_ij - lse_i >= -|base scale q_i| max_j |k_j| - lse_i (the forward's bound), per query tile
-        q_norms = np.sqrt(np.sum(qs * qs, axis=1)) if fused else None  # (T*G,)
+        q_norms = _position_major(q_norms3[b, heads]) * abs(scale * base)  # (T*G,) |base scale q_i|
         bounds = [(float(q_norms[q0 * G:q1 * G].max()) if fused and q1 > q0 and G else 0.0,
                    base * float(lse_b[q0 * G:q1 * G].max()) if q1 > q0 and G else 0.0) for q0, q1 in q_tiles]
         k_norm_max = _RangeMax(k_norms[b, kv]) if fused else None
