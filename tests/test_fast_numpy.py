@@ -209,7 +209,7 @@ def test_items_in_flight_at_once(monkeypatch, spare, env, expected):
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
-        time.sleep(0.02)  # lets every thread that may run pick an item meanwhile
+        time.sleep(0.05)  # lets every thread that may run pick an item meanwhile
         with lock:
             running[0] -= 1
 
