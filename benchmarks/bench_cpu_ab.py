@@ -3,11 +3,12 @@
     python benchmarks/bench_cpu_ab.py HEAD~1 HEAD           # what the last commit moved
     python benchmarks/bench_cpu_ab.py 5efacb1 worktree      # a commit against uncommitted edits
     python benchmarks/bench_cpu_ab.py HEAD --quick          # T=S=512, a smoke run
+    python benchmarks/bench_cpu_ab.py HEAD /tmp/variant.py  # a copy of the file, edited
 
 This machine's speed drifts by 5-20% over minutes, more than most single
 levers move, so separate runs of ``bench_cpu.py`` cannot attribute a change.
 Here every revision's ``npattn/fast_numpy.py`` is loaded as its own module
-(``worktree`` is the file on disk) and the revisions run in turn, round after
+(``worktree`` is the file on disk, and a path ending in ``.py`` that file) and the revisions run in turn, round after
 round, on the same inputs (float32, B=1, N=8, H=64, T=S=4096 by default,
 non-causal then causal). The table holds each revision's best forward and
 backward times and their ratio to the first revision's.
@@ -40,6 +41,8 @@ def load_revision(revision: str, index: int, folder: Path):
     root = Path(npattn.__file__).resolve().parent.parent
     if revision == "worktree":
         path = root / SOURCE
+    elif revision.endswith(".py") and Path(revision).is_file():
+        path = Path(revision)
     else:
         shown = subprocess.run(["git", "-C", str(root), "show", f"{revision}:{SOURCE}"],
                                capture_output=True, text=True)
@@ -57,7 +60,7 @@ def load_revision(revision: str, index: int, folder: Path):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("revisions", nargs="+", help="git revisions, or 'worktree' for the file on disk")
+    parser.add_argument("revisions", nargs="+", help="git revisions, 'worktree' for the file on disk, or paths to .py copies of it")
     parser.add_argument("--length", type=int, default=4096, help="T = S")
     parser.add_argument("--rounds", type=int, default=5, help="best of this many rounds")
     parser.add_argument("--quick", action="store_true", help="T=S=512, two rounds")
