@@ -497,7 +497,9 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     ``t = rowmax``: rows whose ``t`` exceeds :data:`RESCALE_THRESHOLD` (or
     that saw nothing yet) move ``m`` up by ``t`` and rescale ``l`` and
     ``acc`` by ``exp(-t)`` (FlashAttention-2's rescale, done only when
-    needed); then ``P~ = exp(.)``, ``l += rowsum(P~)`` and
+    needed; where the Cauchy-Schwarz bound ``|S_ij| <= |scale q_i| |k_j|``
+    proves that no row can need it, ``t`` is not computed, and rows whose
+    first keys all score within the threshold of 0 keep ``m = 0``); then ``P~ = exp(.)``, ``l += rowsum(P~)`` and
     ``acc += P~ V_j``. At the end ``O = acc / l`` and ``lse = m + log l``,
     all in the scores' base (2 when fused, with ``lse`` converted to nats).
     """
@@ -548,6 +550,15 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                 s = _buffer(s_flat, r.stop - r.start, c1 - c0)  # (R, tk)
                 item.scores(s, qa[r], kTa[b, kv], span)  # scale Q K^T [- m]
                 m_r, unset_r = m[r], unset[r]  # views
+                # A row's first visible keys set its reference m. When Cauchy-Schwarz
+                # bounds every score of a fully visible span within +-threshold, the
+                # unset rows keep m = 0 (their maxima are within the threshold of it, so
+                # no exp can overflow or lose the row), and no row-max pass is needed.
+                if fused and any_unset and not span[4] and q_norm_max * k_norm_max[b][kv][c0, c1] <= threshold:
+                    unset_r[...] = False
+                    any_unset = bool(unset.any())
+                    if not any_unset:
+                        m_min, m_max = float(m.min()), float(m.max())
                 # Cauchy-Schwarz: S_ij - m_i <= |scale q_i| max_j |k_j| - m_i. When that
                 # bound stays under the threshold for every row (fused means no bias),
                 # no row can need a rescale and the row-max pass is skipped. The bound

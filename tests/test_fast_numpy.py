@@ -347,6 +347,52 @@ def test_large_logits_send_no_subnormal_into_a_matrix_product(monkeypatch, dtype
         np.testing.assert_allclose(got, want, **tol)
 
 
+def _unit_rows(x):
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _fast_against_float64_dense(q, k, v, causal, **blocks):
+    """Forward and backward of the fast path, checked against float64 dense."""
+    dout = np.random.default_rng(6).standard_normal(q.shape[:-1] + v.shape[-1:]).astype(q.dtype)
+    spec = make_spec(q, k, v, impl="chunked", causal=causal, **blocks)
+    out, lse = fast_numpy.forward(spec, q, k, v)
+    dq, dk, dv, _ = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)
+    wide = [a.astype(np.float64) for a in (q, k, v)]
+    ref_out, ref_res = npattn.attention_forward(*wide, impl="dense", causal=causal)
+    ref = npattn.attention_backward(dout.astype(np.float64), ref_res)
+    for got, want in ((out, ref_out), (lse, ref_res.lse), (dq, ref.dq), (dk, ref.dk), (dv, ref.dv)):
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_rows_that_start_at_reference_zero_still_rescale_on_later_large_scores(causal):
+    """The first key tile's scores are bounded within the rescale threshold,
+    so every row keeps the reference maximum 0 without a row-max pass; later
+    keys score up to 100 above it, which must move ``m`` (float32 ``exp2`` of
+    100 * log2(e) overflows)."""
+    rng = np.random.default_rng(5)
+    q = _unit_rows(rng.standard_normal((1, 2, 64, 8))).astype(np.float32)  # scale = 8**-0.5
+    k = _unit_rows(rng.standard_normal((1, 2, 64, 8))).astype(np.float32)
+    k[..., 16:, :] *= 100 * np.sqrt(8)  # |scale q_i . k_j| <= 100 from key 16 on, <= 0.36 before
+    threshold = fast_numpy.RESCALE_THRESHOLD
+    assert float(np.abs(q @ np.swapaxes(k[..., :16, :], -1, -2)).max()) / np.sqrt(8) <= threshold
+    v = rng.standard_normal((1, 2, 64, 8)).astype(np.float32)
+    _fast_against_float64_dense(q, k, v, causal, block_q=16, block_k=16)
+
+
+def test_rows_whose_first_keys_all_score_far_below_zero_keep_their_weight():
+    """Every score is about -80: a reference maximum left at 0 would flush
+    them all (below 2**-100) and leave the rows empty, so the bound must send
+    these rows through the row-max pass."""
+    rng = np.random.default_rng(7)
+    direction = _unit_rows(rng.standard_normal(8))
+    q = np.broadcast_to(direction, (1, 2, 16, 8)).astype(np.float32)
+    k = (-80 * np.sqrt(8) * direction + 0.5 * rng.standard_normal((1, 2, 16, 8))).astype(np.float32)
+    v = rng.standard_normal((1, 2, 16, 8)).astype(np.float32)
+    _fast_against_float64_dense(q, k, v, False, block_q=16, block_k=16)
+
+
 # --- default tiles: spans at the real SPLIT_BLOCK ------------------------------------------
 
 
