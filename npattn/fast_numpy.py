@@ -408,22 +408,25 @@ class _Item:
         if bias is not None:
             s += self._as_rows(bias, p1 - p0, c1 - c0)
 
-    def hide(self, s: Any, p0: int, p1: int, c0: int, c1: int) -> None:
-        """Set the hidden entries of ``s``, positions ``[p0, p1)`` by keys ``[c0, c1)``, to -inf."""
-        visible = visible_tile(self.spec, p0, p1, c0, c1, batch=self.b, heads=self.heads)
-        if visible is not None:
-            np.copyto(s, -np.inf, where=~self._as_rows(visible, p1 - p0, c1 - c0))
+    def fill_hidden(self, s: Any, span: tuple, value: float) -> None:
+        """Set the hidden entries of the span's ``(R, c1 - c0)`` matrix ``s`` to ``value``."""
+        p0, p1, c0, _, hidden = span
+        for j0, j1, rows_hidden in hidden:
+            if rows_hidden is None:  # visibility differs between items: this item's own
+                visible = visible_tile(self.spec, p0, p1, j0, j1, batch=self.b, heads=self.heads)
+                if visible is None:
+                    continue
+                rows_hidden = ~self._as_rows(visible, p1 - p0, j1 - j0)  # (R, j1 - j0)
+            np.copyto(s[:, j0 - c0 : j1 - c0], value, where=rows_hidden)
 
-    def scores(self, out: Any, qa: Any, kTa: Any, span: tuple) -> None:
-        """``out = qa @ kTa[:, c0:c1]``, then the bias and the mask of the span."""
-        p0, p1, c0, c1, hidden = span
+    def scores(self, out: Any, qa: Any, kTa: Any, span: tuple, hide: bool = True) -> None:
+        """``out = qa @ kTa[:, c0:c1]``, then the bias and, with ``hide``, the
+        span's hidden entries set to -inf."""
+        p0, p1, c0, c1, _ = span
         np.matmul(qa, kTa[:, c0:c1], out=out)  # (R, H+1) @ (H+1, tk) -> (R, tk)
         self.add_bias(out, p0, p1, c0, c1)
-        for j0, j1, rows_hidden in hidden:
-            if rows_hidden is None:
-                self.hide(out[:, j0 - c0 : j1 - c0], p0, p1, j0, j1)
-            else:
-                np.copyto(out[:, j0 - c0 : j1 - c0], -np.inf, where=rows_hidden)
+        if hide:
+            self.fill_hidden(out, span, -np.inf)
 
     def dropout_scale(self, p0: int, p1: int, c0: int, c1: int) -> Any | None:
         """``keep_ij / (1 - p)`` as ``(tq*G, tk)``, or None without dropout."""
@@ -557,25 +560,32 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
             for span in plan:
                 r, (c0, c1) = _rows(span, q0, G), span[2:4]
                 s = _buffer(s_flat, r.stop - r.start, c1 - c0)  # (R, tk)
-                item.scores(s, qa[r], kTa[b, kv], span)  # scale Q K^T [- m]
                 m_r, unset_r = m[r], unset[r]  # views
-                # A row's first visible keys set its reference m. When Cauchy-Schwarz
-                # bounds every score of a fully visible span within +-threshold, the
-                # unset rows keep m = 0 (their maxima are within the threshold of it, so
-                # no exp can overflow or lose the row), and no row-max pass is needed.
-                if fused and any_unset and not span[4] and q_norm_max * k_norm_max[b][kv][c0, c1] <= threshold:
+                # Cauchy-Schwarz: |S_ij| <= |scale q_i| |k_j| <= bound (fused means no bias).
+                bound = q_norm_max * k_norm_max[b][kv][c0, c1] if fused else np.inf
+                # A row's first visible keys set its reference m. When the bound keeps
+                # every score of a fully visible span within +-threshold, the unset rows
+                # keep m = 0 (their maxima are within the threshold of it, so no exp can
+                # overflow or lose the row), and no row-max pass is needed.
+                if fused and any_unset and not span[4] and bound <= threshold:
                     unset_r[...] = False
                     any_unset = bool(unset.any())
                     if not any_unset:
                         m_min, m_max = float(m.min()), float(m.max())
-                # Cauchy-Schwarz: S_ij - m_i <= |scale q_i| max_j |k_j| - m_i. When that
-                # bound stays under the threshold for every row (fused means no bias),
-                # no row can need a rescale and the row-max pass is skipped. The bound
-                # is tried first in scalars (no array operation, so no GIL hand-off
-                # between the pool's threads), then row by row.
-                if fused and not any_unset and (
-                        q_norm_max * k_norm_max[b][kv][c0, c1] - m_min <= threshold
-                        or np.max(q_norms[r] * k_norm_max[b][kv][c0, c1] - m_r) <= threshold):
+                # Settled: S_ij - m_i <= bound - m_i stays under the threshold for every
+                # row, so no row can need a rescale and the row-max pass is skipped. Tried
+                # first in scalars (no array operation, so no GIL hand-off between the
+                # pool's threads), then row by row.
+                settled = fused and not any_unset and (
+                    bound - m_min <= threshold
+                    or np.max(q_norms[r] * k_norm_max[b][kv][c0, c1] - m_r) <= threshold)
+                # In a settled span where also S_ij - m_i >= -bound - m_max stays above the
+                # floor, every entry, hidden or not, has a plain exp: the hidden ones are
+                # zeroed after it rather than set to -inf before (two passes fewer than
+                # the flushed exp, which -inf needs).
+                exp_then_hide = settled and bound + m_max < -exp.floor
+                item.scores(s, qa[r], kTa[b, kv], span, hide=not exp_then_hide)  # scale Q K^T [- m]
+                if settled:
                     grow = None
                 else:
                     # t: the span's row maximum, relative to m when fused, raw otherwise
@@ -597,10 +607,11 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                         m_min, m_max = float(m.min()), float(m.max())
                 if not fused:  # m stays an exact score, so the backward's S - lse matches
                     s -= m_r[:, None]
-                # P~_ij. S_ij - m_i >= -|scale q_i| max_j |k_j| - m_i: when that bound
-                # stays above the floor and nothing is hidden, no entry can underflow.
-                if fused and not any_unset and not span[4] and \
-                        q_norm_max * k_norm_max[b][kv][c0, c1] + m_max < -exp.floor:
+                # P~_ij, never subnormal: the plain exp where no entry can underflow
+                if exp_then_hide:
+                    exp.fast(s, out=s)
+                    item.fill_hidden(s, span, 0)
+                elif fused and not any_unset and not span[4] and bound + m_max < -exp.floor:  # after a rescale
                     exp.fast(s, out=s)
                 else:
                     exp.flushed(s)
@@ -688,6 +699,7 @@ def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, do
         # S_ij - lse_i >= -|base scale q_i| max_j |k_j| - lse_i (the forward's bound), per query tile
         q_norms = _position_major(q_norms3[b, heads]) * abs(scale * base)  # (T*G,) |base scale q_i|
         bounds = [(float(q_norms[q0 * G:q1 * G].max()) if fused and q1 > q0 and G else 0.0,
+                   base * float(lse_b[q0 * G:q1 * G].min()) if q1 > q0 and G else 0.0,
                    base * float(lse_b[q0 * G:q1 * G].max()) if q1 > q0 and G else 0.0) for q0, q1 in q_tiles]
         k_norm_max = _RangeMax(k_norms[b, kv]) if fused else None
         s_flat = np.empty(G * block_q * block_k, dtype=dtype)  # scores, then P, of one span
@@ -700,16 +712,22 @@ def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, do
         for kj, (k0, k1) in enumerate(k_tiles):
             dk_j[:] = 0
             dv_j[:] = 0
-            for plan, (q_norm_max, lse_max) in zip((row[kj] for row in plans), bounds):
+            for plan, (q_norm_max, lse_min, lse_max) in zip((row[kj] for row in plans), bounds):
                 for span in plan:
                     r, (c0, c1) = _rows(span, 0, G), span[2:4]
                     R, tk, cols = r.stop - r.start, c1 - c0, slice(c0 - k0, c1 - k0)
                     p = _buffer(s_flat, R, tk)  # (R, tk)
-                    item.scores(p, qa[r], kTa, span)  # S_ij [- lse_i]
+                    # As in the forward: when every S_ij - lse_i of the span, hidden or
+                    # not, lies within +-(-floor), the plain exp runs on all of them and
+                    # the hidden entries are zeroed after it.
+                    bound = q_norm_max * k_norm_max[c0, c1] if fused else np.inf
+                    exp_then_hide = bound + lse_max < -exp.floor and (not span[4] or bound - lse_min < -exp.floor)
+                    item.scores(p, qa[r], kTa, span, hide=not exp_then_hide)  # S_ij [- lse_i]
                     if not fused:
                         p -= lse_b[r, None]
-                    if fused and not span[4] and q_norm_max * k_norm_max[c0, c1] + lse_max < -exp.floor:
+                    if exp_then_hide:
                         exp.fast(p, out=p)  # P_ij
+                        item.fill_hidden(p, span, 0)
                     else:
                         exp.flushed(p)
                     drop = item.dropout_scale(*span[:4])
