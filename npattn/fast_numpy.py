@@ -31,6 +31,10 @@ NumPy on a multi-core CPU:
 - **no subnormal probabilities**: those below ``2**FLUSH_EXPONENT`` are
   flushed to zero (:class:`_Exp`), since NumPy's loops and the BLAS run
   10-100 times slower on subnormal numbers.
+- **the Cauchy-Schwarz bound** ``|S_ij| <= |scale q_i| |k_j|``, checked in
+  Python scalars per span, lets a span skip its row-max pass and keeps its
+  hidden entries finite: they are zeroed after a plain ``exp`` rather than set
+  to -inf before the flushed one, which -inf would need.
 - **FlashAttention-2's loop order in the backward**: key tiles outside, so
   that ``dK_j`` and ``dV_j`` accumulate in cache-resident buffers.
 
@@ -83,8 +87,11 @@ RESCALE_THRESHOLD = 16.0
 #: and the BLAS run 10-100 times slower on subnormals (a forward at T=S=2048
 #: took 809 ms instead of 55 ms with q scaled by 20). The exponents leave room
 #: below them, so that ``P * (dP - D)`` stays normal too. What is flushed is
-#: below 8e-31 (1e-301 in float64), as a normalized probability or relative to
-#: the forward's running maximum: far below the dtype's precision.
+#: below 8e-31 (1e-301 in float64) in the backward, where ``P = exp(S - lse)``
+#: is normalized, and in the forward below ``2**-77`` (``2**-977``) of the
+#: row's largest entry, since its reference maximum may sit up to
+#: :data:`RESCALE_THRESHOLD` above that entry: far below the dtype's precision
+#: either way.
 FLUSH_EXPONENT = {np.dtype(np.float32): -100, np.dtype(np.float64): -1000}
 
 #: ``log2(e)``: fused passes work in base 2 (``exp2`` is about twice as fast
@@ -419,7 +426,7 @@ class _Item:
                 rows_hidden = ~self._as_rows(visible, p1 - p0, j1 - j0)  # (R, j1 - j0)
             np.copyto(s[:, j0 - c0 : j1 - c0], value, where=rows_hidden)
 
-    def scores(self, out: Any, qa: Any, kTa: Any, span: tuple, hide: bool = True) -> None:
+    def scores(self, out: Any, qa: Any, kTa: Any, span: tuple, *, hide: bool = True) -> None:
         """``out = qa @ kTa[:, c0:c1]``, then the bias and, with ``hide``, the
         span's hidden entries set to -inf."""
         p0, p1, c0, c1, _ = span
@@ -511,8 +518,8 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     ``acc`` by ``exp(-t)`` (FlashAttention-2's rescale, done only when
     needed; where the Cauchy-Schwarz bound ``|S_ij| <= |scale q_i| |k_j|``
     proves that no row can need it, ``t`` is not computed, and rows whose
-    first keys all score within the threshold of 0 keep ``m = 0``); then ``P~ = exp(.)``, ``l += rowsum(P~)`` and
-    ``acc += P~ V_j``. At the end ``O = acc / l`` and ``lse = m + log l``,
+    first keys all score within the threshold of 0 keep ``m = 0``); then
+    ``P~ = exp(.)``, ``l += rowsum(P~)`` and ``acc += P~ V_j``. At the end ``O = acc / l`` and ``lse = m + log l``,
     all in the scores' base (2 when fused, with ``lse`` converted to nats).
     """
     dtype = spec.compute_dtype
@@ -562,7 +569,8 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                 s = _buffer(s_flat, r.stop - r.start, c1 - c0)  # (R, tk)
                 m_r, unset_r = m[r], unset[r]  # views
                 # Cauchy-Schwarz: |S_ij| <= |scale q_i| |k_j| <= bound (fused means no bias).
-                bound = q_norm_max * k_norm_max[b][kv][c0, c1] if fused else np.inf
+                k_max = k_norm_max[b][kv][c0, c1] if fused else np.inf
+                bound = q_norm_max * k_max if fused else np.inf
                 # A row's first visible keys set its reference m. When the bound keeps
                 # every score of a fully visible span within +-threshold, the unset rows
                 # keep m = 0 (their maxima are within the threshold of it, so no exp can
@@ -578,7 +586,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                 # pool's threads), then row by row.
                 settled = fused and not any_unset and (
                     bound - m_min <= threshold
-                    or np.max(q_norms[r] * k_norm_max[b][kv][c0, c1] - m_r) <= threshold)
+                    or np.max(q_norms[r] * k_max - m_r) <= threshold)
                 # In a settled span where also S_ij - m_i >= -bound - m_max stays above the
                 # floor, every entry, hidden or not, has a plain exp: the hidden ones are
                 # zeroed after it rather than set to -inf before (two passes fewer than
@@ -611,7 +619,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                 if exp_then_hide:
                     exp.fast(s, out=s)
                     item.fill_hidden(s, span, 0)
-                elif fused and not any_unset and not span[4] and bound + m_max < -exp.floor:  # after a rescale
+                elif fused and not any_unset and not span[4] and bound + m_max < -exp.floor:  # after the row max
                     exp.fast(s, out=s)
                 else:
                     exp.flushed(s)
@@ -633,7 +641,8 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     # Costliest query tiles first, so that no thread is left with a long one at the end.
     cost = [sum((p1 - p0) * (c1 - c0) for plan in row for p0, p1, c0, c1, _ in plan) for row in plans]
     order = sorted(range(len(q_tiles)), key=lambda qi: -cost[qi])
-    _run([(b, kv, qi) for qi in order for b in range(Bf) for kv in range(K) if cost[qi]], work, spare_thread=True)
+    items = [(b, kv, qi) for qi in order for b in range(Bf) for kv in range(K) if cost[qi] and G]  # G=0: no rows
+    _run(items, work, spare_thread=True)
     return out.reshape(spec.batch_shape + (N, T, Hv)), lse.reshape(spec.batch_shape + (N, T))
 
 
@@ -669,7 +678,8 @@ def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, do
         D -= np.reshape(dlse, (Bf, N, T))
     lse3 = np.reshape(lse, (Bf, N, T))
     lse3 = np.where(lse3 == -np.inf, 0, lse3).astype(dtype, copy=False)  # masked rows: S = -inf gives P = 0
-    # Every item writes all of its slices of dq, dk and dv.
+    # Not zero-filled: every (b, kv) item runs, even one that sees no key, and
+    # writes all of its slices of dq, dk and dv. Skipping items would need zeros.
     dq = np.empty((Bf, N, T, H), dtype=dtype)
     dk = np.empty((Bf, K, S, H), dtype=dtype)
     dv = np.empty((Bf, K, S, Hv), dtype=dtype)
@@ -717,9 +727,10 @@ def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, do
                     r, (c0, c1) = _rows(span, 0, G), span[2:4]
                     R, tk, cols = r.stop - r.start, c1 - c0, slice(c0 - k0, c1 - k0)
                     p = _buffer(s_flat, R, tk)  # (R, tk)
-                    # As in the forward: when every S_ij - lse_i of the span, hidden or
-                    # not, lies within +-(-floor), the plain exp runs on all of them and
-                    # the hidden entries are zeroed after it.
+                    # As in the forward: when every S_ij - lse_i of the span lies above
+                    # the floor, and the hidden ones (which lse_i does not bound, as it
+                    # does the visible ones) also below -floor, the plain exp runs on all
+                    # of them and the hidden entries are zeroed after it.
                     bound = q_norm_max * k_norm_max[c0, c1] if fused else np.inf
                     exp_then_hide = bound + lse_max < -exp.floor and (not span[4] or bound - lse_min < -exp.floor)
                     item.scores(p, qa[r], kTa, span, hide=not exp_then_hide)  # S_ij [- lse_i]
