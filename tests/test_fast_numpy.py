@@ -7,6 +7,7 @@ import importlib
 import os
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -351,6 +352,19 @@ def _unit_rows(x):
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
+def _scores_split_by_key(q_len, key_scores, H=8, heads=1):
+    """float64 q, k, v where every query scores ``key_scores[j]`` (nats, within
+    0.1) against key j: all queries along one unit direction, keys along it
+    at the lengths that give those scores (scale = H**-0.5)."""
+    rng = np.random.default_rng(0)
+    direction = np.ones(H) / np.sqrt(H)
+    q = np.broadcast_to(direction, (1, heads, q_len, H)).copy()
+    k = np.asarray(key_scores, dtype=float)[:, None] * np.sqrt(H) * direction
+    k = np.broadcast_to(k, (1, heads) + k.shape) + 0.01 * rng.standard_normal((1, heads) + k.shape)
+    v = rng.standard_normal((1, heads, len(key_scores), 4))
+    return q, k, v
+
+
 def _fast_against_float64_dense(q, k, v, causal, **blocks):
     """Forward and backward of the fast path, checked against float64 dense."""
     dout = np.random.default_rng(6).standard_normal(q.shape[:-1] + v.shape[-1:]).astype(q.dtype)
@@ -385,12 +399,40 @@ def test_rows_whose_first_keys_all_score_far_below_zero_keep_their_weight():
     """Every score is about -80: a reference maximum left at 0 would flush
     them all (below 2**-100) and leave the rows empty, so the bound must send
     these rows through the row-max pass."""
-    rng = np.random.default_rng(7)
-    direction = _unit_rows(rng.standard_normal(8))
-    q = np.broadcast_to(direction, (1, 2, 16, 8)).astype(np.float32)
-    k = (-80 * np.sqrt(8) * direction + 0.5 * rng.standard_normal((1, 2, 16, 8))).astype(np.float32)
-    v = rng.standard_normal((1, 2, 16, 8)).astype(np.float32)
+    q, k, v = (a.astype(np.float32) for a in _scores_split_by_key(16, [-80] * 16, heads=2))
     _fast_against_float64_dense(q, k, v, False, block_q=16, block_k=16)
+
+
+HIDDEN_ABOVE_VISIBLE = {
+    # Causal: rows 0-7 see keys 0-7 only (-60); keys 8-15 (+60) are hidden from them. Hidden
+    # scores that reached the row max would move m to +60 and flush the visible ones.
+    "causal, hidden keys 120 above": (16, [-60] * 8 + [60] * 8, dict(causal=True, block_q=16, block_k=8)),
+    # Padding: keys 8-15 (+55) are beyond kv_lengths. In the backward exp(S - lse) of them
+    # would overflow float32 (2**159) if they were exponentiated before being zeroed.
+    "padded keys 110 above": (16, [-55] * 8 + [55] * 8, dict(kv_lengths=np.array([8]), block_q=16, block_k=16)),
+}
+
+
+@pytest.mark.parametrize("case", list(HIDDEN_ABOVE_VISIBLE), ids=list(HIDDEN_ABOVE_VISIBLE))
+def test_hidden_keys_scoring_far_above_the_visible_ones_change_nothing(case):
+    """Hidden entries are exponentiated from their finite scores and zeroed
+    after only where the bound keeps them in range; here it does not, and
+    float32 results still match float64, with no overflow warning."""
+    q_len, key_scores, options = HIDDEN_ABOVE_VISIBLE[case]
+    q, k, v = _scores_split_by_key(q_len, key_scores, heads=2)
+    dout = np.random.default_rng(1).standard_normal(q.shape[:-1] + v.shape[-1:])
+    narrow = [a.astype(np.float32) for a in (q, k, v, dout)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an overflow in exp2 is a RuntimeWarning
+        spec = make_spec(*narrow[:3], impl="chunked", **options)
+        out, lse = fast_numpy.forward(spec, *narrow[:3])
+        grads = fast_numpy.backward(spec, *narrow[:3], out, lse, narrow[3], None)[:3]
+    wide = make_spec(q, k, v, impl="chunked", **options)
+    out_w, lse_w = chunked.chunked_forward(wide, q, k, v)
+    grads_w = chunked.chunked_backward(wide, q, k, v, out_w, lse_w, dout, None)[:3]
+    np.testing.assert_allclose(lse, lse_w, rtol=1e-5, atol=1e-4)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_w, *grads_w)):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * max(1.0, np.abs(want).max()), err_msg=name)
 
 
 # --- default tiles: spans at the real SPLIT_BLOCK ------------------------------------------
