@@ -8,9 +8,9 @@
 This machine's speed drifts by 5-20% over minutes, more than most single
 levers move, so separate runs of ``bench_cpu.py`` cannot attribute a change.
 Here every revision's ``npattn/fast_numpy.py`` is loaded as its own module
-(``worktree`` is the file on disk, and a path ending in ``.py`` that file) and the revisions run in turn, round after
-round, on the same inputs (float32, B=1, N=8, H=64, T=S=4096 by default,
-non-causal then causal). The table holds each revision's best forward and
+(``worktree`` is the file on disk, and a path ending in ``.py`` is that file)
+and the revisions run in turn, round after round, on the same inputs
+(float32, B=1, N=8, H=64, T=S=4096 by default, non-causal then causal). The table holds each revision's best forward and
 backward times and their ratio to the first revision's.
 
 Only ``fast_numpy.py`` changes between rows: the rest of npattn (masks, tile
@@ -37,12 +37,15 @@ SOURCE = "npattn/fast_numpy.py"
 
 
 def load_revision(revision: str, index: int, folder: Path):
-    """``npattn/fast_numpy.py`` at ``revision`` as the module ``npattn._fast_numpy_<index>``."""
+    """``npattn/fast_numpy.py`` at ``revision`` (a git revision, ``worktree``
+    or the path of a ``.py`` copy) as the module ``npattn._fast_numpy_<index>``."""
     root = Path(npattn.__file__).resolve().parent.parent
     if revision == "worktree":
         path = root / SOURCE
-    elif revision.endswith(".py") and Path(revision).is_file():
+    elif revision.endswith(".py"):
         path = Path(revision)
+        if not path.is_file():
+            raise SystemExit(f"bench_cpu_ab: no such file: {revision!r}")
     else:
         shown = subprocess.run(["git", "-C", str(root), "show", f"{revision}:{SOURCE}"],
                                capture_output=True, text=True)
@@ -60,7 +63,8 @@ def load_revision(revision: str, index: int, folder: Path):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("revisions", nargs="+", help="git revisions, 'worktree' for the file on disk, or paths to .py copies of it")
+    parser.add_argument("revisions", nargs="+",
+                        help="git revisions, 'worktree' for the file on disk, or paths to .py copies of it")
     parser.add_argument("--length", type=int, default=4096, help="T = S")
     parser.add_argument("--rounds", type=int, default=5, help="best of this many rounds")
     parser.add_argument("--quick", action="store_true", help="T=S=512, two rounds")
