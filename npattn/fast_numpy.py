@@ -519,8 +519,9 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     needed; where the Cauchy-Schwarz bound ``|S_ij| <= |scale q_i| |k_j|``
     proves that no row can need it, ``t`` is not computed, and rows whose
     first keys all score within the threshold of 0 keep ``m = 0``); then
-    ``P~ = exp(.)``, ``l += rowsum(P~)`` and ``acc += P~ V_j``. At the end ``O = acc / l`` and ``lse = m + log l``,
-    all in the scores' base (2 when fused, with ``lse`` converted to nats).
+    ``P~ = exp(.)``, ``l += rowsum(P~)`` and ``acc += P~ V_j``. At the end
+    ``O = acc / l`` and ``lse = m + log l``, all in the scores' base (2 when
+    fused, with ``lse`` converted to nats).
     """
     dtype = spec.compute_dtype
     Bf, N, K, G = spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.group_size
@@ -568,9 +569,11 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                 r, (c0, c1) = _rows(span, q0, G), span[2:4]
                 s = _buffer(s_flat, r.stop - r.start, c1 - c0)  # (R, tk)
                 m_r, unset_r = m[r], unset[r]  # views
-                # Cauchy-Schwarz: |S_ij| <= |scale q_i| |k_j| <= bound (fused means no bias).
-                k_max = k_norm_max[b][kv][c0, c1] if fused else np.inf
-                bound = q_norm_max * k_max if fused else np.inf
+                if fused:  # Cauchy-Schwarz: |S_ij| <= |scale q_i| |k_j| <= bound (fused means no bias)
+                    k_max = k_norm_max[b][kv][c0, c1]
+                    bound = q_norm_max * k_max
+                else:
+                    k_max = bound = np.inf
                 # A row's first visible keys set its reference m. When the bound keeps
                 # every score of a fully visible span within +-threshold, the unset rows
                 # keep m = 0 (their maxima are within the threshold of it, so no exp can
@@ -732,7 +735,8 @@ def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, do
                     # does the visible ones) also below -floor, the plain exp runs on all
                     # of them and the hidden entries are zeroed after it.
                     bound = q_norm_max * k_norm_max[c0, c1] if fused else np.inf
-                    exp_then_hide = bound + lse_max < -exp.floor and (not span[4] or bound - lse_min < -exp.floor)
+                    exp_then_hide = (bound + lse_max < -exp.floor
+                                     and (not span[4] or bound - lse_min < -exp.floor))
                     item.scores(p, qa[r], kTa, span, hide=not exp_then_hide)  # S_ij [- lse_i]
                     if not fused:
                         p -= lse_b[r, None]
