@@ -3,7 +3,8 @@
 ``attention_cases()`` draws an :class:`AttentionCase`: float64 NumPy inputs
 plus a dict of keyword options covering every mask feature of CONVENTIONS §1
 (bool mask, bias with ``-inf`` entries, causal, window, both alignments,
-lengths, GQA/MQA, dropout) and their combinations.
+lengths, GQA/MQA, dropout) and their combinations. On request it also draws
+empty sizes (T=0, a batch axis of 0) and masks with a fully masked row.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from hypothesis import strategies as st
+
+#: Every feature :func:`attention_cases` draws by default.
+FEATURES = ("mask", "bias", "causal", "window", "lengths", "dropout")
 
 
 @dataclass
@@ -37,12 +41,16 @@ def _broadcast_shape(draw, full):
 
 
 @st.composite
-def attention_cases(draw, *, max_len=6, features=("mask", "bias", "causal", "window", "lengths", "dropout"),
-                    min_batch_ndim=0):
+def attention_cases(draw, *, max_len=6, features=FEATURES, min_batch_ndim=0, empty_sizes=False):
+    """``features`` may also hold ``"masked_row"``: a drawn mask then sometimes
+    hides one query row entirely. ``empty_sizes``: T=0 and a batch axis of 0
+    are drawn too."""
     batch_shape = tuple(draw(st.lists(st.integers(1, 2), min_size=min_batch_ndim, max_size=2)))
+    if empty_sizes and draw(st.integers(0, 6)) == 0:
+        batch_shape = (0,) + batch_shape[1:]
     K = draw(st.sampled_from([1, 2]))
-    N = K * draw(st.sampled_from([1, 2, 3]))
-    T = draw(st.integers(1, max_len))
+    N = K * draw(st.sampled_from([1, 2, 3]))  # G = 1 (MHA), 2, 3 (GQA); K = 1 is MQA
+    T = draw(st.integers(0 if empty_sizes else 1, max_len))
     S = draw(st.integers(1, max_len + 1))
     H = draw(st.integers(1, 4))
     Hv = draw(st.integers(1, 4))
@@ -53,7 +61,10 @@ def attention_cases(draw, *, max_len=6, features=("mask", "bias", "causal", "win
     full = (*batch_shape, N, T, S)
     options: dict = {}
     if "mask" in features and draw(st.booleans()):
-        options["mask"] = rng.random(_broadcast_shape(draw, full)) < 0.7
+        mask = rng.random(_broadcast_shape(draw, full)) < 0.7
+        if "masked_row" in features and mask.shape[-2] == T and T and draw(st.booleans()):
+            mask[..., rng.integers(T), :] = False  # a fully masked row
+        options["mask"] = mask
     if "bias" in features and draw(st.booleans()):
         bias = rng.standard_normal(_broadcast_shape(draw, full))
         if draw(st.booleans()):

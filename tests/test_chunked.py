@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import FEATURES, attention_cases
 
 import npattn
 import npattn.chunked as chunked
@@ -42,62 +43,15 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # --- problems -----------------------------------------------------------------
 
 
-def _broadcast_shape(draw, full):
-    """A shape that broadcasts to ``full``: leading axes dropped, some axes set to 1."""
-    drop = draw(st.integers(0, len(full) - 2))
-    return tuple(n if draw(st.booleans()) else 1 for n in full[drop:])
-
-
 blocks = st.one_of(st.integers(1, 3), st.sampled_from([2, 4, 5, 7, 11, 64]))  # 1, primes, > any length
 
 
 @st.composite
 def problems(draw, max_len=11):
     """``(q, k, v, options)`` in float64 covering every mask feature, GQA/MQA,
-    dropout, fully masked rows and chunked block sizes."""
-    batch_shape = draw(st.sampled_from([(), (1,), (2,), (2,), (2, 1), (1, 2), (0,)]))  # B=0: empty batch
-    K = draw(st.sampled_from([1, 2]))
-    N = K * draw(st.sampled_from([1, 2, 3]))  # G = 1 (MHA), 2, 3 (GQA); K = 1 is MQA
-    T = draw(st.sampled_from(range(max_len + 1)))  # T=0 one time in max_len + 1
-    S = draw(st.integers(1, max_len + 2))
-    H, Hv = draw(st.integers(1, 4)), draw(st.integers(1, 4))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    q = rng.standard_normal((*batch_shape, N, T, H))
-    k = rng.standard_normal((*batch_shape, K, S, H))
-    v = rng.standard_normal((*batch_shape, K, S, Hv))
-    full = (*batch_shape, N, T, S)
-    options = dict(impl="chunked", block_q=draw(blocks), block_k=draw(blocks))
-    if draw(st.booleans()):
-        mask = rng.random(_broadcast_shape(draw, full)) < 0.6
-        if mask.shape[-2] == T and T and draw(st.booleans()):
-            mask[..., rng.integers(T), :] = False  # a fully masked row
-        options["mask"] = mask
-    if draw(st.booleans()):
-        bias = rng.standard_normal(_broadcast_shape(draw, full))
-        if draw(st.booleans()):
-            bias = np.where(rng.random(bias.shape) < 0.2, -np.inf, bias)  # -inf acts as a mask
-        options["bias"] = bias
-    positional = False
-    if draw(st.booleans()):
-        options["causal"] = True
-        positional = True
-    if draw(st.booleans()):
-        side = st.one_of(st.none(), st.integers(0, max_len))
-        right = st.sampled_from([None, 0]) if options.get("causal") else side  # causal means right = 0
-        options["window"] = (draw(side), draw(right))
-        positional = True
-    if positional and (T != S or draw(st.booleans())):
-        options["align"] = draw(st.sampled_from(["top_left", "bottom_right"]))
-    if draw(st.booleans()):
-        options["q_lengths"] = rng.integers(0, T + 1, size=batch_shape)
-    if draw(st.booleans()):
-        options["kv_lengths"] = rng.integers(0, S + 1, size=batch_shape)
-    if draw(st.booleans()):
-        options["dropout_p"] = draw(st.sampled_from([0.2, 0.6]))
-        options["seed"] = draw(st.integers(0, 2**40))
-    if draw(st.booleans()):
-        options["scale"] = draw(st.sampled_from([0.3, 2.5]))
-    return q, k, v, options
+    dropout, fully masked rows, empty sizes and chunked block sizes."""
+    case = draw(attention_cases(max_len=max_len, features=FEATURES + ("masked_row",), empty_sizes=True))
+    return (*case.arrays, dict(case.options, impl="chunked", block_q=draw(blocks), block_k=draw(blocks)))
 
 
 def _chunked(q, k, v, dout, dlse=None, **options):
