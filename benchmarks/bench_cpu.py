@@ -22,11 +22,11 @@ import argparse
 import os
 import sys
 import time
-import tracemalloc
 
 import numpy as np
 
 import npattn
+from npattn.__main__ import traced_peak_mib
 from npattn.fast_numpy import num_threads
 
 
@@ -67,15 +67,6 @@ def tile_gemm_gflops(matmul, make, rows: int = 512, cols: int = 512, depth: int 
     product, the shape the chunked path multiplies most."""
     a, b, out = make((rows, depth)), make((depth, cols)), make((rows, cols))
     return 2 * rows * cols * depth / _best(lambda: [matmul(a, b, out=out) for _ in range(50)], 3) * 50 / 1e9
-
-
-def _peak_mib(fn) -> float:
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1] / 2**20
-    finally:
-        tracemalloc.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         best = _best_side_by_side(fns, args.repeats)
         times = {name: best[name] for name in ("forward", "fwd+bwd")}
         torch_times = {name: best[f"torch {name}"] for name in times if f"torch {name}" in best}
-        peaks = {"forward": _peak_mib(fwd), "fwd+bwd": _peak_mib(fwd_bwd)}
+        peaks = {"forward": traced_peak_mib(fwd), "fwd+bwd": traced_peak_mib(fwd_bwd)}
         flops_fwd = 4 * B * N * T * T * H * (0.5 if causal else 1.0)
         for name, flops in (("forward", flops_fwd), ("fwd+bwd", 3.5 * flops_fwd)):
             ms = times[name] * 1e3

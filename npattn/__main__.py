@@ -62,7 +62,8 @@ def _timed(fn, sync, repeats=3):
     return best * 1e3, result
 
 
-def _peak_mib(fn) -> float:
+def traced_peak_mib(fn) -> float:
+    """Peak host memory, in MiB, that tracemalloc sees allocated while ``fn()`` runs."""
     tracemalloc.start()
     try:
         fn()
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         t_fwd, _ = _timed(fwd, sync)
         t_all, results[impl] = _timed(fwd_bwd, sync)
         if args.backend == "numpy":
-            peak = f"{_peak_mib(fwd_bwd):9.1f}"
+            peak = f"{traced_peak_mib(fwd_bwd):9.1f}"
         else:  # tracemalloc sees host memory only: ask CuPy's allocator instead
             peak_bytes = cupy_peak_bytes(xb, fwd_bwd)
             peak = f"{'n/a':>9}" if peak_bytes is None else f"{peak_bytes / 2**20:9.1f}"
