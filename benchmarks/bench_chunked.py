@@ -110,9 +110,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (T=S in {128, 256}), one repeat")
     parser.add_argument("--lengths", type=int, nargs="+", help="override the T=S values")
-    parser.add_argument("--repeats", type=int, help="best of this many runs (default 3; 2 for T=S >= 4096; 1 with --quick)")
-    parser.add_argument("--memory-gib", type=float,
-                        help="skip dense when its estimated peak exceeds this (default: 2/3 of available memory)")
+    parser.add_argument(
+        "--repeats", type=int, help="best of this many runs (default 3; 2 for T=S >= 4096; 1 with --quick)"
+    )
+    parser.add_argument(
+        "--memory-gib",
+        type=float,
+        help="skip dense when its estimated peak exceeds this (default: 2/3 of available memory)",
+    )
     args = parser.parse_args(argv)
     if args.lengths is not None and min(args.lengths) < 1:
         parser.error(f"--lengths must all be >= 1, got {args.lengths}")
@@ -125,15 +130,19 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     budget = args.memory_gib * 2**30 if args.memory_gib is not None else 2 / 3 * _available_bytes()
 
-    print(f"npattn dense vs chunked, NumPy {np.__version__}, float32, B={B}, N={N}, H={H}, "
-          f"blocks {DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}, "
-          f"{os.cpu_count()} CPU cores; times are best-of-n wall seconds, memory is the tracemalloc peak of fwd+bwd")
+    print(
+        f"npattn dense vs chunked, NumPy {np.__version__}, float32, B={B}, N={N}, H={H}, "
+        f"blocks {DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}, "
+        f"{os.cpu_count()} CPU cores; times are best-of-n wall seconds, memory is the tracemalloc peak of fwd+bwd"
+    )
     warm = rng.standard_normal((1, 1, 8, 4), dtype=np.float32)
     for impl in ("dense", "chunked", "fast"):  # imports and first-call costs stay out of the table
         _measure(warm, warm, warm, warm, impl, True, 1)
-    header = (f"{'T=S':>6} {'mask':>7} | {'dense fwd':>9} {'dense f+b':>9} {'dense MiB':>9} | "
-              f"{'chunk fwd':>9} {'chunk f+b':>9} {'chunk MiB':>9} | {'fast fwd':>9} {'fast f+b':>9} "
-              f"{'fast MiB':>9} | {'f+b ratio':>9} {'mem ratio':>9}")
+    header = (
+        f"{'T=S':>6} {'mask':>7} | {'dense fwd':>9} {'dense f+b':>9} {'dense MiB':>9} | "
+        f"{'chunk fwd':>9} {'chunk f+b':>9} {'chunk MiB':>9} | {'fast fwd':>9} {'fast f+b':>9} "
+        f"{'fast MiB':>9} | {'f+b ratio':>9} {'mem ratio':>9}"
+    )
     print(header)
     print("-" * len(header))
     for T in lengths:
@@ -152,11 +161,16 @@ def main(argv=None):
                 print(f"{T:>6} {name:>7} | {why:>29} | {chunk} | {'n/a':>9} {'n/a':>9}")
                 continue
             d_fwd, d_all, d_mem = _measure(q, k, v, dout, "dense", causal, repeats)
-            print(f"{T:>6} {name:>7} | {d_fwd:9.3f} {d_all:9.3f} {d_mem / 2**20:9.1f} | {chunk} | "
-                  f"{c_all / d_all:9.2f} {c_mem / d_mem:9.4f}", flush=True)
-    print("f+b ratio = chunked (generic) / dense forward+backward time; mem ratio = chunked / dense peak; "
-          f"the fast path uses {fast_numpy.FAST_BLOCKS[0]}x{fast_numpy.FAST_BLOCKS[1]} tiles and "
-          f"{fast_numpy.num_threads()} threads")
+            print(
+                f"{T:>6} {name:>7} | {d_fwd:9.3f} {d_all:9.3f} {d_mem / 2**20:9.1f} | {chunk} | "
+                f"{c_all / d_all:9.2f} {c_mem / d_mem:9.4f}",
+                flush=True,
+            )
+    print(
+        "f+b ratio = chunked (generic) / dense forward+backward time; mem ratio = chunked / dense peak; "
+        f"the fast path uses {fast_numpy.FAST_BLOCKS[0]}x{fast_numpy.FAST_BLOCKS[1]} tiles and "
+        f"{fast_numpy.num_threads()} threads"
+    )
     return 0
 
 

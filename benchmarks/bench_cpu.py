@@ -19,7 +19,6 @@ Times are the best of ``--repeats`` runs after one warm-up.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -99,10 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     q, k, v, dout = (rng.standard_normal((B, N, T, H), dtype=np.float32) for _ in range(4))
     sgemm = sgemm_gflops()
-    print(f"npattn CPU benchmark: float32, B={B}, N={N}, H={H}, T=S={T}; {threads} threads; "
-          f"large SGEMM {sgemm:.0f} GFLOP/s")
-    header = (f"{'shape / mask':<26} {'pass':<8} {'impl':<8} {'npattn ms':>10} {'torch ms':>9} {'ratio':>6} "
-              f"{'GFLOP/s':>8} {'% SGEMM':>8} {'peak MiB':>9}")
+    print(
+        f"npattn CPU benchmark: float32, B={B}, N={N}, H={H}, T=S={T}; {threads} threads; "
+        f"large SGEMM {sgemm:.0f} GFLOP/s"
+    )
+    header = (
+        f"{'shape / mask':<26} {'pass':<8} {'impl':<8} {'npattn ms':>10} {'torch ms':>9} {'ratio':>6} "
+        f"{'GFLOP/s':>8} {'% SGEMM':>8} {'peak MiB':>9}"
+    )
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(limits=1, user_api="blas"):
@@ -119,11 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("-" * len(header))
     for causal in (False, True):
-        def fwd():
+
+        def fwd(causal=causal):
             return npattn.attention_forward(q, k, v, causal=causal, impl="chunked")
 
         def fwd_bwd():
-            out, res = fwd()
+            _out, res = fwd()
             return npattn.attention_backward(dout, res)
 
         fns = {"forward": fwd, "fwd+bwd": fwd_bwd}
@@ -131,11 +135,11 @@ def main(argv: list[str] | None = None) -> int:
             tq, tk, tv = (torch.from_numpy(a.copy()).requires_grad_() for a in (q, k, v))
             tdout = torch.from_numpy(dout)
 
-            def t_fwd():
+            def t_fwd(tq=tq, tk=tk, tv=tv, causal=causal):
                 with torch.no_grad():
                     return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
 
-            def t_fwd_bwd():
+            def t_fwd_bwd(tq=tq, tk=tk, tv=tv, tdout=tdout, causal=causal):
                 out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
                 out.backward(tdout)
 
@@ -152,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
             torch_col = f"{t_ms * 1e3:9.1f}" if t_ms else f"{'-':>9}"
             ratio = f"{times[name] / t_ms:6.2f}" if t_ms else f"{'-':>6}"
             label = f"({B},{N},{T},{H}) {'causal' if causal else 'full'}"
-            print(f"{label:<26} {name:<8} {'chunked':<8} {ms:10.1f} {torch_col} {ratio} "
-                  f"{gflops:8.1f} {100 * gflops / sgemm:7.1f}% {peaks[name]:9.1f}")
+            print(
+                f"{label:<26} {name:<8} {'chunked':<8} {ms:10.1f} {torch_col} {ratio} "
+                f"{gflops:8.1f} {100 * gflops / sgemm:7.1f}% {peaks[name]:9.1f}"
+            )
     return 0
 
 

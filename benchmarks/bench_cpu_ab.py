@@ -47,8 +47,7 @@ def load_revision(revision: str, index: int, folder: Path):
         if not path.is_file():
             raise SystemExit(f"bench_cpu_ab: no such file: {revision!r}")
     else:
-        shown = subprocess.run(["git", "-C", str(root), "show", f"{revision}:{SOURCE}"],
-                               capture_output=True, text=True)
+        shown = subprocess.run(["git", "-C", str(root), "show", f"{revision}:{SOURCE}"], capture_output=True, text=True)
         if shown.returncode != 0:
             raise SystemExit(f"bench_cpu_ab: cannot read {SOURCE} at {revision!r}: {shown.stderr.strip()}")
         path = folder / f"fast_numpy_{index}.py"
@@ -63,8 +62,9 @@ def load_revision(revision: str, index: int, folder: Path):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("revisions", nargs="+",
-                        help="git revisions, 'worktree' for the file on disk, or paths to .py copies of it")
+    parser.add_argument(
+        "revisions", nargs="+", help="git revisions, 'worktree' for the file on disk, or paths to .py copies of it"
+    )
     parser.add_argument("--length", type=int, default=4096, help="T = S")
     parser.add_argument("--rounds", type=int, default=5, help="best of this many rounds")
     parser.add_argument("--quick", action="store_true", help="T=S=512, two rounds")
@@ -80,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     q, k, v, dout = (rng.standard_normal((B, N, T, H), dtype=np.float32) for _ in range(4))
     print(f"fast path by revision: float32, B={B}, N={N}, H={H}, T=S={T}; best of {args.rounds} interleaved rounds")
-    print(f"{'mask':<7} {'revision':<16} {'fwd ms':>8} {'x first':>8} {'bwd ms':>8} {'x first':>8} "
-          f"{'f+b ms':>8} {'x first':>8}")
+    print(
+        f"{'mask':<7} {'revision':<16} {'fwd ms':>8} {'x first':>8} {'bwd ms':>8} {'x first':>8} "
+        f"{'f+b ms':>8} {'x first':>8}"
+    )
     for causal in (False, True):
         spec = make_spec(q, k, v, causal=causal, impl="chunked")
         best = [[float("inf"), float("inf")] for _ in modules]
@@ -99,9 +101,11 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.1)
         first = best[0]
         for revision, (fwd, bwd) in zip(args.revisions, best):
-            print(f"{'causal' if causal else 'full':<7} {revision:<16} {fwd * 1e3:8.1f} {fwd / first[0]:8.2f} "
-                  f"{bwd * 1e3:8.1f} {bwd / first[1]:8.2f} {(fwd + bwd) * 1e3:8.1f} "
-                  f"{(fwd + bwd) / sum(first):8.2f}")
+            print(
+                f"{'causal' if causal else 'full':<7} {revision:<16} {fwd * 1e3:8.1f} {fwd / first[0]:8.2f} "
+                f"{bwd * 1e3:8.1f} {bwd / first[1]:8.2f} {(fwd + bwd) * 1e3:8.1f} "
+                f"{(fwd + bwd) / sum(first):8.2f}"
+            )
     return 0
 
 

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             return npattn.attention_forward(q, k, v, impl="chunked", **options)
 
         def fwd_bwd():
-            out, res = fwd()
+            _out, res = fwd()
             npattn.attention_backward(dout, res)
 
         return _best(fwd, repeats), _best(fwd_bwd, repeats)
@@ -110,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     shipped = measure(args.repeats)
     rows.append(("fast path as shipped", shipped))
 
-    print(f"float32, B={B}, N={N}, H={H}, T=S={T}; {fast_numpy.num_threads()} threads; "
-          f"BLAS: {threadpoolctl.threadpool_info()[0].get('internal_api', '?')}")
+    print(
+        f"float32, B={B}, N={N}, H={H}, T=S={T}; {fast_numpy.num_threads()} threads; "
+        f"BLAS: {threadpoolctl.threadpool_info()[0].get('internal_api', '?')}"
+    )
     print(f"{'configuration':<44} {'fwd ms':>8} {'x shipped':>9} {'f+b ms':>8} {'x shipped':>9}")
     for label, (t_fwd, t_all) in rows:
         print(f"{label:<44} {t_fwd * 1e3:8.1f} {t_fwd / shipped[0]:9.2f} {t_all * 1e3:8.1f} {t_all / shipped[1]:9.2f}")

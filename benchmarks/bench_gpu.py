@@ -203,14 +203,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="T=S in {256, 512}, one repeat: a smoke run")
     parser.add_argument("--lengths", type=_positive_ints, help="comma-separated T=S values")
-    parser.add_argument("--blocks", type=_positive_ints,
-                        help=f"comma-separated square chunked tile sizes besides the default tiles "
-                             f"(default {DEFAULT_BLOCK_Q},1024; 'none' for none)")
-    parser.add_argument("--dtypes", default="float32,float16,bfloat16",
-                        help="comma-separated, from float32, float16, bfloat16")
+    parser.add_argument(
+        "--blocks",
+        type=_positive_ints,
+        help=f"comma-separated square chunked tile sizes besides the default tiles "
+        f"(default {DEFAULT_BLOCK_Q},1024; 'none' for none)",
+    )
+    parser.add_argument(
+        "--dtypes", default="float32,float16,bfloat16", help="comma-separated, from float32, float16, bfloat16"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="best of this many timed runs (default 3)")
-    parser.add_argument("--row-budget", type=float, default=30.0,
-                        help="skip a chunked row whose fwd+bwd is extrapolated past this many seconds")
+    parser.add_argument(
+        "--row-budget",
+        type=float,
+        default=30.0,
+        help="skip a chunked row whose fwd+bwd is extrapolated past this many seconds",
+    )
     parser.add_argument("--no-torch", action="store_true", help="leave out torch SDPA")
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -234,13 +242,19 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 1 if args.quick else args.repeats
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    print(f"npattn on CuPy {cp.__version__} vs torch SDPA ({torch.__version__ if torch else why_no_torch}) "
-          f"on {name}, {props['totalGlobalMem'] / 2**30:.0f} GiB; B={B}, N={N}, H={H}, T=S; "
-          f"CUPY_TF32={os.environ.get('CUPY_TF32', 'unset')}")
-    print(f"times: best of {repeats} after a warm-up, device synchronized; peak MiB: one fwd+bwd beyond the inputs; "
-          "x torch: this row's time / torch's")
-    header = (f"{'dtype':<8} {'T=S':>6} {'mask':<6} {'impl':<{LABEL}} {'fwd ms':>9} {'f+b ms':>9} {'peak MiB':>9} "
-              f"{'fwd x torch':>11} {'f+b x torch':>11} {'max|out-torch|':>14}")
+    print(
+        f"npattn on CuPy {cp.__version__} vs torch SDPA ({torch.__version__ if torch else why_no_torch}) "
+        f"on {name}, {props['totalGlobalMem'] / 2**30:.0f} GiB; B={B}, N={N}, H={H}, T=S; "
+        f"CUPY_TF32={os.environ.get('CUPY_TF32', 'unset')}"
+    )
+    print(
+        f"times: best of {repeats} after a warm-up, device synchronized; peak MiB: one fwd+bwd beyond the inputs; "
+        "x torch: this row's time / torch's"
+    )
+    header = (
+        f"{'dtype':<8} {'T=S':>6} {'mask':<6} {'impl':<{LABEL}} {'fwd ms':>9} {'f+b ms':>9} {'peak MiB':>9} "
+        f"{'fwd x torch':>11} {'f+b x torch':>11} {'max|out-torch|':>14}"
+    )
     print(header)
     print("-" * len(header))
     failures = 0
@@ -248,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     slow = {}  # (dtype, causal, impl label) -> (T, f+b seconds) of the last row
     for dtype in dtypes:
         if dtype == "bfloat16" and not hasattr(cp, "bfloat16"):
-            print(f"{dtype:<8} skipped: CuPy has no bfloat16 dtype (npattn supports bfloat16 where the namespace has it)")
+            print(
+                f"{dtype:<8} skipped: CuPy has no bfloat16 dtype (npattn supports bfloat16 where the namespace has it)"
+            )
             continue
         for T in lengths:
             for causal in (False, True):
@@ -259,30 +275,43 @@ def main(argv: list[str] | None = None) -> int:
                 if torch is not None:
                     try:
                         t_fwd, t_both, t_peak, reference = _torch_row(case, repeats)
-                        print(f"{prefix} {'torch sdpa':<{LABEL}} {t_fwd:9.2f} {t_both:9.2f} {t_peak / 2**20:9.1f} "
-                              f"{1:11.2f} {1:11.2f} {0:14.1e}", flush=True)
+                        print(
+                            f"{prefix} {'torch sdpa':<{LABEL}} {t_fwd:9.2f} {t_both:9.2f} {t_peak / 2**20:9.1f} "
+                            f"{1:11.2f} {1:11.2f} {0:14.1e}",
+                            flush=True,
+                        )
                     except torch.cuda.OutOfMemoryError:
                         print(f"{prefix} {'torch sdpa':<{LABEL}} out of device memory", flush=True)
                 bq, bk = default_blocks(make_spec(case.q, case.k, case.v, causal=causal, impl="chunked"))
-                impls = [("dense", "dense", dict(impl="dense")),  # (key for extrapolation, label, options)
-                         ("default", f"chunked {bq}x{bk} (default)", dict(impl="chunked"))]
-                impls += [(f"{b}x{b}", f"chunked {b}x{b}", dict(impl="chunked", block_q=b, block_k=b))
-                          for b in blocks if (b, b) != (bq, bk)]
+                impls = [
+                    ("dense", "dense", dict(impl="dense")),  # (key for extrapolation, label, options)
+                    ("default", f"chunked {bq}x{bk} (default)", dict(impl="chunked")),
+                ]
+                impls += [
+                    (f"{b}x{b}", f"chunked {b}x{b}", dict(impl="chunked", block_q=b, block_k=b))
+                    for b in blocks
+                    if (b, b) != (bq, bk)
+                ]
                 for key, label, options in impls:
                     if key == "dense":
                         _free_pools(cp, torch)
                         need = DENSE_LIVE_SCORE_TENSORS * B * N * T * T * 4
                         free = cp.cuda.runtime.memGetInfo()[0]
                         if need > 0.9 * free:
-                            print(f"{prefix} {label:<{LABEL}} skipped: needs ~{need / 2**30:.0f} GiB, "
-                                  f"{free / 2**30:.0f} GiB free", flush=True)
+                            print(
+                                f"{prefix} {label:<{LABEL}} skipped: needs ~{need / 2**30:.0f} GiB, "
+                                f"{free / 2**30:.0f} GiB free",
+                                flush=True,
+                            )
                             continue
                     else:
                         last = slow.get((dtype, causal, key))
                         if last is not None and last[1] * (T / last[0]) ** 2 > args.row_budget:
-                            print(f"{prefix} {label:<{LABEL}} skipped: fwd+bwd extrapolated to "
-                                  f"~{last[1] * (T / last[0]) ** 2:.0f} s > --row-budget {args.row_budget:g} s",
-                                  flush=True)
+                            print(
+                                f"{prefix} {label:<{LABEL}} skipped: fwd+bwd extrapolated to "
+                                f"~{last[1] * (T / last[0]) ** 2:.0f} s > --row-budget {args.row_budget:g} s",
+                                flush=True,
+                            )
                             continue
                     try:
                         fwd, both, peak, diff = _npattn_row(case, options, repeats, reference)
@@ -294,23 +323,28 @@ def main(argv: list[str] | None = None) -> int:
                         failures += 1
                         continue
                     slow[(dtype, causal, key)] = (T, both / 1e3)
-                    if T == max(lengths):
+                    if max(lengths) == T:
                         best.setdefault((dtype, causal), {})[label] = both
                     ratio_f = f"{fwd / t_fwd:11.2f}" if t_fwd else f"{'n/a':>11}"
                     ratio_b = f"{both / t_both:11.2f}" if t_both else f"{'n/a':>11}"
                     peak_s = f"{peak / 2**20:9.1f}" if peak is not None else f"{'n/a':>9}"
                     diff_s = f"{diff:14.1e}" if diff is not None else f"{'n/a':>14}"
-                    print(f"{prefix} {label:<{LABEL}} {fwd:9.2f} {both:9.2f} {peak_s} {ratio_f} {ratio_b} {diff_s}",
-                          flush=True)
+                    print(
+                        f"{prefix} {label:<{LABEL}} {fwd:9.2f} {both:9.2f} {peak_s} {ratio_f} {ratio_b} {diff_s}",
+                        flush=True,
+                    )
                 del case
                 _free_pools(cp, torch)
     for (dtype, causal), rows in best.items():
         chunked = {label: ms for label, ms in rows.items() if label.startswith("chunked")}
         if chunked:
             pick = min(chunked, key=chunked.get)
-            print(f"fastest chunked tiles, {dtype} {'causal' if causal else 'full'} at T=S={max(lengths)}: "
-                  f"{pick} ({chunked[pick]:.1f} ms fwd+bwd"
-                  + (f"; dense {rows['dense']:.1f} ms" if "dense" in rows else "; dense skipped") + ")")
+            print(
+                f"fastest chunked tiles, {dtype} {'causal' if causal else 'full'} at T=S={max(lengths)}: "
+                f"{pick} ({chunked[pick]:.1f} ms fwd+bwd"
+                + (f"; dense {rows['dense']:.1f} ms" if "dense" in rows else "; dense skipped")
+                + ")"
+            )
     return 1 if failures else 0
 
 

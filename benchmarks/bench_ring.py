@@ -80,28 +80,58 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         reference = npattn.attention(q, k, v, **options)
         error = float(np.max(np.abs(np.concatenate(outs, axis=-2).astype(np.float64) - reference)))
-        print(json.dumps({
-            "P": P, "forward_s": float(np.median(forward_s)), "backward_s": float(np.median(backward_s)),
-            "forward_bytes": max(s[0] for s in sent), "backward_bytes": max(s[1] for s in sent),
-            "computed": computed, "error": error, "transport": fwd_stats["transport"],
-        }))
+        print(
+            json.dumps(
+                {
+                    "P": P,
+                    "forward_s": float(np.median(forward_s)),
+                    "backward_s": float(np.median(backward_s)),
+                    "forward_bytes": max(s[0] for s in sent),
+                    "backward_bytes": max(s[1] for s in sent),
+                    "computed": computed,
+                    "error": error,
+                    "transport": fwd_stats["transport"],
+                }
+            )
+        )
 
 
 def driver(args: argparse.Namespace) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    print(f"ring attention, B=1 N={args.heads} T={args.seq} H={args.dim} {args.dtype}, chunked pairs "
-          f"(block {args.block}), {os.cpu_count()} CPU cores, 1 BLAS thread per rank, "
-          f"median of {args.repeats} after a warm-up")
+    print(
+        f"ring attention, B=1 N={args.heads} T={args.seq} H={args.dim} {args.dtype}, chunked pairs "
+        f"(block {args.block}), {os.cpu_count()} CPU cores, 1 BLAS thread per rank, "
+        f"median of {args.repeats} after a warm-up"
+    )
     for causal in (False, True):
         print(f"\ncausal={causal}")
-        header = (f"{'ranks':>5} {'shard':>6} {'fwd ms':>8} {'ms/step':>8} {'bwd ms':>8} {'ms/step':>8} "
-                  f"{'steps run':>9} {'fwd MiB sent/rank':>17} {'bwd MiB sent/rank':>17} {'max err':>8}")
+        header = (
+            f"{'ranks':>5} {'shard':>6} {'fwd ms':>8} {'ms/step':>8} {'bwd ms':>8} {'ms/step':>8} "
+            f"{'steps run':>9} {'fwd MiB sent/rank':>17} {'bwd MiB sent/rank':>17} {'max err':>8}"
+        )
         print(header)
         print("-" * len(header))
         for P in args.ranks:
-            command = [_mpiexec(), "-n", str(P), sys.executable, os.path.abspath(__file__), "--worker",
-                       "--seq", str(args.seq), "--heads", str(args.heads), "--dim", str(args.dim),
-                       "--dtype", args.dtype, "--block", str(args.block), "--repeats", str(args.repeats)]
+            command = [
+                _mpiexec(),
+                "-n",
+                str(P),
+                sys.executable,
+                os.path.abspath(__file__),
+                "--worker",
+                "--seq",
+                str(args.seq),
+                "--heads",
+                str(args.heads),
+                "--dim",
+                str(args.dim),
+                "--dtype",
+                args.dtype,
+                "--block",
+                str(args.block),
+                "--repeats",
+                str(args.repeats),
+            ]
             if causal:
                 command.append("--causal")
             proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
@@ -109,10 +139,12 @@ def driver(args: argparse.Namespace) -> None:
                 raise SystemExit(f"{' '.join(command)} failed:\n{proc.stdout}\n{proc.stderr}")
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             mib = 2.0**20
-            print(f"{P:>5} {args.seq // P:>6} {r['forward_s'] * 1e3:>8.1f} {r['forward_s'] * 1e3 / P:>8.1f} "
-                  f"{r['backward_s'] * 1e3:>8.1f} {r['backward_s'] * 1e3 / P:>8.1f} "
-                  f"{str(r['computed']) + '/' + str(P * P):>9} {r['forward_bytes'] / mib:>17.2f} "
-                  f"{r['backward_bytes'] / mib:>17.2f} {r['error']:>8.1e}")
+            print(
+                f"{P:>5} {args.seq // P:>6} {r['forward_s'] * 1e3:>8.1f} {r['forward_s'] * 1e3 / P:>8.1f} "
+                f"{r['backward_s'] * 1e3:>8.1f} {r['backward_s'] * 1e3 / P:>8.1f} "
+                f"{str(r['computed']) + '/' + str(P * P):>9} {r['forward_bytes'] / mib:>17.2f} "
+                f"{r['backward_bytes'] / mib:>17.2f} {r['error']:>8.1e}"
+            )
 
 
 def main() -> None:

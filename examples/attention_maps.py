@@ -31,7 +31,25 @@ import numpy as np
 import npattn
 from npattn import diagnostics
 
-SENTENCE = "<s> the cat sat on the mat because the cat was tired and the mat was warm".split()
+SENTENCE = [
+    "<s>",
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "the",
+    "mat",
+    "because",
+    "the",
+    "cat",
+    "was",
+    "tired",
+    "and",
+    "the",
+    "mat",
+    "was",
+    "warm",
+]
 HEADS = ("previous token", "first token", "content match", "uniform")
 
 
@@ -58,8 +76,12 @@ def _softmax(s, axis):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a 7-token sentence, for a fast check")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("attention_maps"),
-                        help="directory for the PNGs (created if missing)")
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("attention_maps"),
+        help="directory for the PNGs (created if missing)",
+    )
     args = parser.parse_args(argv)
     tokens = SENTENCE[:7] if args.quick else SENTENCE
     T, pad = len(tokens), 3
@@ -67,19 +89,23 @@ def main(argv: list[str] | None = None) -> int:
     q1, k1, v1 = build_qkv(tokens)
     q, k, v = (np.concatenate([a, a]) for a in (q1, k1, v1))  # batch of 2: (2, 4, T, P+V), ...
     lengths = np.array([T, T - pad])  # element 1: the last `pad` positions are padding
-    out, res = npattn.attention_forward(q, k, v, causal=True, scale=1.0, q_lengths=lengths,
-                                        kv_lengths=lengths, impl="dense")  # dense: res.probs is the map
+    out, res = npattn.attention_forward(
+        q, k, v, causal=True, scale=1.0, q_lengths=lengths, kv_lengths=lengths, impl="dense"
+    )  # dense: res.probs is the map
     grads = npattn.attention_backward(np.ones_like(out), res)
     print(f"sentence: {' '.join(tokens)}")
     print("heads: " + ", ".join(f"{n} = {name}" for n, name in enumerate(HEADS)) + "\n")
 
     summary = diagnostics.summarize(res.probs)
     print(summary)
-    print("(heads 0 and 1 are one-hot by construction, the warning is what a collapsed head looks like;\n"
-          " head 2 splits its weight between repeated tokens, head 3 spreads it evenly)\n")
+    print(
+        "(heads 0 and 1 are one-hot by construction, the warning is what a collapsed head looks like;\n"
+        " head 2 splits its weight between repeated tokens, head 3 spreads it evenly)\n"
+    )
 
-    finite = diagnostics.check_finite({"out": out, "lse": res.lse, "dq": grads.dq, "dk": grads.dk,
-                                       "dv": grads.dv}, allow_neginf=["lse"])
+    finite = diagnostics.check_finite(
+        {"out": out, "lse": res.lse, "dq": grads.dq, "dk": grads.dk, "dv": grads.dv}, allow_neginf=["lse"]
+    )
     print(finite)
     print("(lse is -inf exactly on the fully masked rows of batch element 1)\n")
 
@@ -98,14 +124,14 @@ def main(argv: list[str] | None = None) -> int:
 
     titles = {
         "attention_maps_b0.png": "causal MQA: " + ", ".join(f"{n} {h}" for n, h in enumerate(HEADS)),
-        "attention_maps_b1_padded.png": f"batch element 1: last {pad} positions padded "
-                                        "(fully masked rows in grey)",
+        "attention_maps_b1_padded.png": f"batch element 1: last {pad} positions padded (fully masked rows in grey)",
     }
     try:
         args.out.mkdir(parents=True, exist_ok=True)
-        written = [diagnostics.plot_attention(res.probs, batch_index=b, tokens=tokens, path=args.out / name,
-                                              title=title)
-                   for b, (name, title) in enumerate(titles.items())]
+        written = [
+            diagnostics.plot_attention(res.probs, batch_index=b, tokens=tokens, path=args.out / name, title=title)
+            for b, (name, title) in enumerate(titles.items())
+        ]
     except ImportError as err:
         print(f"\nno heatmaps: {err}")
     else:

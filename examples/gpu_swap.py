@@ -74,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     backends, why_not = _backends()
     print(f"causal GQA attention, forward + backward: B={B}, N={N}, K={K}, T=S={T}, H={H}, float32")
     if "cupy" not in backends:
-        print(f"CuPy with a CUDA GPU is not available here ({why_not}); running without it.\n"
-              '  On a GPU machine: pip install "npattn[cuda12]" (or "npattn[cuda13]") and run again.')
+        print(
+            f"CuPy with a CUDA GPU is not available here ({why_not}); running without it.\n"
+            '  On a GPU machine: pip install "npattn[cuda12]" (or "npattn[cuda13]") and run again.'
+        )
 
     results = {}
     print(f"  {'backend':<17} {'arrays returned':<17} {'fwd+bwd':>9}")

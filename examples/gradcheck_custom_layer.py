@@ -51,8 +51,9 @@ def layer_norm_backward(dy, residuals):
     xp = array_api_compat.array_namespace(dy, xhat)
     rows = tuple(range(dy.ndim - 1))  # every axis but the normalized one
     dxhat = dy * gamma  # (..., D)
-    dx = rstd * (dxhat - xp.mean(dxhat, axis=-1, keepdims=True)
-                 - xhat * xp.mean(dxhat * xhat, axis=-1, keepdims=True))  # (..., D)
+    dx = rstd * (
+        dxhat - xp.mean(dxhat, axis=-1, keepdims=True) - xhat * xp.mean(dxhat * xhat, axis=-1, keepdims=True)
+    )  # (..., D)
     return dx, xp.sum(dy * xhat, axis=rows), xp.sum(dy, axis=rows)  # (..., D), (D,), (D,)
 
 
@@ -71,8 +72,9 @@ def check(backward, shape, *, jacobian="auto", seed=0):
     rng = np.random.default_rng(seed)
     D = shape[-1]
     inputs = [rng.standard_normal(shape), 1.0 + 0.1 * rng.standard_normal(D), rng.standard_normal(D)]
-    return npattn.check_gradients(layer_norm_forward, backward, inputs, names=["x", "gamma", "beta"],
-                                  jacobian=jacobian, raise_on_failure=False)
+    return npattn.check_gradients(
+        layer_norm_forward, backward, inputs, names=["x", "gamma", "beta"], jacobian=jacobian, raise_on_failure=False
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,8 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     bad = check(layer_norm_backward_wrong, small)
     print(bad)
     caught = not bad.ok and all(msg.startswith("x") for msg in bad.failures)
-    print("\nresult:", "correct backward passes;" if good_ok else "CORRECT BACKWARD FAILED;",
-          "wrong backward caught, blamed on x" if caught else "WRONG BACKWARD NOT CAUGHT")
+    print(
+        "\nresult:",
+        "correct backward passes;" if good_ok else "CORRECT BACKWARD FAILED;",
+        "wrong backward caught, blamed on x" if caught else "WRONG BACKWARD NOT CAUGHT",
+    )
     print("(in a test, leave raise_on_failure=True: a failure raises npattn.GradcheckError)")
     return 0 if good_ok and caught else 1
 

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((B, N, T, H), dtype=np.float32) for _ in range(3))
     keep = np.ones((B, 1, 1, T), dtype=bool)  # (B, 1, 1, S) broadcasts over heads and queries
-    keep[1, ..., T // 2:] = False  # batch element 1: the last half of its keys are padding
+    keep[1, ..., T // 2 :] = False  # batch element 1: the last half of its keys are padding
     # impl="dense" keeps the attention matrix in res.probs (printed below)
     out, res = npattn.attention_forward(q, k, v, mask=keep, causal=True, impl="dense")  # out (B, N, T, H)
     lse = res.lse  # (B, N, T) logsumexp of the scaled, masked scores
@@ -37,12 +37,15 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"q, k, v {q.shape} {q.dtype}; mask {keep.shape} (True = may attend), causal")
     print(f"out  {out.shape} {out.dtype}")
-    print(f"lse  {lse.shape} {lse.dtype}  head 0, first queries: "
-          + ", ".join(f"{x:.3f}" for x in lse[0, 0, :4].tolist()))
-    print(f"probs (dense residuals) {res.probs.shape}, rows sum to "
-          f"{float(res.probs.sum(-1).min()):.6f}..{float(res.probs.sum(-1).max()):.6f}")
+    print(
+        f"lse  {lse.shape} {lse.dtype}  head 0, first queries: " + ", ".join(f"{x:.3f}" for x in lse[0, 0, :4].tolist())
+    )
+    print(
+        f"probs (dense residuals) {res.probs.shape}, rows sum to "
+        f"{float(res.probs.sum(-1).min()):.6f}..{float(res.probs.sum(-1).max()):.6f}"
+    )
     print(f"dq {grads.dq.shape}, dk {grads.dk.shape}, dv {grads.dv.shape}, dbias {grads.dbias}")
-    hidden = float(np.abs(grads.dk[1, :, T // 2:]).max()) + float(np.abs(grads.dv[1, :, T // 2:]).max())
+    hidden = float(np.abs(grads.dk[1, :, T // 2 :]).max()) + float(np.abs(grads.dv[1, :, T // 2 :]).max())
     print(f"gradient reaching the padded keys of batch element 1: {hidden}")
     return 0 if hidden == 0.0 and np.isfinite(out).all() else 1
 

@@ -51,8 +51,9 @@ def main() -> None:
 
     comm.Barrier()
     start = time.perf_counter()
-    out, res = dist.ring_attention_forward(q[..., lo:hi, :], k[..., lo:hi, :], v[..., lo:hi, :],
-                                           comm=comm, causal=args.causal)
+    out, res = dist.ring_attention_forward(
+        q[..., lo:hi, :], k[..., lo:hi, :], v[..., lo:hi, :], comm=comm, causal=args.causal
+    )
     grads = dist.ring_attention_backward(dout[..., lo:hi, :], res)
     seconds = comm.reduce(time.perf_counter() - start, op=MPI.MAX, root=0)
 
@@ -63,10 +64,11 @@ def main() -> None:
     ref_out, ref_res = npattn.attention_forward(q, k, v, causal=args.causal)
     ref = npattn.attention_backward(dout, ref_res)
     shards = ", ".join(str(b - a) for a, b in shard_bounds(T, P))
-    print(f"ring attention on {P} rank(s), shards of {shards} tokens, causal={args.causal}, "
-          f"GQA {N}/{K} heads, float64: forward+backward {seconds * 1e3:.1f} ms (first call)")
-    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), ring,
-                               (ref_out, ref_res.lse, ref.dq, ref.dk, ref.dv)):
+    print(
+        f"ring attention on {P} rank(s), shards of {shards} tokens, causal={args.causal}, "
+        f"GQA {N}/{K} heads, float64: forward+backward {seconds * 1e3:.1f} ms (first call)"
+    )
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), ring, (ref_out, ref_res.lse, ref.dq, ref.dk, ref.dv)):
         print(f"  max |ring - single process| {name:>3}: {np.max(np.abs(got - want)):.2e}")
 
 

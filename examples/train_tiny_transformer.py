@@ -56,34 +56,47 @@ import numpy as np
 import npattn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # examples/, home of tiny_transformer/
-from tiny_transformer.adam import Adam, clip_grad_norm, learning_rate  # noqa: E402
-from tiny_transformer.checks import report, run_checks  # noqa: E402
-from tiny_transformer.data import TASKS, VOCAB_SIZE, DigitTask, targets_of, token_label  # noqa: E402
-from tiny_transformer.loss import cross_entropy_backward, cross_entropy_forward, token_accuracy  # noqa: E402
-from tiny_transformer.model import Config, greedy_decode, init_params, model_backward, model_forward  # noqa: E402
+from tiny_transformer.adam import Adam, clip_grad_norm, learning_rate
+from tiny_transformer.checks import report, run_checks
+from tiny_transformer.data import TASKS, VOCAB_SIZE, DigitTask, targets_of, token_label
+from tiny_transformer.loss import cross_entropy_backward, cross_entropy_forward, token_accuracy
+from tiny_transformer.model import Config, greedy_decode, init_params, model_backward, model_forward
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=None, help="training steps (default 1000; 40 with --quick)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a small fast run for tests: 40 steps, d_model 32, 6 digits")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("tiny_transformer_out"),
-                        help="directory for the PNGs and history.json (created if missing)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a small fast run for tests: 40 steps, d_model 32, 6 digits"
+    )
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("tiny_transformer_out"),
+        help="directory for the PNGs and history.json (created if missing)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights, the data and the held-out set")
     parser.add_argument("--task", choices=TASKS, default="sort")
-    parser.add_argument("--length", type=int, default=None,
-                        help="digits per example, L (default 10; 6 with --quick)")
+    parser.add_argument("--length", type=int, default=None, help="digits per example, L (default 10; 6 with --quick)")
     parser.add_argument("--d-model", type=int, default=None, help="D (default 64; 32 with --quick)")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
-                        help="gradient-check every hand-written layer before training")
-    parser.add_argument("--blas-threads", type=int, default=1,
-                        help="BLAS threads while training (needs threadpoolctl; 0 leaves the default)")
+    parser.add_argument(
+        "--check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="gradient-check every hand-written layer before training",
+    )
+    parser.add_argument(
+        "--blas-threads",
+        type=int,
+        default=1,
+        help="BLAS threads while training (needs threadpoolctl; 0 leaves the default)",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     args.steps = args.steps if args.steps is not None else (40 if quick else 1000)
@@ -123,9 +136,11 @@ def train(args: argparse.Namespace) -> dict:
     params = init_params(cfg, seed=args.seed)
     opt = Adam(params)
     n_params = sum(p.size for p in params.values())
-    print(f"\ntask: {args.task} {args.length} digits (T = {task.seq_len} positions, {args.num_val} held-out "
-          f"sequences); model: d_model {cfg.d_model}, {cfg.num_layers} layers, {cfg.num_heads} heads, "
-          f"{n_params:,} parameters; Adam, peak lr {args.lr:g}, batch {args.batch_size}, {args.steps} steps")
+    print(
+        f"\ntask: {args.task} {args.length} digits (T = {task.seq_len} positions, {args.num_val} held-out "
+        f"sequences); model: d_model {cfg.d_model}, {cfg.num_layers} layers, {cfg.num_heads} heads, "
+        f"{n_params:,} parameters; Adam, peak lr {args.lr:g}, batch {args.batch_size}, {args.steps} steps"
+    )
     history.update(step=[], loss=[], eval_step=[], val_loss=[], val_acc=[])
 
     def record_eval(step: int) -> tuple[float, float]:
@@ -154,22 +169,26 @@ def train(args: argparse.Namespace) -> dict:
             val_loss, val_acc = record_eval(step)
             elapsed = time.perf_counter() - t_train
             rate = step / elapsed
-            recent = np.mean(history["loss"][-args.log_every:])
-            print(f"step {step:5d}/{args.steps}  loss {recent:.4f}  val loss {val_loss:.4f}  "
-                  f"val acc {val_acc:6.2%}  {rate:5.1f} steps/s  ETA {(args.steps - step) / rate:5.0f} s",
-                  flush=True)
+            recent = np.mean(history["loss"][-args.log_every :])
+            print(
+                f"step {step:5d}/{args.steps}  loss {recent:.4f}  val loss {val_loss:.4f}  "
+                f"val acc {val_acc:6.2%}  {rate:5.1f} steps/s  ETA {(args.steps - step) / rate:5.0f} s",
+                flush=True,
+            )
     history["train_seconds"] = time.perf_counter() - t_train
 
     # Greedy generation from the prompt alone: no teacher forcing.
-    prompt = task.val_batch()[0][:, :args.length + 1]  # (Bv, L + 1): d_1 .. d_L |
+    prompt = task.val_batch()[0][:, : args.length + 1]  # (Bv, L + 1): d_1 .. d_L |
     generated = greedy_decode(params, prompt, cfg, args.length)  # (Bv, L)
     wanted = targets_of(task.val_digits, args.task)  # (Bv, L)
     history["greedy_token_acc"] = float((generated == wanted).mean())
     history["greedy_exact"] = float((generated == wanted).all(axis=1).mean())
     d, o = task.val_digits[0], generated[0]
-    print(f"\ngreedy generation on held-out sequences: {history['greedy_token_acc']:.2%} of digits right, "
-          f"{history['greedy_exact']:.2%} of sequences entirely right; e.g. "
-          f"{' '.join(map(str, d))} | {' '.join(map(str, o))}")
+    print(
+        f"\ngreedy generation on held-out sequences: {history['greedy_token_acc']:.2%} of digits right, "
+        f"{history['greedy_exact']:.2%} of sequences entirely right; e.g. "
+        f"{' '.join(map(str, d))} | {' '.join(map(str, o))}"
+    )
 
     save_plots(params, task, cfg, history, args.out)
     history["final_val_acc"] = history["val_acc"][-1]
@@ -204,8 +223,13 @@ def save_plots(params, task: DigitTask, cfg: Config, history: dict, out: pathlib
     _, res = model_forward(params, ids, cfg, need_weights=True)
     labels = [token_label(int(t)) for t in ids[0]]
     for i, weights in enumerate(res["weights"]):  # (1, N, T, T) per layer
-        npattn.plot_attention(weights, batch_index=0, tokens=labels, path=out / f"attention_layer{i}.png",
-                              title=f"layer {i}, {task.task}: {' '.join(labels)} (query t predicts token t+1)")
+        npattn.plot_attention(
+            weights,
+            batch_index=0,
+            tokens=labels,
+            path=out / f"attention_layer{i}.png",
+            title=f"layer {i}, {task.task}: {' '.join(labels)} (query t predicts token t+1)",
+        )
     print(f"wrote {out / 'loss_curve.png'} and attention_layer0..{cfg.num_layers - 1}.png")
 
 
@@ -233,8 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         history = train(args)
     if not history.get("gradcheck_ok", True):
         return 1
-    print(f"final held-out token accuracy {history['final_val_acc']:.2%} after {args.steps} steps; "
-          f"total time {history['total_seconds']:.1f} s")
+    print(
+        f"final held-out token accuracy {history['final_val_acc']:.2%} after {args.steps} steps; "
+        f"total time {history['total_seconds']:.1f} s"
+    )
     return 0
 
 

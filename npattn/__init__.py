@@ -18,6 +18,7 @@ diagnostics
     Entropy, peak, row sums, NaN/inf reports and heatmaps of attention weights.
 """
 
+from . import diagnostics
 from .attention import (
     AttentionGrads,
     AttentionResiduals,
@@ -27,7 +28,6 @@ from .attention import (
     attention_backward,
     attention_forward,
 )
-from . import diagnostics
 from .diagnostics import (
     attention_entropy,
     attention_peak,

@@ -29,8 +29,10 @@ def _backend(name: str):
         if cp.cuda.runtime.getDeviceCount() < 1:
             raise RuntimeError("no CUDA device is visible")
     except Exception as err:  # ImportError, CUDARuntimeError, ...
-        sys.exit(f"npattn: --backend cupy needs CuPy and a CUDA GPU ({type(err).__name__}: {err}); "
-                 "install npattn[cuda12] or npattn[cuda13] on a GPU machine, or use --backend numpy")
+        sys.exit(
+            f"npattn: --backend cupy needs CuPy and a CUDA GPU ({type(err).__name__}: {err}); "
+            "install npattn[cuda12] or npattn[cuda13] on a GPU machine, or use --backend numpy"
+        )
     return cp, cp.asnumpy, cp.cuda.runtime.deviceSynchronize
 
 
@@ -140,15 +142,20 @@ def main(argv: list[str] | None = None) -> int:
 
     B, N, K, T, H = args.batch, args.heads, args.kv_heads, args.length, args.head_dim
     rng = np.random.default_rng(0)
-    q, k, v, dout = (xb.asarray(rng.standard_normal(s, dtype=np.float32))
-                     for s in ((B, N, T, H), (B, K, T, H), (B, K, T, H), (B, N, T, H)))
+    q, k, v, dout = (
+        xb.asarray(rng.standard_normal(s, dtype=np.float32))
+        for s in ((B, N, T, H), (B, K, T, H), (B, K, T, H), (B, N, T, H))
+    )
     options = dict(causal=True, kv_lengths=xb.asarray(np.array([T, T * 3 // 4] * (B // 2) + [T] * (B % 2))))
-    print(f"npattn demo on {args.backend}: float32, B={B}, N={N} query heads, K={K} kv heads (GQA), "
-          f"T=S={T}, H={H}, causal, padded keys")
+    print(
+        f"npattn demo on {args.backend}: float32, B={B}, N={N} query heads, K={K} kv heads (GQA), "
+        f"T=S={T}, H={H}, causal, padded keys"
+    )
     print(f"{'impl':>8} {'forward ms':>11} {'fwd+bwd ms':>11} {'peak MiB':>9}")
     results = {}
     for impl in [i for i in IMPLS if i != "auto"]:
-        def fwd():
+
+        def fwd(impl=impl):
             return attention_forward(q, k, v, impl=impl, **options)
 
         def fwd_bwd():
@@ -165,21 +172,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{impl:>8} {t_fwd:11.1f} {t_all:11.1f} {peak}")
 
     (out_d, res_d, g_d), (out_c, res_c, g_c) = results["dense"], results["chunked"]
-    pairs = [("out", out_d, out_c), ("lse", res_d.lse, res_c.lse),
-             ("dq", g_d.dq, g_c.dq), ("dk", g_d.dk, g_c.dk), ("dv", g_d.dv, g_c.dv)]
+    pairs = [
+        ("out", out_d, out_c),
+        ("lse", res_d.lse, res_c.lse),
+        ("dq", g_d.dq, g_c.dq),
+        ("dk", g_d.dk, g_c.dk),
+        ("dv", g_d.dv, g_c.dv),
+    ]
     worst = max(max_difference(to_host(a), to_host(b)) for _, a, b in pairs)
     agree = worst <= AGREEMENT_TOLERANCE
-    print(f"max |dense - chunked| over out, lse, dq, dk, dv (float32): {worst:.2e} "
-          f"({'agree' if agree else 'DISAGREE'}: tolerance {AGREEMENT_TOLERANCE:g})")
+    print(
+        f"max |dense - chunked| over out, lse, dq, dk, dv (float32): {worst:.2e} "
+        f"({'agree' if agree else 'DISAGREE'}: tolerance {AGREEMENT_TOLERANCE:g})"
+    )
 
     # Gradient check in float64 on a small problem, both paths, every input.
     small = [xb.asarray(rng.standard_normal(s)) for s in ((2, 4, 6, 3), (2, 2, 6, 3), (2, 2, 6, 3))]
     bias = xb.asarray(rng.standard_normal((4, 6, 6)))
     ok = agree
     for impl in ("dense", "chunked"):
-        def forward(q, k, v, bias):
-            out, res = attention_forward(q, k, v, bias=bias, causal=True, dropout_p=0.25, seed=7,
-                                         impl=impl, block_q=4, block_k=4)
+
+        def forward(q, k, v, bias, impl=impl):
+            out, res = attention_forward(
+                q, k, v, bias=bias, causal=True, dropout_p=0.25, seed=7, impl=impl, block_q=4, block_k=4
+            )
             return (out, res.lse), res
 
         def backward(cotangents, res):
@@ -187,8 +203,9 @@ def main(argv: list[str] | None = None) -> int:
             g = attention_backward(dout, res, dlse=dlse)
             return g.dq, g.dk, g.dv, g.dbias
 
-        report = check_gradients(forward, backward, small + [bias], names=["q", "k", "v", "bias"],
-                                 jacobian=False, raise_on_failure=False)
+        report = check_gradients(
+            forward, backward, small + [bias], names=["q", "k", "v", "bias"], jacobian=False, raise_on_failure=False
+        )
         ok &= report.ok
         print(f"[{impl}] {report}")
     print("demo finished:", "paths agree and all gradient checks passed" if ok else "FAILED")

@@ -204,9 +204,23 @@ def attention_forward(
     (2, 4, 5, 8)
     """
     spec = make_spec(
-        q, k, v, mask=mask, bias=bias, causal=causal, window=window, align=align,
-        q_lengths=q_lengths, kv_lengths=kv_lengths, scale=scale, dropout_p=dropout_p,
-        seed=seed, impl=impl, block_q=block_q, block_k=block_k, xp=xp,
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        causal=causal,
+        window=window,
+        align=align,
+        q_lengths=q_lengths,
+        kv_lengths=kv_lengths,
+        scale=scale,
+        dropout_p=dropout_p,
+        seed=seed,
+        impl=impl,
+        block_q=block_q,
+        block_k=block_k,
+        xp=xp,
     )
     xp = spec.xp
     qc, kc, vc = (xp.astype(a, spec.compute_dtype, copy=False) for a in (q, k, v))
@@ -253,9 +267,7 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
     [[[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]]
     """
     if not isinstance(residuals, AttentionResiduals):
-        raise TypeError(
-            f"residuals must come from npattn.attention_forward, got {type(residuals).__name__}"
-        )
+        raise TypeError(f"residuals must come from npattn.attention_forward, got {type(residuals).__name__}")
     spec = residuals.spec
     xp = spec.xp
     dout_c = _check_cotangent(residuals, "dout", dout, tuple(residuals.out.shape), spec.dtype)
@@ -263,9 +275,7 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
     if dlse is not None:
         dlse_c = _check_cotangent(residuals, "dlse", dlse, tuple(residuals.lse.shape), spec.compute_dtype)
     if isinstance(residuals, DenseResiduals):
-        dq, dk, dv, dbias = dense_backward(
-            spec, residuals.q, residuals.k, residuals.v, residuals.probs, dout_c, dlse_c
-        )
+        dq, dk, dv, dbias = dense_backward(spec, residuals.q, residuals.k, residuals.v, residuals.probs, dout_c, dlse_c)
     else:
         dq, dk, dv, dbias = _CHUNKED_KERNELS[residuals.kernel][1](
             spec, residuals.q, residuals.k, residuals.v, residuals.out, residuals.lse, dout_c, dlse_c
@@ -298,8 +308,9 @@ def _check_cotangent(residuals: AttentionResiduals, name: str, g: Any, shape: tu
     if tuple(g.shape) != shape:
         raise ValueError(f"{name} must have the forward's shape {shape}, got {tuple(g.shape)}")
     if g.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype} (as the forward's {'lse' if name == 'dlse' else 'output'}), "
-                        f"got {g.dtype}")
+        raise TypeError(
+            f"{name} must have dtype {dtype} (as the forward's {'lse' if name == 'dlse' else 'output'}), got {g.dtype}"
+        )
     return spec.xp.astype(g, spec.compute_dtype, copy=False)
 
 

@@ -167,8 +167,8 @@ def default_blocks(spec: AttentionSpec) -> tuple[int, int]:
     E, P = ACCELERATOR_TILE_SCORES, max(spec.num_batch * spec.num_heads, 1)
     T, S = max(spec.q_len, 1), max(spec.kv_len, 1)
     b = _fit(math.isqrt(E // P))
-    bq = spec.block_q or (T if T <= b else None)
-    bk = spec.block_k or (S if S <= b else None)
+    bq = spec.block_q or (T if b >= T else None)
+    bk = spec.block_k or (S if b >= S else None)
     if bq is None and bk is not None:
         bq = min(T, _fit(E // (P * bk)))
     else:
@@ -392,8 +392,7 @@ def chunked_backward(
         dk_tiles.append(dk_j)
         dv_tiles.append(dv_j)
     dq_tiles = [
-        _zeros(spec, bs + (K, G, q1 - q0, H)) if dq_i is None else dq_i
-        for dq_i, (q0, q1) in zip(dq_tiles, q_tiles)
+        _zeros(spec, bs + (K, G, q1 - q0, H)) if dq_i is None else dq_i for dq_i, (q0, q1) in zip(dq_tiles, q_tiles)
     ]
     dq = spec.scale * xp.reshape(xp.concat(dq_tiles, axis=-2), bs + (N, T, H))  # (..., N, T, H)
     dk = xp.concat(dk_tiles, axis=-2)  # (..., K, S, H)

@@ -52,7 +52,7 @@ def reduce_kv_heads(xp: Any, dx: Any, num_kv_heads: int) -> Any:
     summing the ``G = N // K`` query heads of each kv head (K given, so that
     N = 0 query heads gives K zero rows rather than a division by G = 0)."""
     *lead, N, S, D = dx.shape
-    if N == num_kv_heads:
+    if num_kv_heads == N:
         return dx
     dx = xp.reshape(dx, (*lead, num_kv_heads, N // num_kv_heads, S, D))  # (..., K, G, S, D)
     return xp.sum(dx, axis=-3)  # (..., K, S, D)

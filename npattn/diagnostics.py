@@ -71,9 +71,7 @@ def _prepare(weights: Any, xp: Any) -> tuple[Any, Any]:
     xp = resolve_namespace({"weights": weights}, xp)
     check_floating(xp, "weights", weights)
     if weights.ndim < 2:
-        raise ValueError(
-            f"weights must have shape (..., N, T, S) or (T, S), got shape {tuple(weights.shape)}"
-        )
+        raise ValueError(f"weights must have shape (..., N, T, S) or (T, S), got shape {tuple(weights.shape)}")
     return xp, xp.astype(weights, compute_dtype(xp, weights.dtype), copy=False)
 
 
@@ -260,9 +258,11 @@ class RowSumReport:
     failing_rows: tuple[tuple[int, ...], ...]
 
     def __str__(self) -> str:
-        head = (f"row sums: {'ok' if self.ok else 'FAILED'} (worst |sum - target| = "
-                f"{self.max_deviation:.3g} at row {self.worst_row}, atol {self.atol:.2g}; "
-                f"{self.n_rows} rows, {self.n_masked_rows} fully masked)")
+        head = (
+            f"row sums: {'ok' if self.ok else 'FAILED'} (worst |sum - target| = "
+            f"{self.max_deviation:.3g} at row {self.worst_row}, atol {self.atol:.2g}; "
+            f"{self.n_rows} rows, {self.n_masked_rows} fully masked)"
+        )
         if self.ok:
             return head
         more = self.n_failing - len(self.failing_rows)
@@ -328,8 +328,7 @@ def row_sum_check(weights, /, *, atol=None, max_listed=10, xp=None) -> RowSumRep
     if n_failing:
         idx = xp.nonzero(xp.reshape(fail, (-1,)))[0]  # (n_failing,) flat row indices
         listed = [_unravel(int(idx[i]), rows_shape) for i in range(min(n_failing, max_listed))]
-    return RowSumReport(n_failing == 0, max_dev, worst, float(atol), n_rows, n_masked,
-                        n_failing, tuple(listed))
+    return RowSumReport(n_failing == 0, max_dev, worst, float(atol), n_rows, n_masked, n_failing, tuple(listed))
 
 
 # --------------------------------------------------------------------------- NaN / inf
@@ -377,8 +376,9 @@ class FiniteReport:
         for name, e in self.entries.items():
             neginf = f"{e.n_neginf}" + (" (allowed)" if e.neginf_allowed and e.n_neginf else "")
             where = "" if e.first_bad is None else f"  first bad at {e.first_bad}"
-            lines.append(f"  {name:<{width}} {str(e.shape):<16} {e.dtype:<8} nan={e.n_nan} "
-                         f"+inf={e.n_posinf} -inf={neginf}{where}")
+            lines.append(
+                f"  {name:<{width}} {e.shape!s:<16} {e.dtype:<8} nan={e.n_nan} +inf={e.n_posinf} -inf={neginf}{where}"
+            )
         return "\n".join(lines)
 
 
@@ -508,10 +508,12 @@ class AttentionSummary:
         return self.row_sums.ok and self.n_nan == 0 and self.n_inf == 0
 
     def __str__(self) -> str:
-        lines = [f"attention weights {self.shape} {self.dtype}",
-                 str(self.row_sums),
-                 f"non-finite entries: nan={self.n_nan}, inf={self.n_inf}",
-                 f"{'head':>4} {'entropy':>8} {'peak':>6}"]
+        lines = [
+            f"attention weights {self.shape} {self.dtype}",
+            str(self.row_sums),
+            f"non-finite entries: nan={self.n_nan}, inf={self.n_inf}",
+            f"{'head':>4} {'entropy':>8} {'peak':>6}",
+        ]
         lines += [f"{n:>4} {h:8.3f} {pk:6.3f}" for n, (h, pk) in enumerate(zip(self.entropy, self.peak))]
         lines.append(f"(entropy in nats; uniform over all keys = log S = {self.uniform_entropy:.3f})")
         lines += [f"warning: {w}" for w in self.warnings]
@@ -570,19 +572,32 @@ def summarize(weights, /, *, atol=None, peak_warning=PEAK_WARNING, xp=None) -> A
     n_inf = finite.n_posinf + finite.n_neginf
     warnings = []
     if not row_sums.ok:
-        warnings.append(f"{row_sums.n_failing} rows do not sum to 1 (or 0 when fully masked): "
-                        "check the softmax axis and that masks are applied before the softmax")
+        warnings.append(
+            f"{row_sums.n_failing} rows do not sum to 1 (or 0 when fully masked): "
+            "check the softmax axis and that masks are applied before the softmax"
+        )
     if finite.n_nan or n_inf:
         warnings.append(f"weights hold {finite.n_nan} NaN and {n_inf} inf entries, first at {finite.first_bad}")
     peaky = [n for n, pk in enumerate(peak) if pk >= peak_warning]
     if peaky:
         heads = ", ".join(map(str, peaky))
-        warnings.append(f"head{'s' if len(peaky) > 1 else ''} {heads} ha{'ve' if len(peaky) > 1 else 's'} "
-                        f"mean peak >= {peak_warning}: nearly one-hot attention "
-                        "(check the scale, learning rate, warm-up)")
+        warnings.append(
+            f"head{'s' if len(peaky) > 1 else ''} {heads} ha{'ve' if len(peaky) > 1 else 's'} "
+            f"mean peak >= {peak_warning}: nearly one-hot attention "
+            "(check the scale, learning rate, warm-up)"
+        )
     S = weights.shape[-1]
-    return AttentionSummary(tuple(weights.shape), dtype_name(weights.dtype), entropy, peak,
-                            math.log(S) if S else math.nan, row_sums, finite.n_nan, n_inf, tuple(warnings))
+    return AttentionSummary(
+        tuple(weights.shape),
+        dtype_name(weights.dtype),
+        entropy,
+        peak,
+        math.log(S) if S else math.nan,
+        row_sums,
+        finite.n_nan,
+        n_inf,
+        tuple(warnings),
+    )
 
 
 # --------------------------------------------------------------------------- plotting
@@ -598,9 +613,23 @@ def _labels(name: str, tokens: Any, length: int, axis: str) -> list[str] | None:
     return [str(t) for t in tokens]
 
 
-def plot_attention(weights, /, *, path, tokens=None, query_tokens=None, key_tokens=None,
-                   batch_index=None, heads=None, title=None, vmin=0.0, vmax=1.0,
-                   cmap="viridis", dpi=100, xp=None) -> pathlib.Path:
+def plot_attention(
+    weights,
+    /,
+    *,
+    path,
+    tokens=None,
+    query_tokens=None,
+    key_tokens=None,
+    batch_index=None,
+    heads=None,
+    title=None,
+    vmin=0.0,
+    vmax=1.0,
+    cmap="viridis",
+    dpi=100,
+    xp=None,
+) -> pathlib.Path:
     r"""Draw per-head attention heatmaps to an image file (PNG by default).
 
     Cell ``(t, s)`` of head ``n``'s panel is :math:`p_{nts}`, how much query
@@ -669,8 +698,10 @@ def plot_attention(weights, /, *, path, tokens=None, query_tokens=None, key_toke
     shape = tuple(weights.shape)
     if weights.ndim == 4:
         if batch_index is None:
-            raise ValueError(f"weights has a batch axis (shape {shape}, B={shape[0]}); "
-                             "pass batch_index= to pick the batch element to draw")
+            raise ValueError(
+                f"weights has a batch axis (shape {shape}, B={shape[0]}); "
+                "pass batch_index= to pick the batch element to draw"
+            )
         if isinstance(batch_index, bool) or not hasattr(batch_index, "__index__"):
             raise TypeError(f"batch_index must be an int, got {type(batch_index).__name__}")
         batch_index = operator.index(batch_index)
@@ -694,12 +725,16 @@ def plot_attention(weights, /, *, path, tokens=None, query_tokens=None, key_toke
     if tokens is not None and (query_tokens is not None or key_tokens is not None):
         raise ValueError("pass either tokens (both axes) or query_tokens/key_tokens, not both")
     if tokens is not None and T != S:
-        raise ValueError(f"tokens labels both axes and needs T == S, got T={T}, S={S}; "
-                         "pass query_tokens= and key_tokens= for cross-attention")
-    y_labels = _labels("tokens" if tokens is not None else "query_tokens",
-                       tokens if tokens is not None else query_tokens, T, "query")
-    x_labels = _labels("tokens" if tokens is not None else "key_tokens",
-                       tokens if tokens is not None else key_tokens, S, "key")
+        raise ValueError(
+            f"tokens labels both axes and needs T == S, got T={T}, S={S}; "
+            "pass query_tokens= and key_tokens= for cross-attention"
+        )
+    y_labels = _labels(
+        "tokens" if tokens is not None else "query_tokens", tokens if tokens is not None else query_tokens, T, "query"
+    )
+    x_labels = _labels(
+        "tokens" if tokens is not None else "key_tokens", tokens if tokens is not None else key_tokens, S, "key"
+    )
     if heads is None:
         heads = list(range(N))
     else:
@@ -732,8 +767,7 @@ def plot_attention(weights, /, *, path, tokens=None, query_tokens=None, key_toke
     ncols = min(len(heads), 4)
     nrows = math.ceil(len(heads) / ncols)
     cell = min(max(3.0, 0.22 * max(T, S) + 1.0), 12.0)
-    fig = Figure(figsize=(cell * ncols + 1.0, cell * nrows + (0.5 if title else 0.0)),
-                 layout="constrained")
+    fig = Figure(figsize=(cell * ncols + 1.0, cell * nrows + (0.5 if title else 0.0)), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False)
     fontsize = 8 if max(T, S) <= 24 else 6
     image = None
@@ -744,8 +778,7 @@ def plot_attention(weights, /, *, path, tokens=None, query_tokens=None, key_toke
         n = heads[slot]
         masked_rows = ~(host[n] != 0).any(axis=-1, keepdims=True)  # (T, 1)
         cells = np.ma.masked_array(host[n], mask=np.broadcast_to(masked_rows, host[n].shape))  # (T, S)
-        image = ax.imshow(cells, vmin=vmin, vmax=vmax, cmap=colormap, aspect="auto",
-                          interpolation="nearest")
+        image = ax.imshow(cells, vmin=vmin, vmax=vmax, cmap=colormap, aspect="auto", interpolation="nearest")
         ax.set_title(f"head {n}  (entropy {entropy[n]:.2f}, peak {peak[n]:.2f})", fontsize=9)
         ax.set_xlabel("key", fontsize=8)
         ax.set_ylabel("query", fontsize=8)

@@ -281,7 +281,7 @@ class _Transport:
         buf[...] = x
         return buf
 
-    def exchange(self, arrays: list, shapes: list, tag: int = 0) -> "_Exchange":
+    def exchange(self, arrays: list, shapes: list, tag: int = 0) -> _Exchange:
         """Start sending ``arrays`` right and receiving ``shapes`` from the left,
         with tags ``tag, tag + 1, ...``."""
         MPI = self.MPI
@@ -516,14 +516,34 @@ def ring_attention_forward(
     P = _check_comm(MPI, comm)
     ring = comm.Dup()
     try:
-        return _forward(MPI, ring, comm, P, q, k, v, causal, window, align, scale, q_start, kv_start,
-                        impl, block_q, block_k, transport, stats, xp)
+        return _forward(
+            MPI,
+            ring,
+            comm,
+            P,
+            q,
+            k,
+            v,
+            causal,
+            window,
+            align,
+            scale,
+            q_start,
+            kv_start,
+            impl,
+            block_q,
+            block_k,
+            transport,
+            stats,
+            xp,
+        )
     finally:
         ring.Free()
 
 
-def _local_meta(q, k, v, causal, window, align, scale, q_start, kv_start, impl, block_q, block_k,
-                transport, xp) -> dict:
+def _local_meta(
+    q, k, v, causal, window, align, scale, q_start, kv_start, impl, block_q, block_k, transport, xp
+) -> dict:
     """Check this rank's inputs; describe the shard for the other ranks."""
     xp = resolve_namespace({"q": q, "k": k, "v": v}, xp)
     q_start = check_int("q_start", q_start, minimum=0, allow_none=True)
@@ -533,14 +553,34 @@ def _local_meta(q, k, v, causal, window, align, scale, q_start, kv_start, impl, 
     if getattr(k, "ndim", 0) >= 3 and k.shape[-2] == 0:
         raise ValueError("this rank's k/v shard holds no key (S_r = 0); every shard needs at least one key")
     # The local pair checks shapes, dtypes and options (align given: T_r != S_r is fine here).
-    spec = make_spec(q, k, v, causal=causal, window=window, align=align or "top_left", scale=scale,
-                     impl=impl, block_q=block_q, block_k=block_k, xp=xp)
+    spec = make_spec(
+        q,
+        k,
+        v,
+        causal=causal,
+        window=window,
+        align=align or "top_left",
+        scale=scale,
+        impl=impl,
+        block_q=block_q,
+        block_k=block_k,
+        xp=xp,
+    )
     return {
-        "batch_shape": spec.batch_shape, "num_heads": spec.num_heads, "num_kv_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim, "value_dim": spec.value_dim, "dtype": dtype_name(spec.dtype),
-        "T": spec.q_len, "S": spec.kv_len, "q_start": q_start, "kv_start": kv_start,
-        "window": (spec.window_left, spec.window_right), "align": align,
-        "scale": None if scale is None else float(scale), "error": None,
+        "batch_shape": spec.batch_shape,
+        "num_heads": spec.num_heads,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "value_dim": spec.value_dim,
+        "dtype": dtype_name(spec.dtype),
+        "T": spec.q_len,
+        "S": spec.kv_len,
+        "q_start": q_start,
+        "kv_start": kv_start,
+        "window": (spec.window_left, spec.window_right),
+        "align": align,
+        "scale": None if scale is None else float(scale),
+        "error": None,
     }
 
 
@@ -575,12 +615,32 @@ def _gather_layout(ring: Any, meta: dict, align: str | None) -> RingLayout:
     return RingLayout(ring.Get_rank(), ring.Get_size(), q_lengths, kv_lengths, q_starts, kv_starts, q_offset)
 
 
-def _forward(MPI, ring, comm, P, q, k, v, causal, window, align, scale, q_start, kv_start,
-             impl, block_q, block_k, transport, stats, xp):
+def _forward(
+    MPI,
+    ring,
+    comm,
+    P,
+    q,
+    k,
+    v,
+    causal,
+    window,
+    align,
+    scale,
+    q_start,
+    kv_start,
+    impl,
+    block_q,
+    block_k,
+    transport,
+    stats,
+    xp,
+):
     try:
         _check_stats(stats)
-        meta = _local_meta(q, k, v, causal, window, align, scale, q_start, kv_start, impl, block_q, block_k,
-                           transport, xp)
+        meta = _local_meta(
+            q, k, v, causal, window, align, scale, q_start, kv_start, impl, block_q, block_k, transport, xp
+        )
     except (TypeError, ValueError) as err:
         meta = {"error": _local_error(err)}
     layout = _gather_layout(ring, meta, align)
@@ -609,17 +669,25 @@ def _forward(MPI, ring, comm, P, q, k, v, causal, window, align, scale, q_start,
         pair = _pair_options(layout, left, right, r, s)
         if pair is not None:
             pair = _materialize(xp, device, layout, r, s, pair)
-            _, res = attention_forward(qc, k_s, v_s, scale=scale, impl=impl, block_q=block_q, block_k=block_k,
-                                       xp=xp, **pair)
+            _, res = attention_forward(
+                qc, k_s, v_s, scale=scale, impl=impl, block_q=block_q, block_k=block_k, xp=xp, **pair
+            )
             out, lse, _ = merge_partials([out, res.out], [lse, res.lse], xp=xp)  # (..., N, T_r, Hv), (..., N, T_r)
             computed += 1
         if pending is not None:
             k_s, v_s = pending.wait()
     if stats is not None:
-        stats.update(transport=wire.mode, steps=P, computed=computed, skipped=P - computed,
-                     bytes_sent=wire.bytes_sent, bytes_received=wire.bytes_received)
-    residuals = RingResiduals(comm, layout, xp, qc, kc, vc, out, lse, left, right, scale, impl, block_q, block_k,
-                              wire.mode, dtype)
+        stats.update(
+            transport=wire.mode,
+            steps=P,
+            computed=computed,
+            skipped=P - computed,
+            bytes_sent=wire.bytes_sent,
+            bytes_received=wire.bytes_received,
+        )
+    residuals = RingResiduals(
+        comm, layout, xp, qc, kc, vc, out, lse, left, right, scale, impl, block_q, block_k, wire.mode, dtype
+    )
     return xp.astype(out, dtype, copy=False), residuals
 
 
@@ -721,7 +789,7 @@ def _backward(MPI, ring, P, dout, res: RingResiduals, dlse, stats) -> AttentionG
     device = array_device(res.q)
     cdtype = res.out.dtype
     r = layout.rank
-    bs, N, H = tuple(res.q.shape[:-3]), res.q.shape[-3], res.q.shape[-1]
+    bs, _N, H = tuple(res.q.shape[:-3]), res.q.shape[-3], res.q.shape[-1]
     K, Hv = res.k.shape[-3], res.v.shape[-1]
     wire = _Transport(MPI, ring, xp, device, cdtype, res.transport, res.k)
 
@@ -739,8 +807,9 @@ def _backward(MPI, ring, P, dout, res: RingResiduals, dlse, stats) -> AttentionG
         dk_rs = dv_rs = None
         if pair is not None:
             pair = _materialize(xp, device, layout, r, s, pair)
-            spec = make_spec(res.q, k_s, v_s, scale=res.scale, impl=res.impl, block_q=res.block_q,
-                             block_k=res.block_k, xp=xp, **pair)
+            spec = make_spec(
+                res.q, k_s, v_s, scale=res.scale, impl=res.impl, block_q=res.block_q, block_k=res.block_k, xp=xp, **pair
+            )
             if spec.impl == "dense":  # one tile: the dense computation, from the global out and lse
                 spec = dataclasses.replace(spec, block_q=max(spec.q_len, 1), block_k=spec.kv_len)
             spec = dataclasses.replace(spec, impl="chunked")
@@ -764,6 +833,12 @@ def _backward(MPI, ring, P, dout, res: RingResiduals, dlse, stats) -> AttentionG
     if travelling is not None:
         dk_s, dv_s = travelling.wait()  # this rank's own shard, home: (..., K, S_r, H), (..., K, S_r, Hv)
     if stats is not None:
-        stats.update(transport=wire.mode, steps=P, computed=computed, skipped=P - computed,
-                     bytes_sent=wire.bytes_sent, bytes_received=wire.bytes_received)
+        stats.update(
+            transport=wire.mode,
+            steps=P,
+            computed=computed,
+            skipped=P - computed,
+            bytes_sent=wire.bytes_sent,
+            bytes_received=wire.bytes_received,
+        )
     return AttentionGrads(*(xp.astype(g, res.dtype, copy=False) for g in (dq, dk_s, dv_s)), None)

@@ -45,8 +45,13 @@ def _seed_hash(seed: int) -> int:
 
 
 def keep_tile(
-    spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int,
-    heads: tuple[int, int] | None = None, batch: int | None = None,
+    spec: AttentionSpec,
+    q0: int,
+    q1: int,
+    k0: int,
+    k1: int,
+    heads: tuple[int, int] | None = None,
+    batch: int | None = None,
 ) -> Any:
     """Boolean keep mask of shape ``(..., N, q1 - q0, k1 - k0)``.
 

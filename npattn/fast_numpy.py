@@ -150,7 +150,7 @@ def _pool(size: int) -> ThreadPoolExecutor:
     call limits its own concurrency, see :func:`_run`)."""
     global _POOL, _POOL_SIZE
     with _LOCK:
-        if _POOL is None or _POOL_SIZE < size:
+        if _POOL is None or size > _POOL_SIZE:
             if _POOL is not None:
                 _POOL.shutdown(wait=False)
             _POOL, _POOL_SIZE = ThreadPoolExecutor(max_workers=size, thread_name_prefix="npattn"), size
@@ -207,7 +207,7 @@ def _run(items, work, *, parallel: bool = True, spare_thread: bool = False) -> N
 
     with _single_threaded_blas():
         futures = [pool.submit(gated, item) for item in items]
-        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        _done, pending = wait(futures, return_when=FIRST_EXCEPTION)
         for future in pending:
             future.cancel()
         wait(pending)
@@ -390,8 +390,9 @@ def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list[list[
             masks.append((j0, j1, rows_hidden))
         return (p0, p1, c0, c1, tuple(masks))
 
-    return [[[with_masks(span) for span in plan_tile(spec, q0, q1, k0, k1)] for k0, k1 in k_tiles]
-            for q0, q1 in q_tiles]
+    return [
+        [[with_masks(span) for span in plan_tile(spec, q0, q1, k0, k1)] for k0, k1 in k_tiles] for q0, q1 in q_tiles
+    ]
 
 
 class _Item:
@@ -468,7 +469,7 @@ class _RangeMax:
     def __getitem__(self, key: tuple[int, int]) -> float:
         found = self.memo.get(key)
         if found is None:
-            found = self.memo[key] = float(self.values[key[0]:key[1]].max())
+            found = self.memo[key] = float(self.values[key[0] : key[1]].max())
         return found
 
 
@@ -587,9 +588,11 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                 # row, so no row can need a rescale and the row-max pass is skipped. Tried
                 # first in scalars (no array operation, so no GIL hand-off between the
                 # pool's threads), then row by row.
-                settled = fused and not any_unset and (
-                    bound - m_min <= threshold
-                    or np.max(q_norms[r] * k_max - m_r) <= threshold)
+                settled = (
+                    fused
+                    and not any_unset
+                    and (bound - m_min <= threshold or np.max(q_norms[r] * k_max - m_r) <= threshold)
+                )
                 # In a settled span where also S_ij - m_i >= -bound - m_max stays above the
                 # floor, every entry, hidden or not, has a plain exp: the hidden ones are
                 # zeroed after it rather than set to -inf before (two passes fewer than
@@ -605,7 +608,9 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                     grow = (growth > threshold) | (unset_r & (t > -np.inf))
                 if grow is not None and grow.any():
                     m_new = np.where(grow, m_r + t if fused else t, m_r).astype(dtype, copy=False)  # (R,)
-                    alpha = exp.fast(np.where(unset_r, 0, m_r - m_new)).astype(dtype, copy=False)  # nothing to rescale yet
+                    alpha = exp.fast(np.where(unset_r, 0, m_r - m_new)).astype(
+                        dtype, copy=False
+                    )  # nothing to rescale yet
                     l[r] *= alpha
                     acc[r] *= alpha[:, None]
                     if fused:
@@ -635,8 +640,9 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                 acc[r] += pv[r]
         empty = l == 0
         l[empty] = 1
-        np.divide(_head_major(acc, tq, G), _head_major(l, tq, G)[..., None],
-                  out=out[b, item.head_slice, q0:q1])  # (G, tq, Hv) / (G, tq, 1)
+        np.divide(
+            _head_major(acc, tq, G), _head_major(l, tq, G)[..., None], out=out[b, item.head_slice, q0:q1]
+        )  # (G, tq, Hv) / (G, tq, 1)
         row_lse = (m + np.log(l) * base) / base if fused else m + np.log(l)  # lse = (m + log2 l) ln 2, fused
         row_lse[empty] = -np.inf
         lse[b, item.head_slice, q0:q1] = _head_major(row_lse, tq, G)  # (G, tq)
@@ -652,8 +658,9 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
 # --- backward ---------------------------------------------------------------------------
 
 
-def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any,
-             dlse: Any | None) -> tuple[Any, Any, Any, Any | None]:
+def backward(
+    spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dlse: Any | None
+) -> tuple[Any, Any, Any, Any | None]:
     """FlashAttention-2 backward; same contract as :func:`npattn.chunked.chunked_backward`.
 
     When fused (see the module docstring), the two per-row subtractions ride
@@ -711,9 +718,14 @@ def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, do
         dq_b = np.zeros((T * G, H), dtype=dtype)
         # S_ij - lse_i >= -|base scale q_i| max_j |k_j| - lse_i (the forward's bound), per query tile
         q_norms = _position_major(q_norms3[b, heads]) * abs(scale * base)  # (T*G,) |base scale q_i|
-        bounds = [(float(q_norms[q0 * G:q1 * G].max()) if fused and q1 > q0 and G else 0.0,
-                   base * float(lse_b[q0 * G:q1 * G].min()) if q1 > q0 and G else 0.0,
-                   base * float(lse_b[q0 * G:q1 * G].max()) if q1 > q0 and G else 0.0) for q0, q1 in q_tiles]
+        bounds = [
+            (
+                float(q_norms[q0 * G : q1 * G].max()) if fused and q1 > q0 and G else 0.0,
+                base * float(lse_b[q0 * G : q1 * G].min()) if q1 > q0 and G else 0.0,
+                base * float(lse_b[q0 * G : q1 * G].max()) if q1 > q0 and G else 0.0,
+            )
+            for q0, q1 in q_tiles
+        ]
         k_norm_max = _RangeMax(k_norms[b, kv]) if fused else None
         s_flat = np.empty(G * block_q * block_k, dtype=dtype)  # scores, then P, of one span
         dp_flat = np.empty_like(s_flat)  # dP - D, then dS, of one span
@@ -735,8 +747,7 @@ def backward(spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, do
                     # does the visible ones) also below -floor, the plain exp runs on all
                     # of them and the hidden entries are zeroed after it.
                     bound = q_norm_max * k_norm_max[c0, c1] if fused else np.inf
-                    exp_then_hide = (bound + lse_max < -exp.floor
-                                     and (not span[4] or bound - lse_min < -exp.floor))
+                    exp_then_hide = bound + lse_max < -exp.floor and (not span[4] or bound - lse_min < -exp.floor)
                     item.scores(p, qa[r], kTa, span, hide=not exp_then_hide)  # S_ij [- lse_i]
                     if not fused:
                         p -= lse_b[r, None]

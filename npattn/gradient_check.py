@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable, Sequence
 from collections.abc import Sequence as _Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -68,12 +69,16 @@ class GradcheckResult:
         return not self.failures
 
     def __str__(self) -> str:
-        lines = [f"gradient check {'passed' if self.ok else 'FAILED'}"
-                 f" (full Jacobian: {'yes' if self.jacobian_checked else 'no'})"]
+        lines = [
+            f"gradient check {'passed' if self.ok else 'FAILED'}"
+            f" (full Jacobian: {'yes' if self.jacobian_checked else 'no'})"
+        ]
         for name in self.max_abs_error:
             num, ana = self.vjp[name]
-            lines.append(f"  {name}: max |numeric - analytic| = {self.max_abs_error[name]:.2e}"
-                         f"  (VJP numeric {num:.10g}, analytic {ana:.10g})")
+            lines.append(
+                f"  {name}: max |numeric - analytic| = {self.max_abs_error[name]:.2e}"
+                f"  (VJP numeric {num:.10g}, analytic {ana:.10g})"
+            )
         lines += [f"  FAIL {msg}" for msg in self.failures]
         return "\n".join(lines)
 
@@ -143,8 +148,7 @@ def check_gradients(
     >>> result.ok, result.jacobian_checked
     (True, True)
     """
-    _check_arguments(forward, backward, inputs, names, wrt, eps, atol, rtol, seed, jacobian,
-                     max_jacobian_elements)
+    _check_arguments(forward, backward, inputs, names, wrt, eps, atol, rtol, seed, jacobian, max_jacobian_elements)
     xp = resolve_namespace({f"inputs[{i}]": a for i, a in enumerate(inputs) if hasattr(a, "shape")})
     names = list(names) if names is not None else [f"input{i}" for i in range(len(inputs))]
     if len(names) != len(inputs):
@@ -218,22 +222,25 @@ def check_gradients(
         jacobian = max(sizes, default=0) <= max_jacobian_elements
     if jacobian:
         result.jacobian_checked = True
-        _check_full_jacobian(xp, device, inputs, names, well_shaped, outputs, finite, call_backward,
-                             outputs_at, eps, atol, rtol, result)
+        _check_full_jacobian(
+            xp, device, inputs, names, well_shaped, outputs, finite, call_backward, outputs_at, eps, atol, rtol, result
+        )
     if raise_on_failure and result.failures:
         raise GradcheckError(str(result))
     return result
 
 
-def _check_arguments(forward, backward, inputs, names, wrt, eps, atol, rtol, seed, jacobian,
-                     max_jacobian_elements) -> None:
+def _check_arguments(
+    forward, backward, inputs, names, wrt, eps, atol, rtol, seed, jacobian, max_jacobian_elements
+) -> None:
     """TypeError/ValueError naming the first bad argument of :func:`check_gradients`."""
     for name, fn in (("forward", forward), ("backward", backward)):
         if not callable(fn):
             raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
     if hasattr(inputs, "shape") or isinstance(inputs, (str, bytes)) or not isinstance(inputs, _Sequence):
-        raise TypeError(f"inputs must be a list or tuple of arrays, one per argument of forward, "
-                        f"got {type(inputs).__name__}")
+        raise TypeError(
+            f"inputs must be a list or tuple of arrays, one per argument of forward, got {type(inputs).__name__}"
+        )
     if names is not None and (isinstance(names, (str, bytes)) or not isinstance(names, _Sequence)):
         raise TypeError(f"names must be a list or tuple of str, got {type(names).__name__}")
     if wrt is not None:
@@ -259,8 +266,9 @@ def _one_hot(xp, shape, index, device):
     return xp.reshape(xp.astype(flat, xp.float64), shape)
 
 
-def _check_full_jacobian(xp, device, inputs, names, wrt, outputs, finite, call_backward,
-                         outputs_at, eps, atol, rtol, result):
+def _check_full_jacobian(
+    xp, device, inputs, names, wrt, outputs, finite, call_backward, outputs_at, eps, atol, rtol, result
+):
     """Compare analytic and numeric Jacobians element by element."""
     out_sizes = [math.prod(o.shape) for o in outputs]
     finite_host = np.concatenate([_to_host(f).reshape(-1) for f in finite]) > 0
@@ -270,8 +278,10 @@ def _check_full_jacobian(xp, device, inputs, names, wrt, outputs, finite, call_b
     row = 0
     for o_index, o in enumerate(outputs):
         for e in range(out_sizes[o_index]):
-            cots = [_one_hot(xp, tuple(o.shape), e, device) if j == o_index else xp.zeros_like(oo)
-                    for j, oo in enumerate(outputs)]
+            cots = [
+                _one_hot(xp, tuple(o.shape), e, device) if j == o_index else xp.zeros_like(oo)
+                for j, oo in enumerate(outputs)
+            ]
             grads = call_backward(cots)
             for i in wrt:
                 if grads[i] is not None:
@@ -284,8 +294,9 @@ def _check_full_jacobian(xp, device, inputs, names, wrt, outputs, finite, call_b
         for e in range(math.prod(shape)):
             direction = _one_hot(xp, shape, e, device)
             plus, minus = outputs_at(i, direction, eps), outputs_at(i, direction, -eps)
-            numeric[:, e] = np.concatenate(
-                [(_to_host(p) - _to_host(m)).reshape(-1) for p, m in zip(plus, minus)]) / (2 * eps)
+            numeric[:, e] = np.concatenate([(_to_host(p) - _to_host(m)).reshape(-1) for p, m in zip(plus, minus)]) / (
+                2 * eps
+            )
         numeric[~finite_host] = 0.0
         analytic[i][~finite_host] = 0.0
         diff = np.abs(numeric - analytic[i])

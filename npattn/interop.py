@@ -34,8 +34,17 @@ from .options import check_int
 
 __all__ = ["mha_params_from_torch", "mha_params_to_torch", "mha_masks_from_torch"]
 
-_TORCH_KEYS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
-               "out_proj.weight", "out_proj.bias", "bias_k", "bias_v")
+_TORCH_KEYS = (
+    "in_proj_weight",
+    "q_proj_weight",
+    "k_proj_weight",
+    "v_proj_weight",
+    "in_proj_bias",
+    "out_proj.weight",
+    "out_proj.bias",
+    "bias_k",
+    "bias_v",
+)
 
 
 def _copy(xp: Any, a: Any) -> Any:
@@ -99,17 +108,22 @@ def mha_params_from_torch(state_dict, num_heads):
         if w.ndim != 2 or w.shape[0] != 3 * w.shape[1]:
             raise ValueError(f"state_dict['in_proj_weight'] must have shape (3E, E), got {tuple(w.shape)}")
         E = w.shape[1]
-        params = {"q_weight": _copy(xp, w[:E, :]), "k_weight": _copy(xp, w[E : 2 * E, :]),
-                  "v_weight": _copy(xp, w[2 * E :, :])}
+        params = {
+            "q_weight": _copy(xp, w[:E, :]),
+            "k_weight": _copy(xp, w[E : 2 * E, :]),
+            "v_weight": _copy(xp, w[2 * E :, :]),
+        }
     else:
         if len(separate) != 3:
             raise ValueError(
                 "state_dict must have in_proj_weight, or all of q_proj_weight, k_proj_weight, v_proj_weight; "
                 f"got {sorted(state_dict)}"
             )
-        params = {"q_weight": _copy(xp, state_dict["q_proj_weight"]),
-                  "k_weight": _copy(xp, state_dict["k_proj_weight"]),
-                  "v_weight": _copy(xp, state_dict["v_proj_weight"])}
+        params = {
+            "q_weight": _copy(xp, state_dict["q_proj_weight"]),
+            "k_weight": _copy(xp, state_dict["k_proj_weight"]),
+            "v_weight": _copy(xp, state_dict["v_proj_weight"]),
+        }
         if params["q_weight"].ndim != 2:
             got = tuple(params["q_weight"].shape)
             raise ValueError(f"state_dict['q_proj_weight'] must have shape (E, E), got {got}")
@@ -248,8 +262,11 @@ def mha_masks_from_torch(*, key_padding_mask=None, attn_mask=None, num_heads=Non
     >>> mask[0, 0].tolist()
     [[True, True, False], [True, True, False]]
     """
-    xp = resolve_namespace({"key_padding_mask": key_padding_mask, "attn_mask": attn_mask}, xp) \
-        if (key_padding_mask is not None or attn_mask is not None) else xp
+    xp = (
+        resolve_namespace({"key_padding_mask": key_padding_mask, "attn_mask": attn_mask}, xp)
+        if (key_padding_mask is not None or attn_mask is not None)
+        else xp
+    )
     masks, biases = [], []
     if key_padding_mask is not None:
         kpm = key_padding_mask
@@ -277,9 +294,7 @@ def mha_masks_from_torch(*, key_padding_mask=None, attn_mask=None, num_heads=Non
     if key_padding_mask is not None and attn_mask is not None:
         S_kpm, S_am = key_padding_mask.shape[-1], attn_mask.shape[-1]
         if S_kpm != S_am:
-            raise ValueError(
-                f"key_padding_mask and attn_mask must agree on S (last axis), got {S_kpm} and {S_am}"
-            )
+            raise ValueError(f"key_padding_mask and attn_mask must agree on S (last axis), got {S_kpm} and {S_am}")
         if key_padding_mask.ndim == 2 and attn_mask.ndim == 3 and am.shape[0] != key_padding_mask.shape[0]:
             raise ValueError(
                 f"attn_mask's first axis ({attn_mask.shape[0]}) must be B * num_heads with "

@@ -99,8 +99,7 @@ class KVCache:
     ValueError: cache is full: max_length=5 holds 3 positions and cannot take 3 more
     """
 
-    def __init__(self, batch_size, num_kv_heads, head_dim, *, max_length=None, dtype=None,
-                 device=None, xp=None):
+    def __init__(self, batch_size, num_kv_heads, head_dim, *, max_length=None, dtype=None, device=None, xp=None):
         if xp is None:
             import array_api_compat.numpy as xp
         self._batch_size = check_int("batch_size", batch_size, minimum=1)
@@ -133,8 +132,15 @@ class KVCache:
         dims = layer_dims(params, num_heads=num_heads, num_kv_heads=num_kv_heads)
         weight = params["k_weight"]
         xp = resolve_namespace({"params['k_weight']": weight})
-        return cls(batch_size, dims.num_kv_heads, dims.head_dim, max_length=max_length,
-                   dtype=compute_dtype(xp, weight.dtype), device=array_device(weight), xp=xp)
+        return cls(
+            batch_size,
+            dims.num_kv_heads,
+            dims.head_dim,
+            max_length=max_length,
+            dtype=compute_dtype(xp, weight.dtype),
+            device=array_device(weight),
+            xp=xp,
+        )
 
     # --- read-only state ---------------------------------------------------
     @property
@@ -179,8 +185,10 @@ class KVCache:
 
     def __repr__(self) -> str:
         capacity = "growing" if self._max_length is None else f"max_length={self._max_length}"
-        return (f"KVCache(batch_size={self._batch_size}, num_kv_heads={self._num_kv_heads}, "
-                f"head_dim={self._head_dim}, length={self._length}, {capacity}, dtype={self._dtype})")
+        return (
+            f"KVCache(batch_size={self._batch_size}, num_kv_heads={self._num_kv_heads}, "
+            f"head_dim={self._head_dim}, length={self._length}, {capacity}, dtype={self._dtype})"
+        )
 
     # --- updates -----------------------------------------------------------
     def reset(self) -> None:
@@ -228,7 +236,7 @@ class KVCache:
             raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
         B, K, t, H = k.shape
         self.check_new(B, t, what="k")
-        if (K, H) != (self._num_kv_heads, self._head_dim):
+        if (self._num_kv_heads, self._head_dim) != (K, H):
             raise ValueError(
                 f"cache holds num_kv_heads={self._num_kv_heads}, head_dim={self._head_dim}; "
                 f"got k with {K} heads of dim {H}"

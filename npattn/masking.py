@@ -50,7 +50,7 @@ def select_item(spec: AttentionSpec, a: Any, batch: int | None, heads: tuple[int
         index = _unravel(batch, spec.batch_shape)
         a = a[tuple(0 if a.shape[axis] == 1 else index[axis] for axis in range(lead))]  # (N|1, x, y)
     if heads is not None and a.shape[-3] != 1:
-        a = a[..., heads[0]:heads[1], :, :]  # (..., h1 - h0, x, y)
+        a = a[..., heads[0] : heads[1], :, :]  # (..., h1 - h0, x, y)
     return a
 
 
@@ -64,8 +64,13 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def visible_tile(
-    spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int,
-    batch: int | None = None, heads: tuple[int, int] | None = None,
+    spec: AttentionSpec,
+    q0: int,
+    q1: int,
+    k0: int,
+    k1: int,
+    batch: int | None = None,
+    heads: tuple[int, int] | None = None,
 ) -> Any | None:
     """Boolean visibility of the tile ``[q0, q1) x [k0, k1)``.
 
@@ -107,8 +112,13 @@ def visible_tile(
 
 
 def bias_tile(
-    spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int,
-    batch: int | None = None, heads: tuple[int, int] | None = None,
+    spec: AttentionSpec,
+    q0: int,
+    q1: int,
+    k0: int,
+    k1: int,
+    batch: int | None = None,
+    heads: tuple[int, int] | None = None,
 ) -> Any | None:
     """The bias over ``[q0, q1) x [k0, k1)`` in the compute dtype, or None;
     ``batch`` and ``heads`` select as in :func:`visible_tile`."""

@@ -74,8 +74,19 @@ def _check_heads(embed_dim: int, num_heads: Any, num_kv_heads: Any) -> tuple[int
 # --- parameters -------------------------------------------------------------
 
 
-def mha_init(embed_dim, num_heads, *, num_kv_heads=None, kdim=None, vdim=None, bias=True, dtype=None,
-             device=None, xp=None, seed=0):
+def mha_init(
+    embed_dim,
+    num_heads,
+    *,
+    num_kv_heads=None,
+    kdim=None,
+    vdim=None,
+    bias=True,
+    dtype=None,
+    device=None,
+    xp=None,
+    seed=0,
+):
     r"""Parameters of a multi-head attention layer, initialized as PyTorch's
     ``nn.MultiheadAttention``.
 
@@ -487,9 +498,7 @@ def mha_forward(
     """
     if isinstance(context, (tuple, list)):
         if len(context) != 2:
-            raise ValueError(
-                f"context must be an array or a pair (key_source, value_source), got {len(context)} items"
-            )
+            raise ValueError(f"context must be an array or a pair (key_source, value_source), got {len(context)} items")
         kind, key_source, value_source = "pair", context[0], context[1]
         names = ("context[0] (key source)", "context[1] (value source)")
     elif context is None:
@@ -580,9 +589,23 @@ def mha_forward(
     if cache is not None:
         k, v, state = cache._stage(k, v)  # (B, K, L + T, H) each
     o, attn = attention_forward(
-        q, k, v, mask=mask, bias=bias, causal=causal, window=window, align=align,
-        q_lengths=q_lengths, kv_lengths=kv_lengths, scale=scale, dropout_p=dropout_p, seed=seed,
-        impl=impl, block_q=block_q, block_k=block_k, xp=xp,
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        causal=causal,
+        window=window,
+        align=align,
+        q_lengths=q_lengths,
+        kv_lengths=kv_lengths,
+        scale=scale,
+        dropout_p=dropout_p,
+        seed=seed,
+        impl=impl,
+        block_q=block_q,
+        block_k=block_k,
+        xp=xp,
     )  # o: (B, N, T, H)
     merged = _merge_heads(xp, o)  # (B, T, E)
     y = _linear(xp, merged, P["out_weight"], P.get("out_bias"))  # (B, T, E)
@@ -592,12 +615,18 @@ def mha_forward(
     if state is not None:
         cache._commit(state)
     residuals = MHAResiduals(
-        attention=attn, x=xc,
+        attention=attn,
+        x=xc,
         key_source=None if cache is not None else ks,
         value_source=None if cache is not None else vs,
-        context_kind=kind, merged=merged, params=P, dims=dims, dtype=x.dtype,
+        context_kind=kind,
+        merged=merged,
+        params=P,
+        dims=dims,
+        dtype=x.dtype,
         param_dtypes={name: a.dtype for name, a in params.items()},
-        weights=weights, cached=cache is not None,
+        weights=weights,
+        cached=cache is not None,
     )
     return xp.astype(y, x.dtype, copy=False), residuals
 
@@ -666,12 +695,13 @@ def mha_backward(dy, residuals, /) -> MHAGrads:
         raise ValueError(f"dy must have y's shape {expected}, got {tuple(dy.shape)}")
     if dy.dtype != residuals.dtype:
         raise TypeError(f"dy must have y's dtype {residuals.dtype}, got {dy.dtype}")
-    P, (E, N, K, H, kdim, vdim) = residuals.params, residuals.dims
+    P, (_E, N, _K, _H, _kdim, _vdim) = residuals.params, residuals.dims
     dy_c = xp.astype(dy, residuals.params["q_weight"].dtype, copy=False)  # (B, T, E), compute dtype
 
     # y = O Wo^T + bo
     d_merged, d_out_weight, d_out_bias = _linear_backward(
-        xp, dy_c, residuals.merged, P["out_weight"], "out_bias" in P)  # (B, T, E), (E, E), (E,)
+        xp, dy_c, residuals.merged, P["out_weight"], "out_bias" in P
+    )  # (B, T, E), (E, E), (E,)
     g = attention_backward(_split_heads(xp, d_merged, N), residuals.attention)  # dO: (B, N, T, H)
     dq = _merge_heads(xp, g.dq)  # (B, T, E)
     dk = _merge_heads(xp, g.dk)  # (B, S, K*H)
@@ -679,13 +709,21 @@ def mha_backward(dy, residuals, /) -> MHAGrads:
     # Q = x Wq^T + bq,  K = xk Wk^T + bk,  V = xv Wv^T + bv
     dx, d_q_weight, d_q_bias = _linear_backward(xp, dq, residuals.x, P["q_weight"], "q_bias" in P)
     d_key_source, d_k_weight, d_k_bias = _linear_backward(
-        xp, dk, residuals.key_source, P["k_weight"], "k_bias" in P)  # (B, S, kdim), (K*H, kdim), (K*H,)
+        xp, dk, residuals.key_source, P["k_weight"], "k_bias" in P
+    )  # (B, S, kdim), (K*H, kdim), (K*H,)
     d_value_source, d_v_weight, d_v_bias = _linear_backward(
-        xp, dv, residuals.value_source, P["v_weight"], "v_bias" in P)  # (B, S, vdim), (K*H, vdim), (K*H,)
+        xp, dv, residuals.value_source, P["v_weight"], "v_bias" in P
+    )  # (B, S, vdim), (K*H, vdim), (K*H,)
 
     by_name = {
-        "q_weight": d_q_weight, "q_bias": d_q_bias, "k_weight": d_k_weight, "k_bias": d_k_bias,
-        "v_weight": d_v_weight, "v_bias": d_v_bias, "out_weight": d_out_weight, "out_bias": d_out_bias,
+        "q_weight": d_q_weight,
+        "q_bias": d_q_bias,
+        "k_weight": d_k_weight,
+        "k_bias": d_k_bias,
+        "v_weight": d_v_weight,
+        "v_bias": d_v_bias,
+        "out_weight": d_out_weight,
+        "out_bias": d_out_bias,
     }
     dparams = {name: xp.astype(by_name[name], dtype, copy=False) for name, dtype in residuals.param_dtypes.items()}
     kind = residuals.context_kind
@@ -695,8 +733,10 @@ def mha_backward(dy, residuals, /) -> MHAGrads:
     elif kind == "single":
         dcontext = xp.astype(d_key_source + d_value_source, residuals.dtype, copy=False)
     else:
-        dcontext = (xp.astype(d_key_source, residuals.dtype, copy=False),
-                    xp.astype(d_value_source, residuals.dtype, copy=False))
+        dcontext = (
+            xp.astype(d_key_source, residuals.dtype, copy=False),
+            xp.astype(d_value_source, residuals.dtype, copy=False),
+        )
     return MHAGrads(xp.astype(dx, residuals.dtype, copy=False), dcontext, dparams, g.dbias)
 
 
@@ -724,15 +764,38 @@ class MultiheadAttention:
     [(1, 1, 8), (1, 1, 8), (1, 1, 8)]
     """
 
-    def __init__(self, embed_dim=None, num_heads=None, *, num_kv_heads=None, kdim=None, vdim=None,
-                 bias=True, dtype=None, device=None, xp=None, seed=0, params=None):
+    def __init__(
+        self,
+        embed_dim=None,
+        num_heads=None,
+        *,
+        num_kv_heads=None,
+        kdim=None,
+        vdim=None,
+        bias=True,
+        dtype=None,
+        device=None,
+        xp=None,
+        seed=0,
+        params=None,
+    ):
         if num_heads is None:
             raise TypeError("num_heads is required")
         if params is None:
             if embed_dim is None:
                 raise TypeError("embed_dim is required unless params= is given")
-            params = mha_init(embed_dim, num_heads, num_kv_heads=num_kv_heads, kdim=kdim, vdim=vdim,
-                              bias=bias, dtype=dtype, device=device, xp=xp, seed=seed)
+            params = mha_init(
+                embed_dim,
+                num_heads,
+                num_kv_heads=num_kv_heads,
+                kdim=kdim,
+                vdim=vdim,
+                bias=bias,
+                dtype=dtype,
+                device=device,
+                xp=xp,
+                seed=seed,
+            )
         self.dims = layer_dims(params, num_heads=num_heads, num_kv_heads=num_kv_heads)
         if embed_dim is not None and embed_dim != self.dims.embed_dim:
             raise ValueError(f"embed_dim={embed_dim}, but params have embed_dim={self.dims.embed_dim}")
@@ -748,8 +811,7 @@ class MultiheadAttention:
 
     def forward(self, x, context=None, /, **options):
         """``mha_forward(self.params, x, context, num_heads=..., **options)``."""
-        return mha_forward(self.params, x, context, num_heads=self.num_heads,
-                           num_kv_heads=self.num_kv_heads, **options)
+        return mha_forward(self.params, x, context, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, **options)
 
     __call__ = forward
 
@@ -759,9 +821,10 @@ class MultiheadAttention:
 
     def new_cache(self, batch_size, /, *, max_length=None) -> KVCache:
         """A :class:`KVCache` for this layer (growing, or preallocated with ``max_length``)."""
-        return KVCache.for_mha(self.params, batch_size, num_heads=self.num_heads,
-                               num_kv_heads=self.num_kv_heads, max_length=max_length)
+        return KVCache.for_mha(
+            self.params, batch_size, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, max_length=max_length
+        )
 
     def __repr__(self) -> str:
-        E, N, K, H, kdim, vdim = self.dims
+        E, N, K, _H, kdim, vdim = self.dims
         return f"MultiheadAttention(embed_dim={E}, num_heads={N}, num_kv_heads={K}, kdim={kdim}, vdim={vdim})"

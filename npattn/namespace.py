@@ -54,9 +54,7 @@ def check_namespace(xp: Any) -> Any:
     """Raise ``TypeError`` unless ``xp`` is an Array API namespace (a module
     such as ``array_api_compat.numpy``); return it."""
     if _namespace_library(xp) is None:
-        raise TypeError(
-            f"xp must be an Array API namespace (a module such as array_api_compat.numpy), got {xp!r}"
-        )
+        raise TypeError(f"xp must be an Array API namespace (a module such as array_api_compat.numpy), got {xp!r}")
     return xp
 
 

@@ -172,8 +172,7 @@ def _check_lengths(xp, name, lengths, batch_shape, limit, device):
         raise TypeError(f"{name} must have an integer dtype, got {lengths.dtype}")
     if tuple(lengths.shape) != batch_shape:
         raise ValueError(
-            f"{name} must have the inputs' batch shape {batch_shape} (q.shape[:-3]), "
-            f"got shape {tuple(lengths.shape)}"
+            f"{name} must have the inputs' batch shape {batch_shape} (q.shape[:-3]), got shape {tuple(lengths.shape)}"
         )
     if math.prod(batch_shape) == 0:
         return xp.astype(lengths, xp.int64), (limit, limit)
@@ -210,22 +209,26 @@ def make_spec(
         if a is None:
             raise TypeError(f"{name} must be an array, got None")
     xp = resolve_namespace(
-        {"q": q, "k": k, "v": v, "mask": mask, "bias": bias,
-         "q_lengths": q_lengths if hasattr(q_lengths, "shape") else None,
-         "kv_lengths": kv_lengths if hasattr(kv_lengths, "shape") else None},
+        {
+            "q": q,
+            "k": k,
+            "v": v,
+            "mask": mask,
+            "bias": bias,
+            "q_lengths": q_lengths if hasattr(q_lengths, "shape") else None,
+            "kv_lengths": kv_lengths if hasattr(kv_lengths, "shape") else None,
+        },
         xp,
     )
     # --- ranks and shapes -------------------------------------------------
     for name, a in (("q", q), ("k", k), ("v", v)):
         if a.ndim < 3:
             raise ValueError(
-                f"{name} must have rank >= 3 with layout (..., heads, length, dim), "
-                f"got shape {tuple(a.shape)}"
+                f"{name} must have rank >= 3 with layout (..., heads, length, dim), got shape {tuple(a.shape)}"
             )
     if not (q.ndim == k.ndim == v.ndim):
         raise ValueError(
-            f"q, k and v must have the same rank, got shapes "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            f"q, k and v must have the same rank, got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     batch_shape = tuple(q.shape[:-3])
     if tuple(k.shape[:-3]) != batch_shape or tuple(v.shape[:-3]) != batch_shape:
@@ -239,9 +242,7 @@ def make_spec(
     if Hk != H:
         raise ValueError(f"k's head dim (last axis) must equal q's: q has H={H}, k has {Hk}")
     if (Kv, Sv) != (K, S):
-        raise ValueError(
-            f"v must have k's heads and length (axes -3, -2): k has (K={K}, S={S}), v has ({Kv}, {Sv})"
-        )
+        raise ValueError(f"v must have k's heads and length (axes -3, -2): k has (K={K}, S={S}), v has ({Kv}, {Sv})")
     if S == 0:
         raise ValueError("k and v must hold at least one key (S >= 1); use kv_lengths=0 for an empty sequence")
     if K == 0 or N % K != 0:
@@ -356,11 +357,34 @@ def make_spec(
     block_k = check_int("block_k", block_k, minimum=1, allow_none=True)
 
     return AttentionSpec(
-        xp=xp, device=device, batch_shape=batch_shape, num_heads=N, num_kv_heads=K,
-        q_len=T, kv_len=S, head_dim=H, value_dim=Hv, dtype=q.dtype, compute_dtype=cdtype,
-        scale=float(scale), mask=mask, bias=bias, bias_shape=bias_shape, bias_dtype=bias_dtype,
-        window_left=left, window_right=right, align=align,
-        q_lengths=q_lengths, kv_lengths=kv_lengths, q_offset=q_offset,
-        offset_bounds=offset_bounds, q_len_bounds=q_len_bounds, kv_len_bounds=kv_len_bounds,
-        dropout_p=float(dropout_p), seed=seed, impl=impl, block_q=block_q, block_k=block_k,
+        xp=xp,
+        device=device,
+        batch_shape=batch_shape,
+        num_heads=N,
+        num_kv_heads=K,
+        q_len=T,
+        kv_len=S,
+        head_dim=H,
+        value_dim=Hv,
+        dtype=q.dtype,
+        compute_dtype=cdtype,
+        scale=float(scale),
+        mask=mask,
+        bias=bias,
+        bias_shape=bias_shape,
+        bias_dtype=bias_dtype,
+        window_left=left,
+        window_right=right,
+        align=align,
+        q_lengths=q_lengths,
+        kv_lengths=kv_lengths,
+        q_offset=q_offset,
+        offset_bounds=offset_bounds,
+        q_len_bounds=q_len_bounds,
+        kv_len_bounds=kv_len_bounds,
+        dropout_p=float(dropout_p),
+        seed=seed,
+        impl=impl,
+        block_q=block_q,
+        block_k=block_k,
     )

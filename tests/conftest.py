@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -78,8 +79,7 @@ def _cupy_backend() -> Backend:
 
 def _torch_backend() -> Backend:
     torch = pytest.importorskip("torch")
-    return Backend("torch", lambda a: torch.asarray(np.asarray(a).copy()),
-                   lambda x: x.detach().cpu().numpy(), torch)
+    return Backend("torch", lambda a: torch.asarray(np.asarray(a).copy()), lambda x: x.detach().cpu().numpy(), torch)
 
 
 BACKEND_PARAMS = [

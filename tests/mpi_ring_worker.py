@@ -29,30 +29,45 @@ CASES = {
     "causal-equal": dict(lengths="equal", causal=True),
     "noncausal-unequal": dict(lengths="unequal"),
     "causal-unequal": dict(lengths="unequal", causal=True),
-    "causal-unequal-gqa-chunked": dict(lengths="unequal", causal=True, shape=(2, 4, 2, 3, 2),
-                                       impl="chunked", block_q=2, block_k=3),
+    "causal-unequal-gqa-chunked": dict(
+        lengths="unequal", causal=True, shape=(2, 4, 2, 3, 2), impl="chunked", block_q=2, block_k=3
+    ),
     "mqa-window": dict(lengths="unequal", shape=(1, 3, 1, 2, 3), window=(2, 1)),
     "window-left-only": dict(lengths="unequal", window=(3, None)),
-    "causal-bottom-right-T>S": dict(lengths={"q": {2: [4, 3], 4: [3, 2, 1, 3]}, "kv": {2: [2, 3], 4: [1, 2, 2, 1]}},
-                                    causal=True, align="bottom_right"),
-    "causal-top-left-T<S": dict(lengths={"q": {2: [2, 1], 4: [1, 2, 1, 1]}, "kv": {2: [3, 4], 4: [4, 1, 3, 2]}},
-                                causal=True, align="top_left"),
-    "window-bottom-right-T<S": dict(lengths={"q": {2: [2, 2], 4: [1, 1, 2, 1]}, "kv": {2: [4, 3], 4: [2, 3, 3, 1]}},
-                                    window=(1, 0), align="bottom_right"),
+    "causal-bottom-right-T>S": dict(
+        lengths={"q": {2: [4, 3], 4: [3, 2, 1, 3]}, "kv": {2: [2, 3], 4: [1, 2, 2, 1]}},
+        causal=True,
+        align="bottom_right",
+    ),
+    "causal-top-left-T<S": dict(
+        lengths={"q": {2: [2, 1], 4: [1, 2, 1, 1]}, "kv": {2: [3, 4], 4: [4, 1, 3, 2]}}, causal=True, align="top_left"
+    ),
+    "window-bottom-right-T<S": dict(
+        lengths={"q": {2: [2, 2], 4: [1, 1, 2, 1]}, "kv": {2: [4, 3], 4: [2, 3, 3, 1]}},
+        window=(1, 0),
+        align="bottom_right",
+    ),
     "permuted-starts-causal": dict(lengths="unequal", causal=True, permute=True),
     "3d-inputs-causal": dict(lengths="unequal", causal=True, shape=(None, 2, 2, 3, 3)),
     "dense-impl-causal-scale": dict(lengths="unequal", causal=True, impl="dense", scale=0.7),
     "no-dlse": dict(lengths="unequal", causal=True, no_dlse=True),
     "transport-host": dict(lengths="unequal", causal=True, transport="host"),
     "array-api-strict": dict(lengths="unequal", causal=True, backend="strict"),
-    "array-api-strict-device1-host": dict(lengths="unequal", causal=True, backend="strict-device1",
-                                          transport="host"),
+    "array-api-strict-device1-host": dict(lengths="unequal", causal=True, backend="strict-device1", transport="host"),
     "numpy-readonly-inputs": dict(lengths="unequal", causal=True, backend="numpy-readonly"),
     "torch-cpu": dict(lengths="unequal", causal=True, backend="torch"),
     # CuPy (skipped without a CUDA device): auto transport stages device arrays through host buffers.
     "cupy-device": dict(lengths="unequal", causal=True, backend="cupy"),
-    "cupy-gqa-chunked-float32": dict(lengths="unequal", causal=True, backend="cupy", dtype="float32",
-                                     shape=(2, 4, 2, 3, 2), impl="chunked", block_q=2, block_k=3),
+    "cupy-gqa-chunked-float32": dict(
+        lengths="unequal",
+        causal=True,
+        backend="cupy",
+        dtype="float32",
+        shape=(2, 4, 2, 3, 2),
+        impl="chunked",
+        block_q=2,
+        block_k=3,
+    ),
     "float32": dict(lengths="unequal", causal=True, dtype="float32"),
     "float16-computes-in-float32": dict(lengths="unequal", causal=True, dtype="float16"),
 }
@@ -112,9 +127,10 @@ def _starts(lengths: list[int], order: list[int]) -> list[int]:
 
 def run_case(comm, name: str) -> dict:
     """Ring vs single-process attention for one case; this rank's max errors."""
+    from reference import reference_attention
+
     import npattn
     import npattn.distributed as dist
-    from reference import reference_attention
 
     case = CASES[name]
     P, r = comm.Get_size(), comm.Get_rank()
@@ -160,14 +176,16 @@ def run_case(comm, name: str) -> dict:
     if case.get("permute"):
         extra.update(q_start=q_starts[r], kv_start=kv_starts[r])
     fwd_stats, bwd_stats = {}, {}
-    out, res = dist.ring_attention_forward(local(q, qs), local(k, ks), local(v, ks), comm=comm,
-                                           stats=fwd_stats, **options, **extra)
+    out, res = dist.ring_attention_forward(
+        local(q, qs), local(k, ks), local(v, ks), comm=comm, stats=fwd_stats, **options, **extra
+    )
     dlse_local = None
     if dlse is not None:
         lse_dtype = np.float32 if dtype == np.float16 else dtype  # the compute dtype
         dlse_local = asarray(np.ascontiguousarray(dlse[..., qs]).astype(lse_dtype))
-    grads = dist.ring_attention_backward(asarray(np.ascontiguousarray(dout[..., qs, :]).astype(dtype)), res,
-                                         dlse=dlse_local, stats=bwd_stats)
+    grads = dist.ring_attention_backward(
+        asarray(np.ascontiguousarray(dout[..., qs, :]).astype(dtype)), res, dlse=dlse_local, stats=bwd_stats
+    )
 
     def err(got, want):
         got, want = to_numpy(got).astype(np.float64), np.asarray(want, dtype=np.float64)
@@ -202,7 +220,7 @@ def _call(fn) -> list | None:
     """``[exception type, message]`` of ``fn()``, or None if it returned."""
     try:
         fn()
-    except Exception as err:  # noqa: BLE001 - recorded for the test to judge
+    except Exception as err:
         return [type(err).__name__, str(err)]
     return None
 
@@ -232,22 +250,28 @@ def run_errors(comm) -> dict:
         "comm-not-communicator": lambda: dist.ring_attention_forward(q, k, v, comm="COMM_WORLD"),
         "comm-null": lambda: dist.ring_attention_forward(q, k, v, comm=MPI.COMM_NULL),
         "starts-overlap": lambda: dist.ring_attention_forward(q, k, v, comm=comm, causal=True, q_start=0, kv_start=0),
-        "starts-gap": lambda: dist.ring_attention_forward(q, k, v, comm=comm, causal=True,
-                                                          q_start=4 * r, kv_start=3 * r),
-        "starts-some-ranks": lambda: dist.ring_attention_forward(q, k, v, comm=comm, causal=True,
-                                                                 q_start=0 if r == 0 else None),
-        "causal-T!=S-no-align": lambda: dist.ring_attention_forward(q, k[:, :, :2], v[:, :, :2], comm=comm,
-                                                                    causal=True),
+        "starts-gap": lambda: dist.ring_attention_forward(
+            q, k, v, comm=comm, causal=True, q_start=4 * r, kv_start=3 * r
+        ),
+        "starts-some-ranks": lambda: dist.ring_attention_forward(
+            q, k, v, comm=comm, causal=True, q_start=0 if r == 0 else None
+        ),
+        "causal-T!=S-no-align": lambda: dist.ring_attention_forward(
+            q, k[:, :, :2], v[:, :, :2], comm=comm, causal=True
+        ),
         "causal-mismatch": lambda: dist.ring_attention_forward(q, k, v, comm=comm, causal=(r == 0)),
         "bad-input-one-rank": lambda: dist.ring_attention_forward(q if r == 0 else q[0, 0], k, v, comm=comm),
-        "empty-kv-shard": lambda: dist.ring_attention_forward(q, k if r == 0 else k[:, :, :0],
-                                                              v if r == 0 else v[:, :, :0], comm=comm),
+        "empty-kv-shard": lambda: dist.ring_attention_forward(
+            q, k if r == 0 else k[:, :, :0], v if r == 0 else v[:, :, :0], comm=comm
+        ),
         "bad-transport": lambda: dist.ring_attention_forward(q, k, v, comm=comm, transport="tcp"),
         "backward-bad-dout-one-rank": lambda: dist.ring_attention_backward(
-            np.ones_like(out) if r == 1 else np.ones(out.shape[:-1]), res),
+            np.ones_like(out) if r == 1 else np.ones(out.shape[:-1]), res
+        ),
         "backward-not-residuals": lambda: dist.ring_attention_backward(np.ones_like(out), object()),
         "still-works-afterwards": lambda: dist.ring_attention_backward(
-            np.ones_like(dist.ring_attention_forward(q, k, v, comm=comm, causal=True)[0]), res),
+            np.ones_like(dist.ring_attention_forward(q, k, v, comm=comm, causal=True)[0]), res
+        ),
     }
     return {name: _call(fn) for name, fn in cases.items()}
 
@@ -262,7 +286,7 @@ def main(argv: list[str]) -> int:
         for name in names or list(CASES):
             try:
                 results[name] = run_case(comm, name)
-            except Exception:  # noqa: BLE001 - reported per case; keeps the other cases running
+            except Exception:
                 results[name] = {"exception": traceback.format_exc()}
     elif mode == "errors":
         results = run_errors(comm)

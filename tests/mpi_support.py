@@ -35,8 +35,10 @@ def mpi_skip_reason() -> str | None:
     if importlib.util.find_spec("mpi4py") is None:
         return 'mpi4py is not installed (pip install "npattn[mpi]")'
     if find_mpiexec() is None:
-        return ('no mpiexec next to the Python executable, in the scripts dir or on PATH '
-                '(pip install "npattn[mpi]" installs MPICH\'s)')
+        return (
+            "no mpiexec next to the Python executable, in the scripts dir or on PATH "
+            '(pip install "npattn[mpi]" installs MPICH\'s)'
+        )
     return None
 
 
@@ -44,8 +46,9 @@ def run_mpi(P: int, script, args=(), *, env=None, cwd=None, timeout: float = 120
     """Run ``python -m mpi4py script args...`` on P ranks; raise
     ``subprocess.TimeoutExpired`` after killing every process on a timeout."""
     command = [find_mpiexec(), "-n", str(P), sys.executable, "-m", "mpi4py", str(script), *map(str, args)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -31,8 +31,22 @@ def dropout_keep_reference(seed: int, p: float, batch: int, head: int, i: int, j
     return h >= min(round(p * 2**32), 2**32)
 
 
-def reference_attention(q, k, v, *, mask=None, bias=None, causal=False, window=None, align=None,
-                        q_lengths=None, kv_lengths=None, scale=None, dropout_p=0.0, seed=None):
+def reference_attention(
+    q,
+    k,
+    v,
+    *,
+    mask=None,
+    bias=None,
+    causal=False,
+    window=None,
+    align=None,
+    q_lengths=None,
+    kv_lengths=None,
+    scale=None,
+    dropout_p=0.0,
+    seed=None,
+):
     """Return ``(out, lse, probs)`` as float64 NumPy arrays."""
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     *batch_shape, N, T, H = q.shape
@@ -43,7 +57,7 @@ def reference_attention(q, k, v, *, mask=None, bias=None, causal=False, window=N
     full = (*batch_shape, N, T, S)
     mask = np.broadcast_to(mask, full) if mask is not None else np.ones(full, bool)
     bias = np.broadcast_to(np.asarray(bias, np.float64), full) if bias is not None else np.zeros(full)
-    left, right = (window if window is not None else (None, None))
+    left, right = window if window is not None else (None, None)
     if causal:
         right = 0
     if align is None:

@@ -45,19 +45,44 @@ FORWARD_CASES = [
     ("negative window", lambda: ((Q_SQUARE, K, V), {"window": (-1, 0)}), ValueError, "window[0] (left) must be >= 0"),
     ("window not pair", lambda: ((Q_SQUARE, K, V), {"window": 3}), TypeError, "window must be a pair"),
     ("window float", lambda: ((Q_SQUARE, K, V), {"window": (1.5, 0)}), TypeError, "window[0] (left) must be an int"),
-    ("causal with a right window", lambda: ((Q_SQUARE, K, V), {"causal": True, "window": (2, 3)}), ValueError,
-     "causal=True means window right = 0"),
+    (
+        "causal with a right window",
+        lambda: ((Q_SQUARE, K, V), {"causal": True, "window": (2, 3)}),
+        ValueError,
+        "causal=True means window right = 0",
+    ),
     ("causal not bool", lambda: ((Q_SQUARE, K, V), {"causal": 1}), TypeError, "causal must be a bool"),
-    ("lengths shape", lambda: ((Q, K, V), {"kv_lengths": np.array([6, 6, 6])}), ValueError,
-     "kv_lengths must have the inputs' batch shape (2,)"),
+    (
+        "lengths shape",
+        lambda: ((Q, K, V), {"kv_lengths": np.array([6, 6, 6])}),
+        ValueError,
+        "kv_lengths must have the inputs' batch shape (2,)",
+    ),
     ("lengths scalar for batch", lambda: ((Q, K, V), {"q_lengths": 3}), ValueError, "q_lengths must have"),
-    ("lengths dtype", lambda: ((Q, K, V), {"q_lengths": np.array([1.0, 2.0])}), TypeError,
-     "q_lengths must have an integer dtype"),
-    ("lengths too large", lambda: ((Q, K, V), {"kv_lengths": np.array([7, 1])}), ValueError,
-     "kv_lengths must lie in [0, 6]"),
-    ("lengths negative", lambda: ((Q, K, V), {"q_lengths": np.array([-1, 1])}), ValueError,
-     "q_lengths must lie in [0, 3]"),
-    ("dropout too large", lambda: ((Q, K, V), {"dropout_p": 1.0, "seed": 0}), ValueError, "dropout_p must lie in [0, 1)"),
+    (
+        "lengths dtype",
+        lambda: ((Q, K, V), {"q_lengths": np.array([1.0, 2.0])}),
+        TypeError,
+        "q_lengths must have an integer dtype",
+    ),
+    (
+        "lengths too large",
+        lambda: ((Q, K, V), {"kv_lengths": np.array([7, 1])}),
+        ValueError,
+        "kv_lengths must lie in [0, 6]",
+    ),
+    (
+        "lengths negative",
+        lambda: ((Q, K, V), {"q_lengths": np.array([-1, 1])}),
+        ValueError,
+        "q_lengths must lie in [0, 3]",
+    ),
+    (
+        "dropout too large",
+        lambda: ((Q, K, V), {"dropout_p": 1.0, "seed": 0}),
+        ValueError,
+        "dropout_p must lie in [0, 1)",
+    ),
     ("dropout negative", lambda: ((Q, K, V), {"dropout_p": -0.1, "seed": 0}), ValueError, "dropout_p must lie"),
     ("dropout no seed", lambda: ((Q, K, V), {"dropout_p": 0.1}), ValueError, "seed is required"),
     ("seed negative", lambda: ((Q, K, V), {"dropout_p": 0.1, "seed": -3}), ValueError, "seed must be >= 0"),
@@ -65,10 +90,18 @@ FORWARD_CASES = [
     ("scale nan", lambda: ((Q, K, V), {"scale": float("nan")}), TypeError, "scale must be a finite real"),
     ("block_q zero", lambda: ((Q, K, V), {"block_q": 0}), ValueError, "block_q must be >= 1"),
     ("mixed libraries", lambda: ((Q, _strict(K), V), {}), TypeError, "q and k come from different array libraries"),
-    ("mixed devices", lambda: ((_strict(Q), _strict(K, "device1"), _strict(V)), {}), ValueError,
-     "q and k are on different devices"),
-    ("mask other library", lambda: ((_strict(Q), _strict(K), _strict(V)), {"mask": np.ones((3, 6), bool)}),
-     TypeError, "q and mask come from different array libraries"),
+    (
+        "mixed devices",
+        lambda: ((_strict(Q), _strict(K, "device1"), _strict(V)), {}),
+        ValueError,
+        "q and k are on different devices",
+    ),
+    (
+        "mask other library",
+        lambda: ((_strict(Q), _strict(K), _strict(V)), {"mask": np.ones((3, 6), bool)}),
+        TypeError,
+        "q and mask come from different array libraries",
+    ),
 ]
 
 
@@ -93,8 +126,9 @@ BACKWARD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("make, kwargs, error, fragment", [c[1:] for c in BACKWARD_CASES],
-                         ids=[c[0] for c in BACKWARD_CASES])
+@pytest.mark.parametrize(
+    "make, kwargs, error, fragment", [c[1:] for c in BACKWARD_CASES], ids=[c[0] for c in BACKWARD_CASES]
+)
 def test_backward_rejects_bad_cotangents(make, kwargs, error, fragment):
     out, res = _residuals()
     with pytest.raises(error) as info:
@@ -103,14 +137,15 @@ def test_backward_rejects_bad_cotangents(make, kwargs, error, fragment):
 
 
 def test_backward_rejects_foreign_residuals():
-    with pytest.raises(TypeError, match="residuals must come from npattn.attention_forward"):
+    with pytest.raises(TypeError, match=r"residuals must come from npattn\.attention_forward"):
         npattn.attention_backward(np.zeros((2, 4, 3, 7)), {"lse": None})
 
 
 def test_align_none_with_equal_lengths_means_top_left():
     k, v = K[..., :3, :], V[..., :3, :]
-    np.testing.assert_array_equal(npattn.attention(Q, k, v, causal=True),
-                                  npattn.attention(Q, k, v, causal=True, align="top_left"))
+    np.testing.assert_array_equal(
+        npattn.attention(Q, k, v, causal=True), npattn.attention(Q, k, v, causal=True, align="top_left")
+    )
 
 
 def test_error_leaves_inputs_untouched():

@@ -35,7 +35,15 @@ def test_cpu_benchmark_quick_prints_its_table(capsys):
 def test_lever_benchmark_quick_prints_every_lever(capsys):
     assert _run_script("bench_cpu_levers.py", ["--quick"]) == 0
     out = capsys.readouterr().out
-    for label in ("generic Array API path", "1 pool thread", "not limited", "128x128", "causal", "not split", "as shipped"):
+    for label in (
+        "generic Array API path",
+        "1 pool thread",
+        "not limited",
+        "128x128",
+        "causal",
+        "not split",
+        "as shipped",
+    ):
         assert label in out
 
 
@@ -51,8 +59,12 @@ def _in_git_checkout() -> bool:
 def test_revision_benchmark_quick_times_each_revision(capsys):
     assert _run_script("bench_cpu_ab.py", ["HEAD", "worktree", "--quick"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("full", "causal"))]
-    assert [(row[0], row[1]) for row in rows] == [("full", "HEAD"), ("full", "worktree"),
-                                                  ("causal", "HEAD"), ("causal", "worktree")]
+    assert [(row[0], row[1]) for row in rows] == [
+        ("full", "HEAD"),
+        ("full", "worktree"),
+        ("causal", "HEAD"),
+        ("causal", "worktree"),
+    ]
     assert all(float(row[3]) == 1.0 for row in rows if row[1] == "HEAD")  # ratios are to the first revision
 
 
@@ -62,9 +74,14 @@ def test_revision_benchmark_names_a_revision_it_cannot_read():
     assert "cannot read npattn/fast_numpy.py at 'no-such-revision'" in message
 
 
-@pytest.mark.parametrize("script, argv", [("bench_cpu.py", ["--length", "0"]),
-                                          ("bench_cpu_levers.py", ["--repeats", "0"]),
-                                          ("bench_cpu_ab.py", ["HEAD", "--rounds", "0"])])
+@pytest.mark.parametrize(
+    "script, argv",
+    [
+        ("bench_cpu.py", ["--length", "0"]),
+        ("bench_cpu_levers.py", ["--repeats", "0"]),
+        ("bench_cpu_ab.py", ["HEAD", "--rounds", "0"]),
+    ],
+)
 def test_benchmarks_reject_bad_arguments(script, argv, capsys):
     assert _run_script(script, argv) == 2
     assert "must be >= 1" in capsys.readouterr().err

@@ -103,23 +103,30 @@ def test_chunked_matches_dense(problem, use_dlse):
 
 def _qkv(batch=(2,), N=2, K=2, T=5, S=7, H=3, Hv=4, seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((*batch, N, T, H)), rng.standard_normal((*batch, K, S, H)),
-            rng.standard_normal((*batch, K, S, Hv)))
+    return (
+        rng.standard_normal((*batch, N, T, H)),
+        rng.standard_normal((*batch, K, S, H)),
+        rng.standard_normal((*batch, K, S, Hv)),
+    )
 
 
 EDGE_CASES = {
-    "T=1 decoding vs long S, bottom_right causal": dict(_T=1, _S=300, causal=True, align="bottom_right",
-                                                        block_q=16, block_k=37),
-    "T=1 decoding with kv_lengths": dict(_T=1, _S=130, causal=True, align="bottom_right",
-                                         kv_lengths=np.array([130, 17]), block_k=32),
+    "T=1 decoding vs long S, bottom_right causal": dict(
+        _T=1, _S=300, causal=True, align="bottom_right", block_q=16, block_k=37
+    ),
+    "T=1 decoding with kv_lengths": dict(
+        _T=1, _S=130, causal=True, align="bottom_right", kv_lengths=np.array([130, 17]), block_k=32
+    ),
     "blocks larger than both lengths": dict(_T=5, _S=7, causal=True, align="top_left", block_q=64, block_k=64),
     "blocks of 1": dict(_T=6, _S=6, causal=True, bias=np.ones((6, 1)), block_q=1, block_k=1),
     "prime blocks, T>S bottom_right": dict(_T=23, _S=11, causal=True, align="bottom_right", block_q=7, block_k=3),
     "prime blocks, T<S top_left window": dict(_T=11, _S=29, window=(4, 2), align="top_left", block_q=5, block_k=7),
-    "GQA N=6 K=2, dropout, bias per head": dict(_N=6, _K=2, dropout_p=0.4, seed=5, bias=np.zeros((6, 1, 1)) + 0.5,
-                                               block_q=3, block_k=4),
-    "MQA N=3 K=1, lengths 0": dict(_N=3, _K=1, q_lengths=np.array([0, 5]), kv_lengths=np.array([7, 0]),
-                                   block_q=2, block_k=3),
+    "GQA N=6 K=2, dropout, bias per head": dict(
+        _N=6, _K=2, dropout_p=0.4, seed=5, bias=np.zeros((6, 1, 1)) + 0.5, block_q=3, block_k=4
+    ),
+    "MQA N=3 K=1, lengths 0": dict(
+        _N=3, _K=1, q_lengths=np.array([0, 5]), kv_lengths=np.array([7, 0]), block_q=2, block_k=3
+    ),
 }
 
 
@@ -137,8 +144,9 @@ def test_edge_cases_match_dense(case):
 def test_empty_inputs_give_shaped_empty_outputs(dims):
     q, k, v = _qkv(**dims)
     bias = np.zeros(q.shape[:-1] + (k.shape[-2],))
-    out, lse, *grads = _chunked(q, k, v, np.zeros(q.shape[:-1] + v.shape[-1:]), np.zeros(q.shape[:-1]),
-                                bias=bias, causal=True, align="top_left")
+    out, lse, *grads = _chunked(
+        q, k, v, np.zeros(q.shape[:-1] + v.shape[-1:]), np.zeros(q.shape[:-1]), bias=bias, causal=True, align="top_left"
+    )
     assert out.shape == q.shape[:-1] + v.shape[-1:] and lse.shape == q.shape[:-1]
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, bias.shape]
 
@@ -152,8 +160,9 @@ def test_fully_masked_rows_give_zero_output_neginf_lse_zero_gradients():
     mask[3, :3] = False
     bias = np.zeros((4, 6))
     bias[1, :] = -np.inf  # row 1 fully masked by the bias alone
-    out, lse, dq, dk, dv, dbias = _chunked(q, k, v, np.ones((1, 1, 4, 4)), np.ones((1, 1, 4)),
-                                           mask=mask, bias=bias, block_q=2, block_k=3)
+    out, lse, dq, dk, dv, dbias = _chunked(
+        q, k, v, np.ones((1, 1, 4, 4)), np.ones((1, 1, 4)), mask=mask, bias=bias, block_q=2, block_k=3
+    )
     assert np.all(out[..., :2, :] == 0) and np.all(np.isneginf(lse[..., :2]))
     assert np.all(np.isfinite(lse[..., 2:])) and np.all(out[..., 3, :] != 0)
     assert np.all(dq[..., :2, :] == 0) and np.all(dbias[:2] == 0)
@@ -163,8 +172,16 @@ def test_fully_masked_rows_give_zero_output_neginf_lse_zero_gradients():
 
 def test_deterministic_bits():
     q, k, v = _qkv()
-    options = dict(impl="chunked", causal=True, bias=np.ones((5, 7)), dropout_p=0.3, seed=2, block_q=2,
-                   block_k=3, align="bottom_right")
+    options = dict(
+        impl="chunked",
+        causal=True,
+        bias=np.ones((5, 7)),
+        dropout_p=0.3,
+        seed=2,
+        block_q=2,
+        block_k=3,
+        align="bottom_right",
+    )
     first, second = (_run(q, k, v, options, np.ones((2, 2, 5, 4)), None, "chunked") for _ in range(2))
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a, b)
@@ -200,15 +217,24 @@ def _check_chunked_gradients(q, k, v, options, **check):
 
 
 GRADCHECK_CASES = {
-    "causal bottom_right T<S, bias, blocks 2x3": dict(_T=3, _S=5, causal=True, align="bottom_right",
-                                                     bias=np.linspace(-1, 1, 15).reshape(3, 5),
-                                                     block_q=2, block_k=3),
-    "GQA N=4 K=2, window, dropout, blocks 1": dict(_batch=(1,), _N=4, _K=2, _T=3, _S=3, window=(1, 0),
-                                                  dropout_p=0.3, seed=9, block_q=1, block_k=1),
-    "T>S top_left, lengths, mask, row bias": dict(_T=4, _S=3, causal=True, align="top_left",
-                                                 q_lengths=np.array([4, 2]), kv_lengths=np.array([3, 1]),
-                                                 mask=np.array([[True, False, True]]),
-                                                 bias=np.array([[0.5], [-0.2], [0.1], [0.3]]), block_q=3, block_k=2),
+    "causal bottom_right T<S, bias, blocks 2x3": dict(
+        _T=3, _S=5, causal=True, align="bottom_right", bias=np.linspace(-1, 1, 15).reshape(3, 5), block_q=2, block_k=3
+    ),
+    "GQA N=4 K=2, window, dropout, blocks 1": dict(
+        _batch=(1,), _N=4, _K=2, _T=3, _S=3, window=(1, 0), dropout_p=0.3, seed=9, block_q=1, block_k=1
+    ),
+    "T>S top_left, lengths, mask, row bias": dict(
+        _T=4,
+        _S=3,
+        causal=True,
+        align="top_left",
+        q_lengths=np.array([4, 2]),
+        kv_lengths=np.array([3, 1]),
+        mask=np.array([[True, False, True]]),
+        bias=np.array([[0.5], [-0.2], [0.1], [0.3]]),
+        block_q=3,
+        block_k=2,
+    ),
 }
 
 
@@ -233,11 +259,23 @@ def test_chunked_gradients_random_vjp(problem):
 
 BACKEND_CASES = {
     "gqa causal bottom_right, lengths, bias, dropout": dict(
-        _N=4, _K=2, _T=6, _S=9, causal=True, align="bottom_right", q_lengths=np.array([6, 4]),
-        kv_lengths=np.array([9, 5]), bias=np.linspace(-1, 1, 9), dropout_p=0.25, seed=4, block_q=4, block_k=5),
+        _N=4,
+        _K=2,
+        _T=6,
+        _S=9,
+        causal=True,
+        align="bottom_right",
+        q_lengths=np.array([6, 4]),
+        kv_lengths=np.array([9, 5]),
+        bias=np.linspace(-1, 1, 9),
+        dropout_p=0.25,
+        seed=4,
+        block_q=4,
+        block_k=5,
+    ),
     "mask + window top_left, blocks 1 and 3": dict(
-        _T=5, _S=5, mask=np.random.default_rng(5).random((2, 1, 5, 5)) < 0.7, window=(2, 1),
-        block_q=1, block_k=3),
+        _T=5, _S=5, mask=np.random.default_rng(5).random((2, 1, 5, 5)) < 0.7, window=(2, 1), block_q=1, block_k=3
+    ),
 }
 
 
@@ -291,7 +329,7 @@ def _expected_tiles(visible, bq, bk):
     some, mixed = set(), set()
     for q0 in range(0, T, bq):
         for k0 in range(0, S, bk):
-            tile = visible[q0:q0 + bq, k0:k0 + bk]
+            tile = visible[q0 : q0 + bq, k0 : k0 + bk]
             if tile.any():
                 some.add((q0, k0))
                 if not tile.all():
@@ -322,11 +360,23 @@ SKIP_CASES = {
     # name: (T, S, block_q, block_k, options, oracle keywords)
     "causal, blocks of 1": (12, 12, 1, 1, dict(causal=True), dict(right=0)),
     "causal, blocks 4x4": (16, 16, 4, 4, dict(causal=True), dict(right=0)),
-    "causal bottom_right T<S, blocks 3x5": (7, 20, 3, 5, dict(causal=True, align="bottom_right"),
-                                           dict(right=0, offset=13)),
+    "causal bottom_right T<S, blocks 3x5": (
+        7,
+        20,
+        3,
+        5,
+        dict(causal=True, align="bottom_right"),
+        dict(right=0, offset=13),
+    ),
     "window (3, 2), blocks 2x3": (15, 15, 2, 3, dict(window=(3, 2)), dict(left=3, right=2)),
-    "lengths, blocks 4x4": (14, 18, 4, 4, dict(q_lengths=np.array([9]), kv_lengths=np.array([6])),
-                            dict(q_len=9, kv_len=6)),
+    "lengths, blocks 4x4": (
+        14,
+        18,
+        4,
+        4,
+        dict(q_lengths=np.array([9]), kv_lengths=np.array([6])),
+        dict(q_len=9, kv_len=6),
+    ),
     "no rule: every tile, no mask": (6, 10, 4, 3, dict(), dict()),
 }
 
@@ -340,7 +390,7 @@ def test_hidden_tiles_are_never_computed(monkeypatch, case):
     out, lse = chunked.chunked_forward(spec, q, k, v)
     forward_scored, forward_masks = list(counter.scored), counter.masks
     chunked.chunked_backward(spec, q, k, v, out, lse, np.ones_like(out), None)
-    backward_scored = counter.scored[len(forward_scored):]
+    backward_scored = counter.scored[len(forward_scored) :]
     backward_masks = counter.masks - forward_masks
 
     visible = _positional_visibility(T, S, **rules)
@@ -455,7 +505,7 @@ def test_peak_memory_is_far_below_the_score_matrix(causal):
     _chunked(small, small, small, small)  # first-call costs (imports) stay out of the measurement
     tracemalloc.start()
     try:
-        out, lse, dq, dk, dv, _ = _chunked(q, k, v, dout, causal=causal)
+        _out, _lse, dq, _dk, _dv, _ = _chunked(q, k, v, dout, causal=causal)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -17,8 +17,11 @@ RNG = np.random.default_rng(1234)
 
 
 def _qkv(batch=(2,), N=2, K=2, T=3, S=4, H=2, Hv=3, rng=RNG):
-    return (rng.standard_normal((*batch, N, T, H)), rng.standard_normal((*batch, K, S, H)),
-            rng.standard_normal((*batch, K, S, Hv)))
+    return (
+        rng.standard_normal((*batch, N, T, H)),
+        rng.standard_normal((*batch, K, S, H)),
+        rng.standard_normal((*batch, K, S, Hv)),
+    )
 
 
 @given(case=attention_cases())
@@ -51,16 +54,23 @@ FEATURES = {
     "window": dict(window=(1, 1), align="top_left"),
     "window one-sided": dict(window=(None, 1), align="bottom_right"),
     "lengths": dict(q_lengths=np.array([3, 2]), kv_lengths=np.array([4, 2])),
-    "lengths + causal bottom_right": dict(causal=True, align="bottom_right", q_lengths=np.array([2, 3]),
-                                          kv_lengths=np.array([3, 4])),
-    "combined mask+bias+window+lengths": dict(mask=RNG.random((2, 2, 3, 4)) < 0.8, bias=RNG.standard_normal((4,)),
-                                              window=(2, 0), align="bottom_right", kv_lengths=np.array([4, 3])),
+    "lengths + causal bottom_right": dict(
+        causal=True, align="bottom_right", q_lengths=np.array([2, 3]), kv_lengths=np.array([3, 4])
+    ),
+    "combined mask+bias+window+lengths": dict(
+        mask=RNG.random((2, 2, 3, 4)) < 0.8,
+        bias=RNG.standard_normal((4,)),
+        window=(2, 0),
+        align="bottom_right",
+        kv_lengths=np.array([4, 3]),
+    ),
     "GQA (N=4, K=2)": dict(_N=4, _K=2, causal=True, align="bottom_right"),
     "MQA (N=3, K=1)": dict(_N=3, _K=1, bias=RNG.standard_normal((3, 1, 4))),
     "dropout": dict(dropout_p=0.3, seed=11),
     "dropout + GQA + mask": dict(dropout_p=0.5, seed=5, _N=4, _K=2, mask=RNG.random((3, 4)) < 0.7),
-    "fully masked rows": dict(mask=np.array([[True, False, True, True], [False] * 4, [True] * 4]),
-                              q_lengths=np.array([3, 1])),
+    "fully masked rows": dict(
+        mask=np.array([[True, False, True, True], [False] * 4, [True] * 4]), q_lengths=np.array([3, 1])
+    ),
     "scale": dict(scale=1.7),
 }
 
@@ -167,7 +177,7 @@ def test_bias_gradient_is_summed_to_the_bias_shape():
     q, k, v = _qkv()
     full_bias = np.broadcast_to(RNG.standard_normal((1, 4)), (2, 2, 3, 4))
     out, res = npattn.attention_forward(q, k, v, bias=full_bias[0, 0, :1])
-    out_full, res_full = npattn.attention_forward(q, k, v, bias=np.array(full_bias))
+    _out_full, res_full = npattn.attention_forward(q, k, v, bias=np.array(full_bias))
     dout = RNG.standard_normal(out.shape)
     small = npattn.attention_backward(dout, res).dbias
     big = npattn.attention_backward(dout, res_full).dbias

@@ -50,11 +50,13 @@ def _probs(rng, shape=(2, 3, 5, 6), q_lengths=None, **options):
 
 def test_entropy_and_peak_hand_computed():
     S = 4
-    w = np.array([
-        [[0.25] * 4, [1.0, 0, 0, 0], [0.0] * 4],  # head 0: uniform, one-hot, fully masked
-        [[0.5, 0.5, 0, 0], [0, 0, 0.5, 0.5], [0.5, 0.5, 0, 0]],  # head 1: two keys each
-        [[0.0] * 4] * 3,  # head 2: every row fully masked
-    ])  # (N=3, T=3, S=4)
+    w = np.array(
+        [
+            [[0.25] * 4, [1.0, 0, 0, 0], [0.0] * 4],  # head 0: uniform, one-hot, fully masked
+            [[0.5, 0.5, 0, 0], [0, 0, 0.5, 0.5], [0.5, 0.5, 0, 0]],  # head 1: two keys each
+            [[0.0] * 4] * 3,  # head 2: every row fully masked
+        ]
+    )  # (N=3, T=3, S=4)
     h = dg.attention_entropy(w)
     assert h.shape == (3,)
     np.testing.assert_allclose(h[:2], [math.log(S) / 2, math.log(2)], rtol=0, atol=1e-15)
@@ -182,8 +184,7 @@ def test_check_finite_counts_and_first_bad_index():
     out[1, 0, 3] = np.inf  # first in C order
     out[1, 1, 1] = -np.inf
     lse = np.array([[0.0, -np.inf], [1.0, -np.inf]])
-    report = dg.check_finite({"out": out, "lse": lse, "lengths": np.array([3, 1]), "none": None},
-                             allow_neginf=["lse"])
+    report = dg.check_finite({"out": out, "lse": lse, "lengths": np.array([3, 1]), "none": None}, allow_neginf=["lse"])
     assert not report.ok and report.bad == ["out"]
     assert list(report.entries) == ["out", "lse", "lengths"]  # None skipped
     e = report.entries["out"]
@@ -322,8 +323,9 @@ def test_plot_writes_png_for_every_accepted_shape(tmp_path):
         assert written == tmp_path / name
         _assert_png(written)
     cross = _probs(np.random.default_rng(9), shape=(1, 2, 3, 6))[0]  # (N, T=3, S=6)
-    written = dg.plot_attention(cross, query_tokens=[1, 2, 3], key_tokens=list("uvwxyz"),
-                                path=str(tmp_path / "cross.png"), vmax=None)
+    written = dg.plot_attention(
+        cross, query_tokens=[1, 2, 3], key_tokens=list("uvwxyz"), path=str(tmp_path / "cross.png"), vmax=None
+    )
     _assert_png(written)
 
 
@@ -334,21 +336,25 @@ def test_plot_on_every_backend(backend, tmp_path):
     _assert_png(path)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(), ValueError, "pass batch_index="),
-    (dict(batch_index=2), ValueError, "batch_index 2 is out of range for batch size 2"),
-    (dict(batch_index=True), TypeError, "batch_index must be an int"),
-    (dict(batch_index=0.0), TypeError, "batch_index must be an int"),
-    (dict(batch_index=0, tokens=["a", "b"]), ValueError, "tokens has 2 labels but the query axis has length 4"),
-    (dict(batch_index=0, tokens="abcd"), TypeError, "tokens must be a sequence of labels"),
-    (dict(batch_index=0, tokens=list("abcd"), key_tokens=list("abcd")), ValueError, "either tokens"),
-    (dict(batch_index=0, key_tokens=list("abc")), ValueError, "key_tokens has 3 labels but the key axis"),
-    (dict(batch_index=0, query_tokens={"a": 1}), TypeError, "query_tokens must be a sequence"),
-    (dict(batch_index=0, heads=[0, 3]), ValueError, "heads holds 3, out of range for 3 heads"),
-    (dict(batch_index=0, heads=[0.5]), TypeError, "heads must hold ints"),
-    (dict(batch_index=0, heads=[]), ValueError, "at least one head"),
-    (dict(batch_index=0, heads=1), TypeError, "heads must be a sequence"),
-], ids=lambda x: x if isinstance(x, str) else None)
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(), ValueError, "pass batch_index="),
+        (dict(batch_index=2), ValueError, "batch_index 2 is out of range for batch size 2"),
+        (dict(batch_index=True), TypeError, "batch_index must be an int"),
+        (dict(batch_index=0.0), TypeError, "batch_index must be an int"),
+        (dict(batch_index=0, tokens=["a", "b"]), ValueError, "tokens has 2 labels but the query axis has length 4"),
+        (dict(batch_index=0, tokens="abcd"), TypeError, "tokens must be a sequence of labels"),
+        (dict(batch_index=0, tokens=list("abcd"), key_tokens=list("abcd")), ValueError, "either tokens"),
+        (dict(batch_index=0, key_tokens=list("abc")), ValueError, "key_tokens has 3 labels but the key axis"),
+        (dict(batch_index=0, query_tokens={"a": 1}), TypeError, "query_tokens must be a sequence"),
+        (dict(batch_index=0, heads=[0, 3]), ValueError, "heads holds 3, out of range for 3 heads"),
+        (dict(batch_index=0, heads=[0.5]), TypeError, "heads must hold ints"),
+        (dict(batch_index=0, heads=[]), ValueError, "at least one head"),
+        (dict(batch_index=0, heads=1), TypeError, "heads must be a sequence"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
 def test_plot_validates_arguments(tmp_path, kwargs, error, match):
     w = np.full((2, 3, 4, 4), 0.25)  # (B, N, T, S)
     with pytest.raises(error, match=match):

@@ -21,12 +21,12 @@ import pathlib
 import subprocess
 import sys
 
+import mpi_ring_worker as worker
 import numpy as np
 import pytest
-
-import mpi_ring_worker as worker
-import npattn
 from mpi_support import find_mpiexec, mpi_skip_reason, run_mpi
+
+import npattn
 from npattn.distributed import RingLayout, _pair_mask, _pair_options
 from npattn.masking import visible_tile
 from npattn.options import make_spec
@@ -100,8 +100,9 @@ def test_ring_equals_single_process_attention(ring_results, P, name):
             assert result[key] <= tol, f"rank {r}: max |ring - single process| of {key} is {result[key]:.3g}"
         assert result["out_dtype"] == dtype and result["grad_dtype"] == dtype
         backend = worker.CASES[name].get("backend", "numpy")
-        expected_library = {"cupy": "cupy", "torch": "torch"}.get(backend, "numpy" if backend.startswith("numpy")
-                                                                 else "array_api_strict")
+        expected_library = {"cupy": "cupy", "torch": "torch"}.get(
+            backend, "numpy" if backend.startswith("numpy") else "array_api_strict"
+        )
         assert result["libraries"] == [expected_library], f"rank {r} returned {result['libraries']}"
 
 
@@ -175,8 +176,9 @@ def _visibility(options, T, S):
     if options is None:
         return np.zeros((T, S), bool)
     if "mask" in options:
-        return np.asarray(_pair_mask(npattn.namespace.resolve_namespace({"x": np.zeros(1)}), None, T, S,
-                                     *options["mask"]))
+        return np.asarray(
+            _pair_mask(npattn.namespace.resolve_namespace({"x": np.zeros(1)}), None, T, S, *options["mask"])
+        )
     q, k = np.zeros((1, T, 1)), np.zeros((1, S, 1))
     spec = make_spec(q, k, k, **options)
     visible = visible_tile(spec, 0, T, 0, S)
@@ -187,8 +189,9 @@ def test_pair_masking_plan_matches_brute_force():
     """Every (T_r, S_s, offset, window) pair: skipped / no mask / local window /
     bool mask, each exactly the global-position visibility; all four occur."""
     kinds = set()
-    for T, S, d, left, right in itertools.product(range(1, 5), range(1, 5), range(-6, 7),
-                                                  (None, 0, 1, 3), (None, 0, 1, 3)):
+    for T, S, d, left, right in itertools.product(
+        range(1, 5), range(1, 5), range(-6, 7), (None, 0, 1, 3), (None, 0, 1, 3)
+    ):
         layout = RingLayout(0, 1, (T,), (S,), (d,), (0,), 0)  # query i at global d + i, key j at j
         options = _pair_options(layout, left, right, 0, 0)
         i, j = np.arange(T)[:, None], np.arange(S)[None, :]
@@ -220,16 +223,26 @@ def test_import_needs_no_mpi4py_and_calling_names_the_extra():
         "except ImportError as err:\n"
         "    print(err)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stderr
     assert 'pip install "npattn[mpi]"' in proc.stdout
 
 
 def test_importing_npattn_does_not_import_mpi4py():
     code = "import sys, npattn, npattn.distributed, npattn.merge; print('mpi4py' in sys.modules)"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
 

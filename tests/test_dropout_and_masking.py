@@ -67,8 +67,12 @@ def test_dropout_output_is_identical_across_backends(backend):
     np.testing.assert_allclose(backend.to_numpy(got), ref, atol=1e-5)
 
 
-@given(case=attention_cases(features=("mask", "causal", "window", "lengths")),
-       q_split=st.integers(0, 8), k_split=st.integers(0, 8), width=st.integers(1, 8))
+@given(
+    case=attention_cases(features=("mask", "causal", "window", "lengths")),
+    q_split=st.integers(0, 8),
+    k_split=st.integers(0, 8),
+    width=st.integers(1, 8),
+)
 def test_classify_tile_agrees_with_visible_tile(case, q_split, k_split, width):
     spec = make_spec(*case.arrays, **case.options)
     T, S = spec.q_len, spec.kv_len

@@ -58,9 +58,13 @@ def test_gpu_swap_step_is_library_agnostic():
     step = _load("gpu_swap")["step"]
     xps = pytest.importorskip("array_api_strict")
     rng = np.random.default_rng(0)
-    arrays = dict(q=rng.standard_normal((2, 4, 5, 3)), k=rng.standard_normal((2, 2, 5, 3)),
-                  v=rng.standard_normal((2, 2, 5, 3)), dout=rng.standard_normal((2, 4, 5, 3)),
-                  kv_lengths=np.array([5, 2]))
+    arrays = dict(
+        q=rng.standard_normal((2, 4, 5, 3)),
+        k=rng.standard_normal((2, 2, 5, 3)),
+        v=rng.standard_normal((2, 2, 5, 3)),
+        dout=rng.standard_normal((2, 4, 5, 3)),
+        kv_lengths=np.array([5, 2]),
+    )
     ref = step(**arrays)
     got = step(**{key: xps.asarray(a) for key, a in arrays.items()})
     for key in ref:
@@ -86,8 +90,9 @@ def test_gradcheck_custom_layer(capsys):
     rng = np.random.default_rng(1)
     inputs = [rng.standard_normal((2, 5)), np.ones(5), np.zeros(5)]
     with pytest.raises(npattn.GradcheckError, match="x"):
-        npattn.check_gradients(ns["layer_norm_forward"], ns["layer_norm_backward_wrong"], inputs,
-                               names=["x", "gamma", "beta"])
+        npattn.check_gradients(
+            ns["layer_norm_forward"], ns["layer_norm_backward_wrong"], inputs, names=["x", "gamma", "beta"]
+        )
 
 
 def test_attention_maps_writes_pngs_and_catches_bugs(capsys, tmp_path):
@@ -129,7 +134,12 @@ def test_attention_maps_without_matplotlib(capsys, monkeypatch, tmp_path):
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_example_runs_as_a_script(name, tmp_path):
     extra = ["--out", str(tmp_path)] if name == "attention_maps" else []
-    proc = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), "--quick", *extra],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / f"{name}.py"), "--quick", *extra],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip()

@@ -33,8 +33,12 @@ def _run(module_forward, module_backward, case, dout_seed=0, **extra):
 
 
 @settings(max_examples=60)
-@given(case=attention_cases(), block_q=st.sampled_from([1, 2, 3, 5, 64]), block_k=st.sampled_from([1, 2, 4, 7, 64]),
-       split=st.sampled_from([1, 2, 3, fast_numpy.SPLIT_BLOCK]))
+@given(
+    case=attention_cases(),
+    block_q=st.sampled_from([1, 2, 3, 5, 64]),
+    block_k=st.sampled_from([1, 2, 4, 7, 64]),
+    split=st.sampled_from([1, 2, 3, fast_numpy.SPLIT_BLOCK]),
+)
 def test_fast_path_equals_generic_chunked_path(case, block_q, block_k, split):
     """``split`` below the block sizes makes partly visible tiles run as
     several spans (:func:`npattn.fast_numpy.plan_tile`)."""
@@ -88,11 +92,11 @@ def test_tile_plans_cover_every_visible_entry_once_and_mask_every_partial_one(da
         spans = fast_numpy.plan_tile(spec, q0, q1, k0, k1)
     for p0, p1, c0, c1, hidden in spans:
         assert q0 <= p0 < p1 <= q1 and k0 <= c0 < c1 <= k1
-        covered[p0 - q0:p1 - q0, c0 - k0:c1 - k0] += 1
-        unmasked[p0 - q0:p1 - q0, c0 - k0:c1 - k0] = True
+        covered[p0 - q0 : p1 - q0, c0 - k0 : c1 - k0] += 1
+        unmasked[p0 - q0 : p1 - q0, c0 - k0 : c1 - k0] = True
         for j0, j1 in hidden:
             assert c0 <= j0 < j1 <= c1
-            unmasked[p0 - q0:p1 - q0, j0 - k0:j1 - k0] = False
+            unmasked[p0 - q0 : p1 - q0, j0 - k0 : j1 - k0] = False
     assert covered.max(initial=0) <= 1, "spans overlap"
     assert np.all(covered[seen_by_some] == 1), "a visible entry is in no span"
     assert np.all(seen_by_all[unmasked]), "an entry left unmasked is hidden from some item"
@@ -102,8 +106,9 @@ def test_a_causal_diagonal_tile_computes_ten_sixteenths_of_its_area():
     x = np.zeros((1, 1, 512, 4), dtype=np.float32)
     spec = make_spec(x, x, x, causal=True, impl="chunked")
     spans = fast_numpy.plan_tile(spec, 0, 512, 0, 512)  # SPLIT_BLOCK = 128: four row chunks
-    assert [(p0, p1, c0, c1) for p0, p1, c0, c1, _ in spans] == [(128 * i, 128 * i + 128, 0, 128 * i + 128)
-                                                                  for i in range(4)]
+    assert [(p0, p1, c0, c1) for p0, p1, c0, c1, _ in spans] == [
+        (128 * i, 128 * i + 128, 0, 128 * i + 128) for i in range(4)
+    ]
     assert sum((p1 - p0) * (c1 - c0) for p0, p1, c0, c1, _ in spans) == 512 * 512 * 10 // 16
     assert [hidden for *_, hidden in spans] == [((128 * i, 128 * i + 128),) for i in range(4)]  # the diagonal blocks
 
@@ -194,8 +199,11 @@ def test_an_exception_in_one_item_is_raised_after_the_others_finish(monkeypatch)
     assert _blas_threads() == _blas_threads()  # the limit was released (no deadlock on the lock)
 
 
-@pytest.mark.parametrize("spare, env, expected", [(False, None, 2), (True, None, 3), (True, "2", 2)],
-                         ids=["backward", "forward: one spare", "forward, NPATTN_NUM_THREADS=2: no spare"])
+@pytest.mark.parametrize(
+    "spare, env, expected",
+    [(False, None, 2), (True, None, 3), (True, "2", 2)],
+    ids=["backward", "forward: one spare", "forward, NPATTN_NUM_THREADS=2: no spare"],
+)
 def test_items_in_flight_at_once(monkeypatch, spare, env, expected):
     monkeypatch.setattr(fast_numpy, "num_threads", lambda: 2)  # a 2-CPU machine
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -253,9 +261,14 @@ def test_backward_follows_the_kernel_of_the_forward(monkeypatch):
     assert res.kernel == "numpy"
     calls = []
     kernels = attention_module._CHUNKED_KERNELS
-    monkeypatch.setitem(kernels, "numpy", (fast_numpy.forward, lambda *a: calls.append("numpy") or fast_numpy.backward(*a)))
-    monkeypatch.setitem(kernels, "generic", (chunked.chunked_forward,
-                                            lambda *a: calls.append("generic") or chunked.chunked_backward(*a)))
+    monkeypatch.setitem(
+        kernels, "numpy", (fast_numpy.forward, lambda *a: calls.append("numpy") or fast_numpy.backward(*a))
+    )
+    monkeypatch.setitem(
+        kernels,
+        "generic",
+        (chunked.chunked_forward, lambda *a: calls.append("generic") or chunked.chunked_backward(*a)),
+    )
     monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")  # switching the fast path off after the forward changes nothing
     npattn.attention_backward(np.ones_like(out), res)
     assert calls == ["numpy"]
@@ -273,7 +286,7 @@ def test_fast_path_memory_stays_linear_in_sequence_length():
     npattn.attention_backward(dout, npattn.attention_forward(q, k, v, impl="chunked")[1])  # imports, pool
     tracemalloc.start()
     try:
-        out, res = npattn.attention_forward(q, k, v, impl="chunked", causal=True)
+        _out, res = npattn.attention_forward(q, k, v, impl="chunked", causal=True)
         assert res.kernel == "numpy"
         npattn.attention_backward(dout, res)
         peak = tracemalloc.get_traced_memory()[1]
@@ -338,8 +351,9 @@ def test_large_logits_send_no_subnormal_into_a_matrix_product(monkeypatch, dtype
     monkeypatch.undo()
     assert subnormal_operands and max(subnormal_operands) == 0
     wide = [a.astype(np.float64) for a in (q, k, v)]
-    wide_options = {name: (value.astype(np.float64) if isinstance(value, np.ndarray) else value)
-                    for name, value in options.items()}
+    wide_options = {
+        name: (value.astype(np.float64) if isinstance(value, np.ndarray) else value) for name, value in options.items()
+    }
     ref_out, ref_res = npattn.attention_forward(*wide, impl="dense", **wide_options)
     ref = npattn.attention_backward(dout.astype(np.float64), ref_res)
     tol = dict(rtol=2e-3, atol=2e-3) if dtype == np.float32 else dict(rtol=1e-9, atol=1e-9)
@@ -439,8 +453,9 @@ def test_hidden_keys_scoring_far_above_the_visible_ones_change_nothing(case):
 
 
 REAL_SIZE_CASES = {
-    "causal bottom_right, lengths": dict(T=600, S=900, causal=True, align="bottom_right",
-                                         kv_lengths=np.array([900, 401])),
+    "causal bottom_right, lengths": dict(
+        T=600, S=900, causal=True, align="bottom_right", kv_lengths=np.array([900, 401])
+    ),
     "window, T != S": dict(T=700, S=1000, window=(150, 0), align="top_left"),
     "causal, dropout": dict(T=640, S=640, causal=True, dropout_p=0.1, seed=3),
 }

@@ -61,8 +61,11 @@ def _split(case: dict) -> tuple[dict, dict]:
 
 def _qkv(batch=(2,), N=2, K=2, T=3, S=4, H=2, Hv=3, seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((*batch, N, T, H)), rng.standard_normal((*batch, K, S, H)),
-            rng.standard_normal((*batch, K, S, Hv)))
+    return (
+        rng.standard_normal((*batch, N, T, H)),
+        rng.standard_normal((*batch, K, S, H)),
+        rng.standard_normal((*batch, K, S, Hv)),
+    )
 
 
 def _non_dividing_block(n: int) -> int:
@@ -123,8 +126,14 @@ def test_feature_matches_numpy_float64(backend, feature, impl):
     dout, dlse = rng.standard_normal(q.shape[:-1] + v.shape[-1:]), rng.standard_normal(q.shape[:-1])
     want, want_res = _run(q, k, v, dout, dlse, options)
 
-    host_inputs = {"q": q, "k": k, "v": v, "dout": dout, "dlse": dlse,
-                   **{key: val for key, val in options.items() if isinstance(val, np.ndarray)}}
+    host_inputs = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "dout": dout,
+        "dlse": dlse,
+        **{key: val for key, val in options.items() if isinstance(val, np.ndarray)},
+    }
     device_inputs = {name: backend.asarray(a) for name, a in host_inputs.items()}
     dev_options = {**options, **{key: device_inputs[key] for key in options if key in device_inputs}}
     d = device_inputs
@@ -151,9 +160,17 @@ def test_longer_sequences_128_tiles_match_numpy(backend):
     cp = backend.xp
     q, k, v = _qkv(batch=(2,), N=4, K=2, T=300, S=389, H=16, Hv=8, seed=3)
     rng = np.random.default_rng(4)
-    options = dict(causal=True, align="bottom_right", q_lengths=np.array([300, 211]),
-                   kv_lengths=np.array([389, 260]), bias=rng.standard_normal((300, 1)), dropout_p=0.1, seed=77,
-                   block_q=128, block_k=128)
+    options = dict(
+        causal=True,
+        align="bottom_right",
+        q_lengths=np.array([300, 211]),
+        kv_lengths=np.array([389, 260]),
+        bias=rng.standard_normal((300, 1)),
+        dropout_p=0.1,
+        seed=77,
+        block_q=128,
+        block_k=128,
+    )
     dout, dlse = rng.standard_normal(q.shape[:-1] + v.shape[-1:]), rng.standard_normal(q.shape[:-1])
     want, _ = _run(q, k, v, dout, dlse, {**options, "impl": "dense"})
     args = [cp.asarray(a) for a in (q, k, v, dout, dlse)]
@@ -214,15 +231,21 @@ def test_torch_cuda_tensors_take_the_accelerator_default(backend):
     options = dict(causal=True, align="bottom_right", bias=np.linspace(-1, 1, 2500))
     out = npattn.attention(*cuda, impl="chunked", **{**options, "bias": torch.asarray(options["bias"], device="cuda")})
     assert out.device.type == "cuda"
-    np.testing.assert_allclose(out.cpu().numpy(), npattn.attention(q, k, v, impl="dense", **options),
-                               rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(
+        out.cpu().numpy(), npattn.attention(q, k, v, impl="dense", **options), rtol=1e-11, atol=1e-11
+    )
 
 
 # --- gradients by central differences on the device --------------------------------
 
 
-GRADCHECK_FEATURES = ["combined mask+bias+window+lengths", "dropout + GQA + mask", "fully masked rows",
-                      "causal bottom_right T>S", "MQA (N=3, K=1)"]
+GRADCHECK_FEATURES = [
+    "combined mask+bias+window+lengths",
+    "dropout + GQA + mask",
+    "fully masked rows",
+    "causal bottom_right T>S",
+    "MQA (N=3, K=1)",
+]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -243,8 +266,9 @@ def test_check_gradients_full_jacobian(backend, feature, impl):
 def test_check_gradients_chunked_cases(backend, case):
     dims, options = _split(GRADCHECK_CASES[case])
     q, k, v = (backend.asarray(a) for a in chunked_qkv(**{"H": 2, "Hv": 2, "N": 2, "K": 2, **dims}, seed=3))
-    result = check_attention_gradients(q, k, v, {**_on_device(backend, options), "impl": "chunked"},
-                                       jacobian=True, max_jacobian_elements=10**6)
+    result = check_attention_gradients(
+        q, k, v, {**_on_device(backend, options), "impl": "chunked"}, jacobian=True, max_jacobian_elements=10**6
+    )
     assert result.ok and result.jacobian_checked
 
 
@@ -312,14 +336,18 @@ def test_dropout_keep_tile_is_bit_identical_to_numpy(backend):
     cp = backend.xp
     shape_q, shape_kv = (2, 3, 4, 33, 8), (2, 3, 2, 47, 8)
     seed, p = 2**40 + 12345, 0.37  # a seed past 32 bits exercises both halves
-    specs = {name: make_spec(xp.zeros(shape_q), xp.zeros(shape_kv), xp.zeros(shape_kv), dropout_p=p, seed=seed)
-             for name, xp in (("numpy", np), ("cupy", cp))}
+    specs = {
+        name: make_spec(xp.zeros(shape_q), xp.zeros(shape_kv), xp.zeros(shape_kv), dropout_p=p, seed=seed)
+        for name, xp in (("numpy", np), ("cupy", cp))
+    }
     full_np = np.asarray(keep_tile(specs["numpy"], 0, 33, 0, 47))  # (2, 3, 4, 33, 47)
     full_cp = keep_tile(specs["cupy"], 0, 33, 0, 47)
     assert isinstance(full_cp, cp.ndarray) and full_cp.shape == full_np.shape == (2, 3, 4, 33, 47)
     np.testing.assert_array_equal(cp.asnumpy(full_cp), full_np)
-    np.testing.assert_array_equal(cp.asnumpy(keep_tile(specs["cupy"], 5, 12, 40, 47, heads=(1, 3), batch=4)),
-                                  full_np.reshape(6, 4, 33, 47)[4, 1:3, 5:12, 40:47])
+    np.testing.assert_array_equal(
+        cp.asnumpy(keep_tile(specs["cupy"], 5, 12, 40, 47, heads=(1, 3), batch=4)),
+        full_np.reshape(6, 4, 33, 47)[4, 1:3, 5:12, 40:47],
+    )
     assert 0.55 < full_np.mean() < 0.70  # P(keep) = 1 - p = 0.63
     rng = np.random.default_rng(0)
     for _ in range(200):  # the independent pure-Python oracle
@@ -356,8 +384,17 @@ def test_narrow_dtypes_match_numpy(backend, dtype, impl):
     rng = np.random.default_rng(3)
     bias = rng.standard_normal((37, 45)).astype(np.float32)
     dout = rng.standard_normal((2, 4, 37, 8)).astype(dtype)
-    options = dict(bias=bias, causal=True, align="bottom_right", kv_lengths=np.array([45, 30]),
-                   dropout_p=0.2, seed=4, impl=impl, block_q=16, block_k=16)
+    options = dict(
+        bias=bias,
+        causal=True,
+        align="bottom_right",
+        kv_lengths=np.array([45, 30]),
+        dropout_p=0.2,
+        seed=4,
+        impl=impl,
+        block_q=16,
+        block_k=16,
+    )
     want, _ = _run(q, k, v, dout, None, options)
     got, res = _run(*(cp.asarray(a) for a in (q, k, v, dout)), None, _on_device(backend, options))
     assert got["out"].dtype == got["dq"].dtype == got["dk"].dtype == got["dv"].dtype == np.dtype(dtype)
@@ -371,8 +408,16 @@ def test_same_inputs_same_bits(backend, impl):
     cp = backend.xp
     q, k, v = (cp.asarray(a.astype(np.float32)) for a in _qkv(batch=(2,), N=4, K=2, T=50, S=70, H=8, Hv=8))
     dout = cp.ones((2, 4, 50, 8), dtype=cp.float32)
-    options = dict(causal=True, align="bottom_right", bias=cp.ones((50, 70), dtype=cp.float32),
-                   dropout_p=0.3, seed=2, impl=impl, block_q=16, block_k=24)
+    options = dict(
+        causal=True,
+        align="bottom_right",
+        bias=cp.ones((50, 70), dtype=cp.float32),
+        dropout_p=0.3,
+        seed=2,
+        impl=impl,
+        block_q=16,
+        block_k=24,
+    )
     first, second = (_host(_run(q, k, v, dout, None, options)[0]) for _ in range(2))
     for name in NAMES:
         np.testing.assert_array_equal(first[name], second[name], err_msg=name)
@@ -405,14 +450,19 @@ def test_multihead_layer_matches_numpy(backend, impl):
     blocks = dict(impl=impl, block_q=3, block_k=4)
     cases = {
         "self, causal, GQA, dropout": (params_np, params_cp, (x,), dict(causal=True, dropout_p=0.2, seed=5)),
-        "cross pair, kv_lengths, bias": (cross_np, cross_cp, (x, (xk, xv)),
-                                         dict(kv_lengths=np.array([9, 4]), bias=rng.standard_normal((T, S)))),
+        "cross pair, kv_lengths, bias": (
+            cross_np,
+            cross_cp,
+            (x, (xk, xv)),
+            dict(kv_lengths=np.array([9, 4]), bias=rng.standard_normal((T, S))),
+        ),
     }
     for case, (p_np, p_cp, inputs, options) in cases.items():
         options = dict(num_heads=N, num_kv_heads=K, need_weights=True, **blocks, **options)
         y_np, res_np, g_np = _mha_host(p_np, *inputs, **options)
-        dev_inputs = tuple(cp.asarray(a) if isinstance(a, np.ndarray) else tuple(cp.asarray(b) for b in a)
-                           for a in inputs)
+        dev_inputs = tuple(
+            cp.asarray(a) if isinstance(a, np.ndarray) else tuple(cp.asarray(b) for b in a) for a in inputs
+        )
         y_cp, res_cp = mha_forward(p_cp, *dev_inputs, **_on_device(backend, options))
         dy = cp.ones_like(y_cp) * 0.5 + cp.arange(E) / E
         g_cp = mha_backward(dy, res_cp)
@@ -431,11 +481,12 @@ def test_multihead_layer_matches_numpy(backend, impl):
 
 def test_multihead_layer_cached_decoding_equals_one_causal_forward(backend):
     cp = backend.xp
-    layer = npattn.MultiheadAttention(params={name: cp.asarray(w) for name, w in
-                                              mha_init(12, 4, num_kv_heads=1, seed=6).items()}, num_heads=4)
+    layer = npattn.MultiheadAttention(
+        params={name: cp.asarray(w) for name, w in mha_init(12, 4, num_kv_heads=1, seed=6).items()}, num_heads=4
+    )
     x = cp.asarray(np.random.default_rng(1).standard_normal((2, 6, 12)))
     full, _ = layer(x, causal=True, impl="dense")
     cache = layer.new_cache(2, max_length=6)
-    steps = [layer(x[:, i:i + 2], cache=cache, causal=True)[0] for i in range(0, 6, 2)]
+    steps = [layer(x[:, i : i + 2], cache=cache, causal=True)[0] for i in range(0, 6, 2)]
     assert isinstance(cache.keys, cp.ndarray) and cache.length == 6
     np.testing.assert_allclose(cp.asnumpy(cp.concatenate(steps, axis=1)), cp.asnumpy(full), **TOL)

@@ -32,8 +32,9 @@ def _matmul_pair(wrong_element=None):
 
 
 def test_correct_backward_passes_both_checks():
-    result = check_gradients(*_matmul_pair(), [RNG.standard_normal((3, 4)), RNG.standard_normal((4, 2))],
-                             names=["a", "b"])
+    result = check_gradients(
+        *_matmul_pair(), [RNG.standard_normal((3, 4)), RNG.standard_normal((4, 2))], names=["a", "b"]
+    )
     assert result.ok and result.jacobian_checked
     assert max(result.max_abs_error.values()) < 1e-8
     assert "passed" in str(result)
@@ -41,17 +42,24 @@ def test_correct_backward_passes_both_checks():
 
 def test_wrong_element_is_named_in_the_jacobian_failure():
     with pytest.raises(GradcheckError) as info:
-        check_gradients(*_matmul_pair(wrong_element=(1, 2)),
-                        [RNG.standard_normal((3, 4)), RNG.standard_normal((4, 2))], names=["a", "b"])
+        check_gradients(
+            *_matmul_pair(wrong_element=(1, 2)),
+            [RNG.standard_normal((3, 4)), RNG.standard_normal((4, 2))],
+            names=["a", "b"],
+        )
     message = str(info.value)
     assert "a[1, 2]" in message and "numeric" in message and "analytic" in message
     assert "b[" not in message
 
 
 def test_random_vjp_catches_errors_without_the_jacobian():
-    result = check_gradients(*_matmul_pair(wrong_element=(0, 0)),
-                             [RNG.standard_normal((3, 4)), RNG.standard_normal((4, 2))],
-                             names=["a", "b"], jacobian=False, raise_on_failure=False)
+    result = check_gradients(
+        *_matmul_pair(wrong_element=(0, 0)),
+        [RNG.standard_normal((3, 4)), RNG.standard_normal((4, 2))],
+        names=["a", "b"],
+        jacobian=False,
+        raise_on_failure=False,
+    )
     assert not result.ok and not result.jacobian_checked
     assert any(f.startswith("a: random VJP") for f in result.failures)
 

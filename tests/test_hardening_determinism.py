@@ -43,7 +43,8 @@ def _assert_bit_identical(first, other, label):
         assert a.dtype == b.dtype and a.shape == b.shape, label
         # view as integers: bit equality, NaN and -0.0 included
         assert np.array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8)), (
-            f"{label}: array {n} differs")
+            f"{label}: array {n} differs"
+        )
 
 
 def _problem(dtype, rng, B=3, N=4, K=2, T=70, S=90, H=8, Hv=6):
@@ -58,14 +59,21 @@ def _problem(dtype, rng, B=3, N=4, K=2, T=70, S=90, H=8, Hv=6):
 FEATURES = {
     "plain": lambda rng, B, N, T, S: {},
     "causal + dropout": lambda rng, B, N, T, S: dict(causal=True, align="bottom_right", dropout_p=0.2, seed=11),
-    "mask + lengths": lambda rng, B, N, T, S: dict(mask=rng.random((B, 1, T, S)) < 0.8,
-                                                   q_lengths=np.array([T, 3, 0])[:B],
-                                                   kv_lengths=np.array([S, S // 2, 1])[:B]),
+    "mask + lengths": lambda rng, B, N, T, S: dict(
+        mask=rng.random((B, 1, T, S)) < 0.8, q_lengths=np.array([T, 3, 0])[:B], kv_lengths=np.array([S, S // 2, 1])[:B]
+    ),
     "bias (sequential backward) + window": lambda rng, B, N, T, S: dict(
-        bias=rng.standard_normal((N, T, S)), window=(10, 5), align="top_left", dropout_p=0.1, seed=2),
+        bias=rng.standard_normal((N, T, S)), window=(10, 5), align="top_left", dropout_p=0.1, seed=2
+    ),
     "broadcast bias + everything": lambda rng, B, N, T, S: dict(
-        bias=rng.standard_normal((B, 1, 1, S)).astype(np.float32), mask=rng.random((T, S)) < 0.9,
-        causal=True, align="bottom_right", kv_lengths=np.array([S, 2 * S // 3, S // 3])[:B], dropout_p=0.3, seed=5),
+        bias=rng.standard_normal((B, 1, 1, S)).astype(np.float32),
+        mask=rng.random((T, S)) < 0.9,
+        causal=True,
+        align="bottom_right",
+        kv_lengths=np.array([S, 2 * S // 3, S // 3])[:B],
+        dropout_p=0.3,
+        seed=5,
+    ),
 }
 
 
@@ -107,16 +115,23 @@ def test_float16_fast_path_bits_do_not_depend_on_the_thread_count():
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=attention_cases(max_len=12, min_batch_ndim=1), threads=st.sampled_from(THREADS[1:]),
-       block_q=st.sampled_from([1, 3, 4, 64]), block_k=st.sampled_from([1, 2, 5, 64]))
+@given(
+    case=attention_cases(max_len=12, min_batch_ndim=1),
+    threads=st.sampled_from(THREADS[1:]),
+    block_q=st.sampled_from([1, 3, 4, 64]),
+    block_k=st.sampled_from([1, 2, 5, 64]),
+)
 def test_any_case_is_bit_identical_on_one_thread_and_on_many(case, threads, block_q, block_k):
     rng = np.random.default_rng(0)
     q, k, v = case.arrays
     dout = rng.standard_normal(q.shape[:-1] + v.shape[-1:])
     dlse = rng.standard_normal(q.shape[:-1])
     options = dict(case.options, impl="chunked", block_q=block_q, block_k=block_k)
-    _assert_bit_identical(_run(q, k, v, dout, dlse, threads="1", **options),
-                          _run(q, k, v, dout, dlse, threads=threads, **options), f"{threads} threads vs 1")
+    _assert_bit_identical(
+        _run(q, k, v, dout, dlse, threads="1", **options),
+        _run(q, k, v, dout, dlse, threads=threads, **options),
+        f"{threads} threads vs 1",
+    )
 
 
 @pytest.mark.parametrize("impl", ["dense", "chunked"])
@@ -124,8 +139,16 @@ def test_mha_bits_do_not_depend_on_the_thread_count(impl):
     params = npattn.mha_init(16, 4, num_kv_heads=2, seed=3)
     rng = np.random.default_rng(4)
     x, context = rng.standard_normal((3, 20, 16)), rng.standard_normal((3, 30, 16))
-    options = dict(num_heads=4, impl=impl, block_q=4, block_k=8, dropout_p=0.1, seed=1,
-                   kv_lengths=np.array([30, 10, 0]), need_weights=True)
+    options = dict(
+        num_heads=4,
+        impl=impl,
+        block_q=4,
+        block_k=8,
+        dropout_p=0.1,
+        seed=1,
+        kv_lengths=np.array([30, 10, 0]),
+        need_weights=True,
+    )
 
     def run(threads):
         with mock.patch.dict(os.environ, {"NPATTN_NUM_THREADS": threads}):

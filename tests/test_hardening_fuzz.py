@@ -43,10 +43,15 @@ LEAKS = (IndexError, AttributeError, ZeroDivisionError, OverflowError, KeyError,
 
 TOL = {"float64": 1e-10, "float32": 3e-5, "float16": 4e-3}
 PATHS = ("dense", "chunked-fast", "chunked-generic")
+
+
 def fuzz(max_examples: int) -> settings:
     """Explicit example counts (cheap tests), no deadline (thread pool start-up)."""
-    return settings(max_examples=max_examples, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -125,12 +130,17 @@ def _run_path(path, q, k, v, options, dout, dlse):
 
 
 @fuzz(300)
-@given(case=st.one_of(attention_cases(), attention_cases(max_len=16)),
-       dtype=st.sampled_from(["float64", "float32", "float16"]),
-       block_q=st.sampled_from([None, 1, 2, 3, 7, 64]), block_k=st.sampled_from([None, 1, 2, 5, 8, 64]),
-       bias_in_input_dtype=st.booleans(), data_seed=st.integers(0, 2**16))
+@given(
+    case=st.one_of(attention_cases(), attention_cases(max_len=16)),
+    dtype=st.sampled_from(["float64", "float32", "float16"]),
+    block_q=st.sampled_from([None, 1, 2, 3, 7, 64]),
+    block_k=st.sampled_from([None, 1, 2, 5, 8, 64]),
+    bias_in_input_dtype=st.booleans(),
+    data_seed=st.integers(0, 2**16),
+)
 def test_valid_calls_are_finite_agree_on_every_path_and_leave_inputs_alone(
-        case, dtype, block_q, block_k, bias_in_input_dtype, data_seed):
+    case, dtype, block_q, block_k, bias_in_input_dtype, data_seed
+):
     EXAMPLES["valid attention"] += 1
     q, k, v = (a.astype(dtype) for a in case.arrays)
     options = dict(case.options, block_q=block_q, block_k=block_k)
@@ -300,18 +310,48 @@ def _corrupt(name, q, k, v, options, rng, dims):
 #: ones that reshape or recast it (so that those still see NumPy arrays).
 LATE = {"integer q": 1, "mixed dtypes": 1, "other library": 2, "q list": 3, "q None": 4}
 
-CORRUPTIONS = ("q rank", "q None", "q list", "k head dim", "v length", "kv heads", "batch axes", "integer q",
-               "mixed dtypes", "other library", "mask float", "mask shape", "bias shape", "bias bool",
-               "q_lengths too long", "kv_lengths negative", "lengths float", "lengths shape",
-               "dropout out of range", "dropout without seed", "seed negative", "window negative",
-               "window not a pair", "scale not finite", "scale overflows", "block zero", "impl unknown",
-               "align unknown", "causal not bool", "xp wrong")
+CORRUPTIONS = (
+    "q rank",
+    "q None",
+    "q list",
+    "k head dim",
+    "v length",
+    "kv heads",
+    "batch axes",
+    "integer q",
+    "mixed dtypes",
+    "other library",
+    "mask float",
+    "mask shape",
+    "bias shape",
+    "bias bool",
+    "q_lengths too long",
+    "kv_lengths negative",
+    "lengths float",
+    "lengths shape",
+    "dropout out of range",
+    "dropout without seed",
+    "seed negative",
+    "window negative",
+    "window not a pair",
+    "scale not finite",
+    "scale overflows",
+    "block zero",
+    "impl unknown",
+    "align unknown",
+    "causal not bool",
+    "xp wrong",
+)
 
 
 @fuzz(500)
-@given(case=attention_cases(), dtype=st.sampled_from([np.float64, np.float32, np.float16]),
-       corruptions=st.lists(st.sampled_from(CORRUPTIONS), min_size=1, max_size=2, unique=True),
-       impl=st.sampled_from(["dense", "chunked", "auto"]), rng_seed=st.integers(0, 2**16))
+@given(
+    case=attention_cases(),
+    dtype=st.sampled_from([np.float64, np.float32, np.float16]),
+    corruptions=st.lists(st.sampled_from(CORRUPTIONS), min_size=1, max_size=2, unique=True),
+    impl=st.sampled_from(["dense", "chunked", "auto"]),
+    rng_seed=st.integers(0, 2**16),
+)
 def test_invalid_calls_raise_a_clean_error_naming_the_argument(case, dtype, corruptions, impl, rng_seed):
     EXAMPLES["invalid attention"] += 1
     rng = np.random.default_rng(rng_seed)
@@ -336,7 +376,9 @@ def test_invalid_calls_raise_a_clean_error_naming_the_argument(case, dtype, corr
 
 def _bad_cotangent(kind, out, lse):
     if kind == "dout shape":
-        return {"dout": np.zeros(out.shape[:-1] + (out.shape[-1] + 1,), out.dtype)}, "dout must have the forward's shape"
+        return {
+            "dout": np.zeros(out.shape[:-1] + (out.shape[-1] + 1,), out.dtype)
+        }, "dout must have the forward's shape"
     if kind == "dout rank":
         return {"dout": np.zeros(out.shape[1:], out.dtype)}, "dout must have the forward's shape"
     if kind == "dout dtype":
@@ -359,10 +401,25 @@ def _bad_cotangent(kind, out, lse):
 
 
 @fuzz(150)
-@given(case=attention_cases(), dtype=st.sampled_from([np.float64, np.float32, np.float16]),
-       impl=st.sampled_from(["dense", "chunked"]),
-       kind=st.sampled_from(["dout shape", "dout rank", "dout dtype", "dout int", "dout library", "dout None",
-                             "dout list", "dlse shape", "dlse dtype", "dlse library"]))
+@given(
+    case=attention_cases(),
+    dtype=st.sampled_from([np.float64, np.float32, np.float16]),
+    impl=st.sampled_from(["dense", "chunked"]),
+    kind=st.sampled_from(
+        [
+            "dout shape",
+            "dout rank",
+            "dout dtype",
+            "dout int",
+            "dout library",
+            "dout None",
+            "dout list",
+            "dlse shape",
+            "dlse dtype",
+            "dlse library",
+        ]
+    ),
+)
 def test_backward_rejects_cotangents_that_do_not_fit_and_stays_usable(case, dtype, impl, kind):
     EXAMPLES["backward misuse"] += 1
     q, k, v = (a.astype(dtype) for a in case.arrays)
@@ -434,8 +491,9 @@ def test_mha_is_finite_path_independent_and_leaves_inputs_alone(case, dtype):
         a.flags.writeable = False
     results = {}
     for impl in ("dense", "chunked"):
-        y, res = npattn.mha_forward(params, x, context, num_heads=N, num_kv_heads=K, impl=impl,
-                                    need_weights=True, **options)
+        y, res = npattn.mha_forward(
+            params, x, context, num_heads=N, num_kv_heads=K, impl=impl, need_weights=True, **options
+        )
         dy = np.ones_like(y)
         g = npattn.mha_backward(dy, res)
         results[impl] = (y, res, g)
@@ -480,12 +538,24 @@ def _params_corruption(name, params):
 
 
 @fuzz(100)
-@given(case=mha_cases(), corruption=st.sampled_from(["missing weight", "unknown key", "bias shape",
-                                                     "out_weight shape", "v rows", "value not an array",
-                                                     "dtype", "not a dict"]))
+@given(
+    case=mha_cases(),
+    corruption=st.sampled_from(
+        [
+            "missing weight",
+            "unknown key",
+            "bias shape",
+            "out_weight shape",
+            "v rows",
+            "value not an array",
+            "dtype",
+            "not a dict",
+        ]
+    ),
+)
 def test_mha_rejects_bad_params(case, corruption):
     EXAMPLES["invalid mha params"] += 1
-    params, x, context, N, K, options = case
+    params, x, context, N, _K, options = case
     params, error, fragment = _params_corruption(corruption, params)
     with pytest.raises(error) as info:
         npattn.mha_forward(params, x, context, num_heads=N, **options)
@@ -496,8 +566,12 @@ def test_mha_rejects_bad_params(case, corruption):
 
 
 @fuzz(100)
-@given(case=attention_cases(features=("mask", "bias", "lengths")), n_cuts=st.integers(0, 3),
-       cut_seed=st.integers(0, 2**16), dtype=st.sampled_from([np.float64, np.float32]))
+@given(
+    case=attention_cases(features=("mask", "bias", "lengths")),
+    n_cuts=st.integers(0, 3),
+    cut_seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([np.float64, np.float32]),
+)
 def test_merge_of_any_key_split_equals_full_attention(case, n_cuts, cut_seed, dtype):
     EXAMPLES["merge split"] += 1
     q, k, v = (a.astype(dtype) for a in case.arrays)
@@ -516,8 +590,14 @@ def test_merge_of_any_key_split_equals_full_attention(case, n_cuts, cut_seed, dt
     out, res = npattn.attention_forward(q, k, v, mask=mask, bias=bias, **options)
     outs, lses = [], []
     for s0, s1 in bounds:
-        o, r = npattn.attention_forward(q, k[..., s0:s1, :], v[..., s0:s1, :], mask=mask[..., s0:s1],
-                                        bias=None if bias is None else bias[..., s0:s1], **options)
+        o, r = npattn.attention_forward(
+            q,
+            k[..., s0:s1, :],
+            v[..., s0:s1, :],
+            mask=mask[..., s0:s1],
+            bias=None if bias is None else bias[..., s0:s1],
+            **options,
+        )
         outs.append(o)
         lses.append(r.lse)
     merged, lse, merge_res = npattn.merge_partials(outs, lses)

@@ -106,8 +106,14 @@ def reference(q, k, v, *, scale, visible=None, bias=None, dout=None, dlse=None):
         ds = p * (dp - D)
         K = k.shape[-3]
         fold = lambda x: x.reshape(x.shape[:-3] + (K, G) + x.shape[-2:]).sum(axis=-3)  # noqa: E731
-        result.update(dq=scale * ds @ ke, dk=fold(scale * np.swapaxes(ds, -1, -2) @ q),
-                      dv=fold(np.swapaxes(p, -1, -2) @ dout), dp=dp, D=D, ds=ds)
+        result.update(
+            dq=scale * ds @ ke,
+            dk=fold(scale * np.swapaxes(ds, -1, -2) @ q),
+            dv=fold(np.swapaxes(p, -1, -2) @ dout),
+            dp=dp,
+            D=D,
+            ds=ds,
+        )
     return result
 
 
@@ -167,10 +173,18 @@ def test_float32_scores_of_1e4_match_a_float64_reference(path, sign):
     ke = np.repeat(np.abs(k.astype(np.float64)), G, axis=-3)
     fold = lambda x: x.reshape(x.shape[:-3] + (k.shape[-3], G) + x.shape[-2:]).sum(axis=-3)  # noqa: E731
     assert_within("dq", g.dq, ref["dq"], ds_bound @ ke + 1e-5 * np.abs(ref["dq"]).max())
-    assert_within("dk", g.dk, ref["dk"], fold(np.swapaxes(ds_bound, -1, -2) @ np.abs(q.astype(np.float64)))
-                  + 1e-5 * np.abs(ref["dk"]).max())
-    assert_within("dv", g.dv, ref["dv"], fold(np.swapaxes((2 * delta + 8 * EPS32) * p, -1, -2) @ np.abs(dout))
-                  + 1e-5 * np.abs(ref["dv"]).max())
+    assert_within(
+        "dk",
+        g.dk,
+        ref["dk"],
+        fold(np.swapaxes(ds_bound, -1, -2) @ np.abs(q.astype(np.float64))) + 1e-5 * np.abs(ref["dk"]).max(),
+    )
+    assert_within(
+        "dv",
+        g.dv,
+        ref["dv"],
+        fold(np.swapaxes((2 * delta + 8 * EPS32) * p, -1, -2) @ np.abs(dout)) + 1e-5 * np.abs(ref["dv"]).max(),
+    )
 
 
 # --- float16 inputs up to 6e4 ------------------------------------------------------------------
@@ -214,9 +228,11 @@ def test_float16_up_to_6e4_is_correct_and_overflows_only_where_the_true_value_do
     f64 = lambda a: np.abs(np.asarray(a, np.float64))  # noqa: E731
     fold = lambda x: x.reshape(x.shape[:-3] + (K, N // K) + x.shape[-2:]).sum(axis=-3)  # noqa: E731
     ds_bound = 32 * EPS32 * ref["p"] * (np.abs(ref["dp"]) + np.abs(ref["D"]))
-    rounding = {"dq": scale * ds_bound @ np.repeat(f64(k), N // K, axis=-3),
-                "dk": fold(scale * np.swapaxes(ds_bound, -1, -2) @ f64(q)),
-                "dv": fold(np.swapaxes(8 * EPS32 * ref["p"], -1, -2) @ f64(dout))}
+    rounding = {
+        "dq": scale * ds_bound @ np.repeat(f64(k), N // K, axis=-3),
+        "dk": fold(scale * np.swapaxes(ds_bound, -1, -2) @ f64(q)),
+        "dv": fold(np.swapaxes(8 * EPS32 * ref["p"], -1, -2) @ f64(dout)),
+    }
     overflowed = 0
     for name in ("dq", "dk", "dv"):
         grad = getattr(g, name)
@@ -228,7 +244,8 @@ def test_float16_up_to_6e4_is_correct_and_overflows_only_where_the_true_value_do
         bound = _ulp16(np.where(fits, want, 0.0)) + rounding[name]
         assert_within(name, got[fits], want[fits], bound[fits])
         assert (np.isinf(got[beyond]) & (np.sign(got[beyond]) == np.sign(want[beyond]))).all(), (
-            f"{name}: true values beyond float16's range must round to +-inf")
+            f"{name}: true values beyond float16's range must round to +-inf"
+        )
         overflowed += int(beyond.sum())
     assert overflowed > 0  # the case does reach float16's limit
 
@@ -265,8 +282,9 @@ def test_tiny_scale_is_uniform_attention_over_visible_keys(path, dtype):
     q, k, v = (rng.standard_normal(s).astype(dtype) for s in ((2, 2, 6, 4), (2, 1, 9, 4), (2, 1, 9, 5)))
     kv_lengths = np.array([9, 4])
     dout = rng.standard_normal((2, 2, 6, 5)).astype(dtype)
-    out, res, g = run(path, q, k, v, dout, scale=1e-30, causal=True, align="bottom_right", kv_lengths=kv_lengths,
-                      block_q=4, block_k=4)
+    out, res, g = run(
+        path, q, k, v, dout, scale=1e-30, causal=True, align="bottom_right", kv_lengths=kv_lengths, block_q=4, block_k=4
+    )
     i, j, kv_len = np.arange(6)[:, None], np.arange(9), kv_lengths[:, None, None, None]
     visible = (j <= i + kv_len - 6) & (j < kv_len)  # (2, 1, 6, 9): bottom_right by the valid lengths
     count = visible.sum(-1)  # keys each row sees; 0 on the fully masked rows
@@ -340,8 +358,8 @@ def test_alibi_bias_over_long_rows_is_not_nan(path):
     q, k, v = (rng.standard_normal((1, 2, T, 16)).astype(np.float32) for _ in range(3))
     distance = np.maximum(np.arange(T)[:, None] - np.arange(T)[None, :], 0)
     alibi = (-np.array([0.5, 0.0625], np.float32)[:, None, None] * distance).astype(np.float32)  # (2, T, T)
-    out, res, _ = run(path, q, k, v, bias=alibi, causal=True)
-    out_d, res_d, _ = run("dense", q, k, v, bias=alibi, causal=True)
+    out, _res, _ = run(path, q, k, v, bias=alibi, causal=True)
+    out_d, _res_d, _ = run("dense", q, k, v, bias=alibi, causal=True)
     np.testing.assert_allclose(out, out_d, atol=1e-4, rtol=0)  # float32 over up to 1200 keys
 
 
@@ -353,7 +371,7 @@ def test_backward_uses_the_forwards_probabilities_when_scores_are_huge(path):
     rng = np.random.default_rng(25)
     q, k = rng.uniform(0, 1, (1, 1, 1, 2)), rng.uniform(0, 1, (1, 1, 4, 2))
     v, dout = np.eye(4)[None, None], np.ones((1, 1, 1, 4))
-    out, res, g = run(path, q, k, v, dout, scale=1e16, block_k=1)
+    out, _res, g = run(path, q, k, v, dout, scale=1e16, block_k=1)
     np.testing.assert_array_equal(out[0, 0, 0], [0.0, 0.0, 1.0, 0.0])
     np.testing.assert_allclose(g.dv[0, 0], np.outer([0.0, 0.0, 1.0, 0.0], np.ones(4)), atol=1e-12)
 
@@ -418,14 +436,34 @@ def test_sizes_of_one(path):
 
 
 EMPTY = {  # name: (q shape, k shape, v shape, options)
-    "B=0": ((0, 2, 3, 4), (0, 1, 5, 4), (0, 1, 5, 2),
-            dict(mask=np.ones((0, 1, 3, 5), bool), bias=np.zeros((0, 2, 3, 5)), kv_lengths=np.zeros(0, np.int64),
-                 q_lengths=np.zeros(0, np.int64), causal=True, align="bottom_right", dropout_p=0.5, seed=3)),
-    "B=0, broadcast bias": ((0, 2, 3, 4), (0, 1, 5, 4), (0, 1, 5, 2), dict(bias=np.zeros((2, 1, 5)), causal=True,
-                                                                           align="top_left")),
+    "B=0": (
+        (0, 2, 3, 4),
+        (0, 1, 5, 4),
+        (0, 1, 5, 2),
+        dict(
+            mask=np.ones((0, 1, 3, 5), bool),
+            bias=np.zeros((0, 2, 3, 5)),
+            kv_lengths=np.zeros(0, np.int64),
+            q_lengths=np.zeros(0, np.int64),
+            causal=True,
+            align="bottom_right",
+            dropout_p=0.5,
+            seed=3,
+        ),
+    ),
+    "B=0, broadcast bias": (
+        (0, 2, 3, 4),
+        (0, 1, 5, 4),
+        (0, 1, 5, 2),
+        dict(bias=np.zeros((2, 1, 5)), causal=True, align="top_left"),
+    ),
     "batch axes (2, 0)": ((2, 0, 2, 3, 4), (2, 0, 2, 5, 4), (2, 0, 2, 5, 2), dict(window=(1, 1), align="top_left")),
-    "T=0": ((2, 2, 0, 4), (2, 1, 5, 4), (2, 1, 5, 2), dict(bias=np.zeros((2, 1, 0, 5)), causal=True,
-                                                           align="bottom_right", kv_lengths=np.array([5, 2]))),
+    "T=0": (
+        (2, 2, 0, 4),
+        (2, 1, 5, 4),
+        (2, 1, 5, 2),
+        dict(bias=np.zeros((2, 1, 0, 5)), causal=True, align="bottom_right", kv_lengths=np.array([5, 2])),
+    ),
     "N=0": ((2, 0, 3, 4), (2, 1, 5, 4), (2, 1, 5, 2), dict(mask=np.ones((3, 5), bool))),
     "N=0, no mask": ((2, 0, 3, 4), (2, 1, 5, 4), (2, 1, 5, 2), {}),
     "Hv=0": ((2, 2, 3, 4), (2, 1, 5, 4), (2, 1, 5, 0), dict(bias=np.zeros((3, 5)))),
@@ -480,8 +518,9 @@ def test_lengths_of_zero(path, which):
     lengths = {"q_lengths": np.array([0, 4, 2]), "kv_lengths": np.array([0, 6, 3])}
     options = lengths if which == "both" else {which: lengths[which]}
     dout, dlse = rng.standard_normal((3, 2, 4, 3)), rng.standard_normal((3, 2, 4))  # dlse on masked rows too
-    out, res, g = run(path, q, k, v, dout, dlse, bias=bias, causal=True, align="bottom_right", block_q=3,
-                      block_k=4, **options)
+    out, res, g = run(
+        path, q, k, v, dout, dlse, bias=bias, causal=True, align="bottom_right", block_q=3, block_k=4, **options
+    )
     rows = np.zeros((3, 2, 4), bool)
     rows[0] = True  # batch 0: length 0, nothing visible
     if "q_lengths" in options:
@@ -490,7 +529,7 @@ def test_lengths_of_zero(path, which):
         rows[2, :, 0] = True
     _assert_fully_masked(out, res, g, rows)
     assert not g.dk[0].any() and not g.dv[0].any() and not g.dbias[0].any()
-    out_d, res_d, g_d = run("dense", q, k, v, dout, dlse, bias=bias, causal=True, align="bottom_right", **options)
+    out_d, _res_d, g_d = run("dense", q, k, v, dout, dlse, bias=bias, causal=True, align="bottom_right", **options)
     np.testing.assert_allclose(out, out_d, atol=1e-12)
     for a, b in zip(g, g_d):
         np.testing.assert_allclose(a, b, atol=1e-11)
@@ -528,8 +567,9 @@ def test_mha_with_every_row_of_a_batch_element_masked(impl):
     params["out_bias"] = np.arange(8.0)
     rng = np.random.default_rng(13)
     x = rng.standard_normal((2, 5, 8))
-    y, res = npattn.mha_forward(params, x, num_heads=2, kv_lengths=np.array([0, 5]), causal=True, impl=impl,
-                                need_weights=True)
+    y, res = npattn.mha_forward(
+        params, x, num_heads=2, kv_lengths=np.array([0, 5]), causal=True, impl=impl, need_weights=True
+    )
     np.testing.assert_array_equal(y[0], np.broadcast_to(params["out_bias"], (5, 8)))
     assert not res.weights[0].any() and np.isneginf(res.lse[0]).all()
     g = npattn.mha_backward(np.ones_like(y), res)
@@ -576,7 +616,7 @@ def test_merge_partials_float16_at_its_limits():
     """float16 parts (computed in float32): outs at 6e4, lses at 65504 and -65504."""
     outs = [np.full((3, 2), 6e4, np.float16), np.full((3, 2), -6e4, np.float16)]
     lses = [np.array([65504.0, 0.0, -65504.0], np.float16), np.array([65504.0, 0.0, 65504.0], np.float16)]
-    out, lse, res = npattn.merge_partials(outs, lses)
+    out, lse, _res = npattn.merge_partials(outs, lses)
     assert out.dtype == lse.dtype == np.float16
     assert np.isfinite(out).all() and np.isfinite(lse).all()
     np.testing.assert_array_equal(out[:2], 0.0)  # equal weights: 6e4 and -6e4 cancel
@@ -587,6 +627,6 @@ def test_merge_partials_float16_at_its_limits():
 def test_merge_partials_of_many_equal_parts():
     outs = [np.full((1, 3), float(i)) for i in range(64)]
     lses = [np.full((1,), 7.0)] * 64
-    out, lse, res = npattn.merge_partials(outs, lses)
+    out, lse, _res = npattn.merge_partials(outs, lses)
     np.testing.assert_allclose(out, 31.5, rtol=1e-14)
     np.testing.assert_allclose(lse, 7.0 + np.log(64), rtol=1e-15)

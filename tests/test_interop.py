@@ -18,13 +18,18 @@ def random_params(rng, E, N, **kw):
 # --- layout, no torch -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("kw, keys", [
-    ({}, {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"}),
-    ({"bias": False}, {"in_proj_weight", "out_proj.weight"}),
-    ({"kdim": 5, "vdim": 3}, {"q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
-                              "out_proj.weight", "out_proj.bias"}),
-    ({"kdim": 8, "vdim": 3, "bias": False}, {"q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight"}),
-])
+@pytest.mark.parametrize(
+    "kw, keys",
+    [
+        ({}, {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"}),
+        ({"bias": False}, {"in_proj_weight", "out_proj.weight"}),
+        (
+            {"kdim": 5, "vdim": 3},
+            {"q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"},
+        ),
+        ({"kdim": 8, "vdim": 3, "bias": False}, {"q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight"}),
+    ],
+)
 def test_round_trip(kw, keys):
     params = random_params(np.random.default_rng(0), 8, 2, **kw)
     sd = mha_params_to_torch(params)
@@ -41,20 +46,35 @@ def test_round_trip(kw, keys):
         assert not np.shares_memory(back[name], sd.get("in_proj_weight", np.zeros(1)))
 
 
-@pytest.mark.parametrize("mutate, error, pattern", [
-    (lambda sd: sd.update(bias_k=np.zeros((1, 1, 8))), ValueError, r"bias_k/bias_v \(add_bias_kv=True\)"),
-    (lambda sd: sd.update(weight=np.zeros(1)), ValueError, r"keys nn.MultiheadAttention does not: \['weight'\]"),
-    (lambda sd: sd.update(q_proj_weight=np.zeros((8, 8))), ValueError,
-     r"both in_proj_weight and \['q_proj_weight'\]"),
-    (lambda sd: sd.update(in_proj_weight=np.zeros((16, 8))), ValueError,
-     r"in_proj_weight'\] must have shape \(3E, E\)"),
-    (lambda sd: sd.update(in_proj_bias=np.zeros(16)), ValueError,
-     r"in_proj_bias'\] must have shape \(3E,\) = \(24,\)"),
-    (lambda sd: sd.pop("out_proj.weight"), ValueError, r"missing 'out_proj.weight'"),
-    (lambda sd: sd.pop("in_proj_weight"), ValueError, r"must have in_proj_weight, or all of"),
-    (lambda sd: sd.update({"out_proj.bias": np.zeros(4)}), ValueError,
-     r"params\['out_bias'\] must have shape \(8,\)"),
-])
+@pytest.mark.parametrize(
+    "mutate, error, pattern",
+    [
+        (lambda sd: sd.update(bias_k=np.zeros((1, 1, 8))), ValueError, r"bias_k/bias_v \(add_bias_kv=True\)"),
+        (lambda sd: sd.update(weight=np.zeros(1)), ValueError, r"keys nn.MultiheadAttention does not: \['weight'\]"),
+        (
+            lambda sd: sd.update(q_proj_weight=np.zeros((8, 8))),
+            ValueError,
+            r"both in_proj_weight and \['q_proj_weight'\]",
+        ),
+        (
+            lambda sd: sd.update(in_proj_weight=np.zeros((16, 8))),
+            ValueError,
+            r"in_proj_weight'\] must have shape \(3E, E\)",
+        ),
+        (
+            lambda sd: sd.update(in_proj_bias=np.zeros(16)),
+            ValueError,
+            r"in_proj_bias'\] must have shape \(3E,\) = \(24,\)",
+        ),
+        (lambda sd: sd.pop("out_proj.weight"), ValueError, r"missing 'out_proj.weight'"),
+        (lambda sd: sd.pop("in_proj_weight"), ValueError, r"must have in_proj_weight, or all of"),
+        (
+            lambda sd: sd.update({"out_proj.bias": np.zeros(4)}),
+            ValueError,
+            r"params\['out_bias'\] must have shape \(8,\)",
+        ),
+    ],
+)
 def test_from_torch_bad_input(mutate, error, pattern):
     sd = mha_params_to_torch(mha_init(8, 2))
     mutate(sd)
@@ -121,8 +141,11 @@ def _torch_case(case, rng, B, T, S, E, N):
         "self-nobias": ({"bias": False}, "self", {}),
         "self-causal": ({}, "self", {"attn_mask": np.triu(np.ones((T, T), bool), k=1)}),
         "self-bool-masks": ({}, "self", {"key_padding_mask": kpm[:, :T], "attn_mask": am[:, :T]}),
-        "self-float-masks": ({}, "self", {"key_padding_mask": rng.standard_normal((B, T)),
-                                          "attn_mask": rng.standard_normal((T, T))}),
+        "self-float-masks": (
+            {},
+            "self",
+            {"key_padding_mask": rng.standard_normal((B, T)), "attn_mask": rng.standard_normal((T, T))},
+        ),
         "self-3d-attn-mask": ({}, "self", {"attn_mask": np.concatenate([am[None, :, :T]] * (B * N))}),
         "cross-single": ({}, "single", {"key_padding_mask": kpm}),
         "cross-single-kdim": ({"kdim": 6, "vdim": 6}, "single", {"attn_mask": am}),
@@ -131,8 +154,18 @@ def _torch_case(case, rng, B, T, S, E, N):
     }[case]
 
 
-TORCH_CASES = ["self", "self-nobias", "self-causal", "self-bool-masks", "self-float-masks", "self-3d-attn-mask",
-               "cross-single", "cross-single-kdim", "cross-pair-kdim-vdim", "cross-pair-nobias"]
+TORCH_CASES = [
+    "self",
+    "self-nobias",
+    "self-causal",
+    "self-bool-masks",
+    "self-float-masks",
+    "self-3d-attn-mask",
+    "cross-single",
+    "cross-single-kdim",
+    "cross-pair-kdim-vdim",
+    "cross-pair-nobias",
+]
 
 
 @pytest.mark.parametrize("case", TORCH_CASES)
@@ -142,8 +175,9 @@ def test_matches_torch_multihead_attention(case):
     B, T, S, E, N = 2, 3, 4, 8, 2
     kw, kind, torch_masks = _torch_case(case, rng, B, T, S, E, N)
     params = random_params(rng, E, N, **kw)
-    module = torch.nn.MultiheadAttention(E, N, batch_first=True, dtype=torch.float64,
-                                         **{k: v for k, v in kw.items() if k in ("kdim", "vdim", "bias")})
+    module = torch.nn.MultiheadAttention(
+        E, N, batch_first=True, dtype=torch.float64, **{k: v for k, v in kw.items() if k in ("kdim", "vdim", "bias")}
+    )
     module.load_state_dict({k: torch.from_numpy(a) for k, a in mha_params_to_torch(params).items()})
 
     x = rng.standard_normal((B, T, E))

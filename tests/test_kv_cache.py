@@ -27,7 +27,7 @@ def decode(params, x, cache, step, **options):
     returns the concatenated outputs and the per-call weights."""
     outs, weights = [], []
     for start in range(0, x.shape[1], step):
-        y, res = mha_forward(params, x[:, start:start + step], cache=cache, **options)
+        y, res = mha_forward(params, x[:, start : start + step], cache=cache, **options)
         outs.append(y)
         weights.append(res.weights)
     return np.concatenate(outs, axis=1), weights
@@ -43,15 +43,16 @@ def test_decode_equals_full_causal_forward(step, max_length, impl):
     x = rng.standard_normal((B, L, E))
     y_full, res_full = mha_forward(params, x, num_heads=N, causal=True, need_weights=True)
     cache = KVCache.for_mha(params, B, num_heads=N, max_length=max_length)
-    y_dec, weights = decode(params, x, cache, step, num_heads=N, causal=True, impl=impl, need_weights=True,
-                            block_q=2, block_k=2)
+    y_dec, weights = decode(
+        params, x, cache, step, num_heads=N, causal=True, impl=impl, need_weights=True, block_q=2, block_k=2
+    )
     np.testing.assert_allclose(y_dec, y_full, rtol=1e-13, atol=1e-13)
     assert cache.length == L and cache.keys.shape == (B, K, L, E // N)
     # each call's weights are rows of the full causal attention matrix
     start = 0
     for w in weights:
         t = w.shape[2]
-        np.testing.assert_allclose(w, res_full.weights[:, :, start:start + t, :start + t], rtol=1e-13, atol=1e-15)
+        np.testing.assert_allclose(w, res_full.weights[:, :, start : start + t, : start + t], rtol=1e-13, atol=1e-15)
         start += t
 
 
@@ -119,7 +120,7 @@ def test_cache_errors_name_the_problem():
 def test_kvcache_direct_use_and_reset():
     cache = KVCache(2, 1, 3, max_length=4)
     k = np.arange(2 * 1 * 2 * 3, dtype=np.float64).reshape(2, 1, 2, 3)
-    keys, values = cache.append(k, -k)
+    keys, _values = cache.append(k, -k)
     np.testing.assert_array_equal(keys, k)
     held = cache.keys
     cache.reset()
@@ -144,7 +145,7 @@ def test_layer_new_cache():
     x = np.random.default_rng(4).standard_normal((1, 4, 8))
     y_full, _ = layer(x, causal=True)
     cache = layer.new_cache(1)
-    y_dec = np.concatenate([layer(x[:, i:i + 1], cache=cache, causal=True)[0] for i in range(4)], axis=1)
+    y_dec = np.concatenate([layer(x[:, i : i + 1], cache=cache, causal=True)[0] for i in range(4)], axis=1)
     np.testing.assert_allclose(y_dec, y_full, rtol=1e-13, atol=1e-13)
 
 
@@ -162,8 +163,11 @@ def test_decode_on_backends(backend):
     for max_length in (None, L):
         cache = KVCache.for_mha(b_params, B, num_heads=N, max_length=max_length)
         assert array_api_compat.device(cache.keys) == array_api_compat.device(b_x)
-        outs = [mha_forward(b_params, b_x[:, i:min(i + 2, L), :], cache=cache, num_heads=N, causal=True)[0]
-                for i in range(0, L, 2)]
-        np.testing.assert_allclose(np.concatenate([backend.to_numpy(o) for o in outs], axis=1), y_ref,
-                                   rtol=1e-12, atol=1e-12)
+        outs = [
+            mha_forward(b_params, b_x[:, i : min(i + 2, L), :], cache=cache, num_heads=N, causal=True)[0]
+            for i in range(0, L, 2)
+        ]
+        np.testing.assert_allclose(
+            np.concatenate([backend.to_numpy(o) for o in outs], axis=1), y_ref, rtol=1e-12, atol=1e-12
+        )
     np.testing.assert_array_equal(backend.to_numpy(b_x), x)  # not mutated

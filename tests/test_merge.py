@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import numpy as np
@@ -56,7 +57,7 @@ def split_problems(draw):
 def _piece_forward(q, k, v, mask, edges):
     """Attention of q over each key piece: lists of (out, residuals)."""
     pieces = []
-    for k0, k1 in zip(edges[:-1], edges[1:]):
+    for k0, k1 in itertools.pairwise(edges):
         piece_mask = None if mask is None else mask[..., k0:k1]
         pieces.append(npattn.attention_forward(q, k[..., k0:k1, :], v[..., k0:k1, :], mask=piece_mask, impl="dense"))
     return pieces
@@ -198,7 +199,7 @@ def test_inputs_are_not_mutated_and_backward_is_reusable():
     outs, lses = _parts_with_neginf(P=3)
     for a in outs + lses:
         a.flags.writeable = False
-    out, lse, res = merge_partials(outs, lses)
+    out, _lse, res = merge_partials(outs, lses)
     dout = np.ones_like(out)
     first = merge_partials_backward(dout, None, res)
     second = merge_partials_backward(dout, None, res)
@@ -221,12 +222,18 @@ BAD_INPUT = {
     "no parts": (lambda: merge_partials([], []), ValueError, "at least one part"),
     "count mismatch": (lambda: merge_partials([np.zeros((2, 3))] * 2, [np.zeros(2)]), ValueError, "one entry per part"),
     "None part": (lambda: merge_partials([None], [np.zeros(2)]), TypeError, "outs[0] must be an array"),
-    "out shapes differ": (lambda: merge_partials([np.zeros((2, 3)), np.zeros((2, 4))], [np.zeros(2)] * 2),
-                          ValueError, "outs[1] has (2, 4)"),
+    "out shapes differ": (
+        lambda: merge_partials([np.zeros((2, 3)), np.zeros((2, 4))], [np.zeros(2)] * 2),
+        ValueError,
+        "outs[1] has (2, 4)",
+    ),
     "lse shape": (lambda: merge_partials([np.zeros((2, 3))], [np.zeros(3)]), ValueError, "lses[0] must have shape"),
     "integer lse": (lambda: merge_partials([np.zeros((2, 3))], [np.zeros(2, int)]), TypeError, "real floating"),
-    "mixed dtypes": (lambda: merge_partials([np.zeros((2, 3)), np.zeros((2, 3), np.float32)], [np.zeros(2)] * 2),
-                     TypeError, "share one dtype"),
+    "mixed dtypes": (
+        lambda: merge_partials([np.zeros((2, 3)), np.zeros((2, 3), np.float32)], [np.zeros(2)] * 2),
+        TypeError,
+        "share one dtype",
+    ),
     "scalar out": (lambda: merge_partials([np.float64(1.0)], [np.float64(0.0)]), ValueError, "rank >= 1"),
 }
 
@@ -245,7 +252,7 @@ def test_mixed_libraries_is_type_error():
 
 
 def test_backward_bad_input():
-    out, lse, res = merge_partials([np.zeros((2, 3))], [np.zeros(2)])
+    out, _lse, res = merge_partials([np.zeros((2, 3))], [np.zeros(2)])
     with pytest.raises(TypeError, match="residuals must come from merge_partials"):
         merge_partials_backward(out, None, object())
     with pytest.raises(ValueError, match="dout must have the merged out's shape"):

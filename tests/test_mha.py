@@ -10,6 +10,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import npattn
 from npattn.mha import MHAGrads, MultiheadAttention, layer_dims, mha_backward, mha_forward, mha_init
@@ -45,7 +47,7 @@ def reference_mha(params, x, key_source, value_source, *, num_heads, mask=None, 
     for b in range(B):
         for n in range(N):
             g = n // (N // K)
-            qh, kh, vh = q[b, :, n * H:(n + 1) * H], k[b, :, g * H:(g + 1) * H], v[b, :, g * H:(g + 1) * H]
+            qh, kh, vh = q[b, :, n * H : (n + 1) * H], k[b, :, g * H : (g + 1) * H], v[b, :, g * H : (g + 1) * H]
             for i in range(T):
                 scores = qh[i] @ kh.T / math.sqrt(H) + full_bias[b, n, i]
                 visible = full_mask[b, n, i] & (np.arange(S) <= i if causal else True)
@@ -53,7 +55,7 @@ def reference_mha(params, x, key_source, value_source, *, num_heads, mask=None, 
                     continue
                 e = np.where(visible, np.exp(scores - scores[visible].max()), 0.0)
                 weights[b, n, i] = e / e.sum()
-                merged[b, i, n * H:(n + 1) * H] = weights[b, n, i] @ vh
+                merged[b, i, n * H : (n + 1) * H] = weights[b, n, i] @ vh
     y = merged @ p["out_weight"].T + p.get("out_bias", 0.0)
     return y, weights
 
@@ -102,8 +104,12 @@ def _opts_plain(rng, B, N, T, S):
 
 
 def _opts_causal_lengths(rng, B, N, T, S):
-    return {"causal": True, "align": "bottom_right",
-            "q_lengths": np.array([T, T - 1]), "kv_lengths": np.array([S, S - 2])}
+    return {
+        "causal": True,
+        "align": "bottom_right",
+        "q_lengths": np.array([T, T - 1]),
+        "kv_lengths": np.array([S, S - 2]),
+    }
 
 
 def _opts_mask_bias(rng, B, N, T, S):
@@ -117,8 +123,12 @@ def _opts_dropout(rng, B, N, T, S):
 
 
 def _opts_window_bias_lengths(rng, B, N, T, S):
-    return {"window": (1, 1), "align": "bottom_right", "bias": rng.standard_normal((B, 1, 1, S)),
-            "kv_lengths": np.array([S - 1, S])}
+    return {
+        "window": (1, 1),
+        "align": "bottom_right",
+        "bias": rng.standard_normal((B, 1, 1, S)),
+        "kv_lengths": np.array([S - 1, S]),
+    }
 
 
 GRAD_CASES = {
@@ -175,14 +185,18 @@ def test_forward_matches_independent_oracle():
 
 @NO_CHUNKED
 @pytest.mark.parametrize(
-    "case", ["self-gqa-causal-lengths", "pair-context-gqa-window", "self-dropout", "single-context-mask-bias"])
+    "case", ["self-gqa-causal-lengths", "pair-context-gqa-window", "self-dropout", "single-context-mask-bias"]
+)
 def test_chunked_equals_dense(case):
     kind, E, N, K, kdim, vdim, B, T, S, make_options = GRAD_CASES[case]
     rng = np.random.default_rng(7)
     params = random_params(rng, E, N, K=K, kdim=kdim, vdim=vdim)
     x = rng.standard_normal((B, T, E))
-    context = {"self": None, "single": rng.standard_normal((B, S, kdim or E)),
-               "pair": (rng.standard_normal((B, S, kdim or E)), rng.standard_normal((B, S, vdim or E)))}[kind]
+    context = {
+        "self": None,
+        "single": rng.standard_normal((B, S, kdim or E)),
+        "pair": (rng.standard_normal((B, S, kdim or E)), rng.standard_normal((B, S, vdim or E))),
+    }[kind]
     options = {"num_heads": N, **make_options(rng, B, N, T, S), "need_weights": True}
     y_d, res_d = mha_forward(params, x, context, impl="dense", **options)
     y_c, res_c = mha_forward(params, x, context, impl="chunked", **CHUNKED_BLOCKS, **options)
@@ -208,8 +222,16 @@ def test_need_weights_fully_masked_rows_and_pre_dropout(impl):
     x = rng.standard_normal((B, T, E))
     bias = np.where(rng.random((1, N, T, T)) > 0.8, -np.inf, 0.0)
     bias[..., 0] = 0.0
-    opts = dict(num_heads=N, causal=True, bias=bias, q_lengths=np.array([3, 5]), impl=impl, need_weights=True,
-                block_q=2, block_k=2)
+    opts = dict(
+        num_heads=N,
+        causal=True,
+        bias=bias,
+        q_lengths=np.array([3, 5]),
+        impl=impl,
+        need_weights=True,
+        block_q=2,
+        block_k=2,
+    )
     y0, res0 = mha_forward(params, x, **opts)
     y1, res1 = mha_forward(params, x, dropout_p=0.5, seed=9, **opts)
     w = res0.weights
@@ -247,8 +269,15 @@ def test_options_pass_through_to_core():
     B, T, S, E, N, K = 2, 3, 6, 8, 4, 2
     params = random_params(rng, E, N, K=K)
     x, ctx = rng.standard_normal((B, T, E)), rng.standard_normal((B, S, E))
-    options = dict(causal=True, align="bottom_right", window=(2, None), kv_lengths=np.array([6, 4]),
-                   scale=0.3, dropout_p=0.2, seed=3)
+    options = dict(
+        causal=True,
+        align="bottom_right",
+        window=(2, None),
+        kv_lengths=np.array([6, 4]),
+        scale=0.3,
+        dropout_p=0.2,
+        seed=3,
+    )
     y, res = mha_forward(params, x, ctx, num_heads=N, **options)
     H = E // N
     q = (x @ params["q_weight"].T + params["q_bias"]).reshape(B, T, N, H).transpose(0, 2, 1, 3)
@@ -272,8 +301,9 @@ def test_dtypes(dtype):
     assert y.dtype == dtype and res.weights.dtype == np.float32
     g = mha_backward(np.ones_like(y), res)
     assert g.dx.dtype == dtype and all(a.dtype == dtype for a in g.dparams.values())
-    y_ref, _ = mha_forward({n: a.astype(np.float64) for n, a in params.items()}, x64.astype(dtype).astype(np.float64),
-                           num_heads=2)
+    y_ref, _ = mha_forward(
+        {n: a.astype(np.float64) for n, a in params.items()}, x64.astype(dtype).astype(np.float64), num_heads=2
+    )
     tol = 1e-5 if dtype == np.float32 else 3e-3
     np.testing.assert_allclose(y.astype(np.float64), y_ref, rtol=tol, atol=tol)
 
@@ -334,69 +364,111 @@ def test_class_wrapper():
 
 def _gqa_rows(p, rows):
     """``p`` with key/value projections of ``rows`` rows."""
-    return {**p, "k_weight": np.ones((rows, 8)), "k_bias": np.ones(rows), "v_weight": np.ones((rows, 8)),
-            "v_bias": np.ones(rows)}
+    return {
+        **p,
+        "k_weight": np.ones((rows, 8)),
+        "k_bias": np.ones(rows),
+        "v_weight": np.ones((rows, 8)),
+        "v_bias": np.ones(rows),
+    }
 
 
 # name: (call(params, x), error, message pattern); params = mha_init(8, 2), x (2, 3, 8)
 BAD_INPUTS = {
     "init embed_dim % num_heads": (
-        lambda p, x: mha_init(10, 3), ValueError, r"embed_dim=10 must be divisible by num_heads=3"),
+        lambda p, x: mha_init(10, 3),
+        ValueError,
+        r"embed_dim=10 must be divisible by num_heads=3",
+    ),
     "init num_heads % num_kv_heads": (
-        lambda p, x: mha_init(8, 4, num_kv_heads=3), ValueError, r"num_heads=4 must be divisible by num_kv_heads=3"),
-    "init num_heads type": (
-        lambda p, x: mha_init(8, 2.0), TypeError, r"num_heads must be an int"),
+        lambda p, x: mha_init(8, 4, num_kv_heads=3),
+        ValueError,
+        r"num_heads=4 must be divisible by num_kv_heads=3",
+    ),
+    "init num_heads type": (lambda p, x: mha_init(8, 2.0), TypeError, r"num_heads must be an int"),
     "forward embed_dim % num_heads": (
-        lambda p, x: mha_forward(p, x, num_heads=3), ValueError, r"embed_dim=8 .* divisible by num_heads=3"),
+        lambda p, x: mha_forward(p, x, num_heads=3),
+        ValueError,
+        r"embed_dim=8 .* divisible by num_heads=3",
+    ),
     "forward num_kv_heads disagrees": (
-        lambda p, x: mha_forward(p, x, num_heads=4, num_kv_heads=1), ValueError,
-        r"num_kv_heads=1, but params\['k_weight'\] has 8 rows"),
+        lambda p, x: mha_forward(p, x, num_heads=4, num_kv_heads=1),
+        ValueError,
+        r"num_kv_heads=1, but params\['k_weight'\] has 8 rows",
+    ),
     "forward num_heads % inferred kv heads": (
-        lambda p, x: mha_forward(_gqa_rows(p, 6), x, num_heads=4), ValueError,
-        r"num_heads=4 must be divisible by num_kv_heads=3"),
+        lambda p, x: mha_forward(_gqa_rows(p, 6), x, num_heads=4),
+        ValueError,
+        r"num_heads=4 must be divisible by num_kv_heads=3",
+    ),
     "params missing key": (
-        lambda p, x: mha_forward({k: v for k, v in p.items() if k != "k_weight"}, x, num_heads=2), ValueError,
-        r"params is missing \['k_weight'\]"),
+        lambda p, x: mha_forward({k: v for k, v in p.items() if k != "k_weight"}, x, num_heads=2),
+        ValueError,
+        r"params is missing \['k_weight'\]",
+    ),
     "params unknown key": (
-        lambda p, x: mha_forward({**p, "q_bais": p["q_bias"]}, x, num_heads=2), ValueError,
-        r"unknown keys \['q_bais'\]"),
+        lambda p, x: mha_forward({**p, "q_bais": p["q_bias"]}, x, num_heads=2),
+        ValueError,
+        r"unknown keys \['q_bais'\]",
+    ),
     "params misshapen bias": (
-        lambda p, x: mha_forward({**p, "q_bias": np.zeros(7)}, x, num_heads=2), ValueError,
-        r"params\['q_bias'\] must have shape \(8,\)"),
+        lambda p, x: mha_forward({**p, "q_bias": np.zeros(7)}, x, num_heads=2),
+        ValueError,
+        r"params\['q_bias'\] must have shape \(8,\)",
+    ),
     "params misshapen out_weight": (
-        lambda p, x: mha_forward({**p, "out_weight": np.zeros((8, 4))}, x, num_heads=2), ValueError,
-        r"params\['out_weight'\] must have shape \(8, 8\)"),
+        lambda p, x: mha_forward({**p, "out_weight": np.zeros((8, 4))}, x, num_heads=2),
+        ValueError,
+        r"params\['out_weight'\] must have shape \(8, 8\)",
+    ),
     "params misshapen q_weight": (
-        lambda p, x: mha_forward({**p, "q_weight": np.zeros((8, 4))}, x, num_heads=2), ValueError,
-        r"params\['q_weight'\] must have shape \(embed_dim, embed_dim\)"),
+        lambda p, x: mha_forward({**p, "q_weight": np.zeros((8, 4))}, x, num_heads=2),
+        ValueError,
+        r"params\['q_weight'\] must have shape \(embed_dim, embed_dim\)",
+    ),
     "params misshapen v_weight": (
-        lambda p, x: mha_forward({**p, "v_weight": np.zeros((4, 8))}, x, num_heads=2), ValueError,
-        r"params\['v_weight'\] must have shape \(8, vdim\)"),
-    "params not a dict": (
-        lambda p, x: mha_forward([1, 2], x, num_heads=2), TypeError, r"params must be a dict"),
+        lambda p, x: mha_forward({**p, "v_weight": np.zeros((4, 8))}, x, num_heads=2),
+        ValueError,
+        r"params\['v_weight'\] must have shape \(8, vdim\)",
+    ),
+    "params not a dict": (lambda p, x: mha_forward([1, 2], x, num_heads=2), TypeError, r"params must be a dict"),
     "params value not an array": (
-        lambda p, x: mha_forward({**p, "q_bias": [0.0] * 8}, x, num_heads=2), TypeError,
-        r"params\['q_bias'\] must be an array"),
-    "x width": (
-        lambda p, x: mha_forward(p, x[..., :6], num_heads=2), ValueError, r"x has width 6 .* embed_dim=8"),
-    "x rank": (
-        lambda p, x: mha_forward(p, x[0], num_heads=2), ValueError, r"x must have shape \(B, length, width\)"),
+        lambda p, x: mha_forward({**p, "q_bias": [0.0] * 8}, x, num_heads=2),
+        TypeError,
+        r"params\['q_bias'\] must be an array",
+    ),
+    "x width": (lambda p, x: mha_forward(p, x[..., :6], num_heads=2), ValueError, r"x has width 6 .* embed_dim=8"),
+    "x rank": (lambda p, x: mha_forward(p, x[0], num_heads=2), ValueError, r"x must have shape \(B, length, width\)"),
     "context width": (
-        lambda p, x: mha_forward(p, x, np.zeros((2, 4, 5)), num_heads=2), ValueError,
-        r"context has width 5 .* kdim=8"),
+        lambda p, x: mha_forward(p, x, np.zeros((2, 4, 5)), num_heads=2),
+        ValueError,
+        r"context has width 5 .* kdim=8",
+    ),
     "context batch": (
-        lambda p, x: mha_forward(p, x, np.zeros((3, 4, 8)), num_heads=2), ValueError,
-        r"context has batch size 3, but x has 2"),
+        lambda p, x: mha_forward(p, x, np.zeros((3, 4, 8)), num_heads=2),
+        ValueError,
+        r"context has batch size 3, but x has 2",
+    ),
     "context triple": (
-        lambda p, x: mha_forward(p, x, (x, x, x), num_heads=2), ValueError, r"context must be an array or a pair"),
+        lambda p, x: mha_forward(p, x, (x, x, x), num_heads=2),
+        ValueError,
+        r"context must be an array or a pair",
+    ),
     "x dtype": (
-        lambda p, x: mha_forward(p, x.astype(np.float32), num_heads=2), TypeError,
-        r"has dtype float64 but x has float32"),
+        lambda p, x: mha_forward(p, x.astype(np.float32), num_heads=2),
+        TypeError,
+        r"has dtype float64 but x has float32",
+    ),
     "x integer": (
         lambda p, x: mha_forward({k: v.astype(np.int64) for k, v in p.items()}, x.astype(np.int64), num_heads=2),
-        TypeError, r"x must have a real floating dtype"),
+        TypeError,
+        r"x must have a real floating dtype",
+    ),
     "mask polarity type": (
-        lambda p, x: mha_forward(p, x, num_heads=2, mask=np.ones((3, 3))), TypeError, r"mask must be a bool"),
+        lambda p, x: mha_forward(p, x, num_heads=2, mask=np.ones((3, 3))),
+        TypeError,
+        r"mask must be a bool",
+    ),
 }
 
 
@@ -448,8 +520,17 @@ def test_backends_match_numpy(backend):
     x, xk, xv = rng.standard_normal((B, T, E)), rng.standard_normal((B, S, 5)), rng.standard_normal((B, S, 3))
     mask = rng.random((B, 1, T, S)) > 0.3
     bias = rng.standard_normal((N, 1, S))
-    options = dict(num_heads=N, mask=mask, bias=bias, causal=True, align="bottom_right",
-                   kv_lengths=np.array([4, 3]), dropout_p=0.25, seed=2, need_weights=True)
+    options = dict(
+        num_heads=N,
+        mask=mask,
+        bias=bias,
+        causal=True,
+        align="bottom_right",
+        kv_lengths=np.array([4, 3]),
+        dropout_p=0.25,
+        seed=2,
+        need_weights=True,
+    )
     y_ref, res_ref = mha_forward(params, x, (xk, xv), **options)
     dy = rng.standard_normal(y_ref.shape)
     g_ref = mha_backward(dy, res_ref)
@@ -490,21 +571,26 @@ def test_init_on_backends(backend):
 
 # --- property test --------------------------------------------------------------
 
-from hypothesis import given, settings, strategies as st  # noqa: E402
-
 
 @settings(max_examples=20, deadline=None)
 @given(
     kind=st.sampled_from(["self", "single", "pair"]),
     heads=st.sampled_from([(1, 1), (2, 1), (2, 2), (4, 2), (4, 1)]),
     head_dim=st.integers(1, 3),
-    B=st.integers(1, 2), T=st.integers(1, 4), S=st.integers(1, 5),
-    causal=st.booleans(), align=st.sampled_from(["top_left", "bottom_right"]),
-    with_mask=st.booleans(), with_bias=st.booleans(), with_lengths=st.booleans(),
-    dropout=st.booleans(), seed=st.integers(0, 2**16),
+    B=st.integers(1, 2),
+    T=st.integers(1, 4),
+    S=st.integers(1, 5),
+    causal=st.booleans(),
+    align=st.sampled_from(["top_left", "bottom_right"]),
+    with_mask=st.booleans(),
+    with_bias=st.booleans(),
+    with_lengths=st.booleans(),
+    dropout=st.booleans(),
+    seed=st.integers(0, 2**16),
 )
-def test_property_gradients_and_paths(kind, heads, head_dim, B, T, S, causal, align, with_mask, with_bias,
-                                      with_lengths, dropout, seed):
+def test_property_gradients_and_paths(
+    kind, heads, head_dim, B, T, S, causal, align, with_mask, with_bias, with_lengths, dropout, seed
+):
     """Random layouts and options: the random-VJP central-difference check of
     every input and parameter passes, and chunked equals dense."""
     N, K = heads
@@ -515,8 +601,11 @@ def test_property_gradients_and_paths(kind, heads, head_dim, B, T, S, causal, al
     kdim, vdim = (E, E) if kind != "pair" else (int(rng.integers(1, 5)), int(rng.integers(1, 5)))
     params = random_params(rng, E, N, K=K, kdim=kdim, vdim=vdim, bias=bool(rng.integers(2)))
     x = rng.standard_normal((B, T, E))
-    context = {"self": None, "single": rng.standard_normal((B, S, E)),
-               "pair": (rng.standard_normal((B, S, kdim)), rng.standard_normal((B, S, vdim)))}[kind]
+    context = {
+        "self": None,
+        "single": rng.standard_normal((B, S, E)),
+        "pair": (rng.standard_normal((B, S, kdim)), rng.standard_normal((B, S, vdim))),
+    }[kind]
     options = {"num_heads": N, "causal": causal, "align": align}
     if with_mask:
         options["mask"] = rng.random((B, 1, T, S)) > 0.3  # fully masked rows allowed
@@ -531,8 +620,7 @@ def test_property_gradients_and_paths(kind, heads, head_dim, B, T, S, causal, al
     assert result.ok
     if HAS_CHUNKED:
         y_d, res_d = mha_forward(params, x, context, impl="dense", need_weights=True, **options)
-        y_c, res_c = mha_forward(params, x, context, impl="chunked", need_weights=True, block_q=2, block_k=3,
-                                 **options)
+        y_c, res_c = mha_forward(params, x, context, impl="chunked", need_weights=True, block_q=2, block_k=3, **options)
         np.testing.assert_allclose(y_c, y_d, rtol=0, atol=1e-12)
         np.testing.assert_allclose(res_c.weights, res_d.weights, rtol=0, atol=1e-12)
         dy = rng.standard_normal(y_d.shape)

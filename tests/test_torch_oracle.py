@@ -46,8 +46,9 @@ def test_matches_torch_sdpa_outputs_and_gradients(case, impl):
         attn_mask = torch.tensor(mask)
     if bias is not None:
         attn_mask = torch.tensor(bias, requires_grad=True)
-    t_out = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=attn_mask, is_causal=options["causal"],
-                                           scale=options["scale"], enable_gqa=K != N)
+    t_out = F.scaled_dot_product_attention(
+        tq, tk, tv, attn_mask=attn_mask, is_causal=options["causal"], scale=options["scale"], enable_gqa=K != N
+    )
     t_out.backward(torch.tensor(dout))
     np.testing.assert_allclose(out, t_out.detach().numpy(), atol=1e-12)
     for mine, theirs in ((g.dq, tq), (g.dk, tk), (g.dv, tv)):

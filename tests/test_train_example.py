@@ -48,7 +48,7 @@ def test_gradient_checks_pass(quick_run):
 
 
 def test_loss_falls_and_history_is_saved(quick_run):
-    code, out, out_dir = quick_run
+    _code, out, out_dir = quick_run
     history = json.loads((out_dir / "history.json").read_text())
     assert history["gradcheck_ok"] is True
     loss = history["loss"]
@@ -120,7 +120,12 @@ def test_held_out_sequences_never_train(monkeypatch):
 
 
 def test_runs_as_a_script(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--steps", "3", "--out", str(tmp_path)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--steps", "3", "--out", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith("final held-out token accuracy")

@@ -38,8 +38,8 @@ class Adam:
     def step(self, params: dict, grads: dict, lr: float) -> None:
         """One update of every ``params[name]`` with ``grads[name]``, in place."""
         self.t += 1
-        c1 = 1.0 - self.beta1 ** self.t  # bias corrections
-        c2 = 1.0 - self.beta2 ** self.t
+        c1 = 1.0 - self.beta1**self.t  # bias corrections
+        c2 = 1.0 - self.beta2**self.t
         for name, p in params.items():
             g = grads[name]
             m, v = self.m[name], self.v[name]

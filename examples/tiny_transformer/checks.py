@@ -68,28 +68,57 @@ def run_checks(*, seed: int = 0) -> dict[str, npattn.GradcheckResult]:
     results = {}
 
     def check(name, forward, backward, inputs, names, **kw):
-        results[name] = npattn.check_gradients(forward, backward, inputs, names=names, seed=seed,
-                                               raise_on_failure=False, **kw)
+        results[name] = npattn.check_gradients(
+            forward, backward, inputs, names=names, seed=seed, raise_on_failure=False, **kw
+        )
 
-    check("embedding", embedding_forward, embedding_backward,
-          [rng.standard_normal((V, D)), rng.standard_normal((T + 1, D)), ids], ["tok_emb", "pos_emb", "ids"])
-    check("layer norm", layer_norm_forward, layer_norm_backward,
-          [rng.standard_normal((B, T, D)), 1 + 0.1 * rng.standard_normal(D), rng.standard_normal(D)],
-          ["x", "gamma", "beta"])
-    check("MLP (GELU)", mlp_forward, mlp_backward,
-          [rng.standard_normal((B, T, D)), rng.standard_normal((F, D)), rng.standard_normal(F),
-           rng.standard_normal((D, F)), rng.standard_normal(D)], ["x", "w1", "b1", "w2", "b2"])
+    check(
+        "embedding",
+        embedding_forward,
+        embedding_backward,
+        [rng.standard_normal((V, D)), rng.standard_normal((T + 1, D)), ids],
+        ["tok_emb", "pos_emb", "ids"],
+    )
+    check(
+        "layer norm",
+        layer_norm_forward,
+        layer_norm_backward,
+        [rng.standard_normal((B, T, D)), 1 + 0.1 * rng.standard_normal(D), rng.standard_normal(D)],
+        ["x", "gamma", "beta"],
+    )
+    check(
+        "MLP (GELU)",
+        mlp_forward,
+        mlp_backward,
+        [
+            rng.standard_normal((B, T, D)),
+            rng.standard_normal((F, D)),
+            rng.standard_normal(F),
+            rng.standard_normal((D, F)),
+            rng.standard_normal(D),
+        ],
+        ["x", "w1", "b1", "w2", "b2"],
+    )
     mha_params = mha_init(D, N, dtype=np.float64, seed=seed)
     keys = list(mha_params)
     for k in keys:  # random biases, so their gradients are exercised away from 0
         if k.endswith("bias"):
             mha_params[k] = rng.standard_normal(mha_params[k].shape)
-    check("npattn MHA (causal)", *_mha_pair(keys, N),
-          [rng.standard_normal((B, T, D)), *(np.asarray(mha_params[k]) for k in keys)], ["x", *keys])
+    check(
+        "npattn MHA (causal)",
+        *_mha_pair(keys, N),
+        [rng.standard_normal((B, T, D)), *(np.asarray(mha_params[k]) for k in keys)],
+        ["x", *keys],
+    )
     targets = rng.integers(0, V, size=(B, T))  # (B, T)
     mask = np.array([[False, True, True], [False, False, True]])  # (B, T)
-    check("cross-entropy (masked)", cross_entropy_forward, cross_entropy_backward,
-          [rng.standard_normal((B, T, V)), targets, mask], ["logits", "targets", "mask"])
+    check(
+        "cross-entropy (masked)",
+        cross_entropy_forward,
+        cross_entropy_backward,
+        [rng.standard_normal((B, T, V)), targets, mask],
+        ["logits", "targets", "mask"],
+    )
     cfg = Config(vocab_size=V, max_len=T + 1, d_model=D, num_heads=N, num_layers=2, mlp_ratio=2)
     params = init_params(cfg, seed=seed, dtype=np.float64)
     for k in params:  # move every parameter off its initial value (gammas 1, biases 0)
@@ -106,8 +135,7 @@ def report(results: dict[str, npattn.GradcheckResult]) -> str:
         how = "full Jacobian + random VJP" if r.jacobian_checked else "random VJP"
         worst = max(r.max_abs_error.values(), default=0.0)
         status = "ok    " if r.ok else "FAILED"
-        lines.append(f"  {status} {name:<24} {how:<26} {len(r.names):>2} inputs, "
-                     f"max |numeric - analytic| {worst:.1e}")
+        lines.append(f"  {status} {name:<24} {how:<26} {len(r.names):>2} inputs, max |numeric - analytic| {worst:.1e}")
         if not r.ok:
             lines.append("    " + str(r).replace("\n", "\n    "))
     return "\n".join(lines)

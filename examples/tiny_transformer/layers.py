@@ -17,7 +17,6 @@ import math
 
 import numpy as np
 
-
 # --- token + position embedding ----------------------------------------------
 
 
@@ -53,7 +52,7 @@ def embedding_backward(dx, residuals):
     Returns ``(dtok_emb (V, D), dpos_emb (Tmax, D), None)``; ``ids`` are integers.
     """
     ids, V, Tmax = residuals
-    B, T, D = dx.shape
+    _B, T, D = dx.shape
     dtok = np.zeros((V, D), dtype=dx.dtype)  # (V, D)
     np.add.at(dtok, ids, dx)  # rows ids[b, t] += dx[b, t]: repeated ids accumulate
     dpos = np.zeros((Tmax, D), dtype=dx.dtype)  # (Tmax, D)
@@ -98,8 +97,7 @@ def layer_norm_backward(dy, residuals):
     xhat, rstd, gamma = residuals
     rows = tuple(range(dy.ndim - 1))  # every axis but the normalized one
     g = dy * gamma  # (..., D)
-    dx = rstd * (g - g.mean(axis=-1, keepdims=True)
-                 - xhat * (g * xhat).mean(axis=-1, keepdims=True))  # (..., D)
+    dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))  # (..., D)
     return dx, (dy * xhat).sum(axis=rows), dy.sum(axis=rows)  # (..., D), (D,), (D,)
 
 

@@ -36,8 +36,9 @@ def cross_entropy_backward(dloss, residuals):
     """``dz = dloss * m / M * (softmax(z) - onehot(y))``; returns ``(dlogits, None, None)``."""
     probs, targets, m, count = residuals
     dz = probs.copy()  # (B, T, V)
-    np.put_along_axis(dz, targets[..., None], np.take_along_axis(dz, targets[..., None], axis=-1) - 1.0,
-                      axis=-1)  # softmax - onehot
+    np.put_along_axis(
+        dz, targets[..., None], np.take_along_axis(dz, targets[..., None], axis=-1) - 1.0, axis=-1
+    )  # softmax - onehot
     dz *= (np.asarray(dloss, dtype=probs.dtype) * m / count)[..., None]  # (B, T, V)
     return dz, None, None
 

@@ -85,7 +85,7 @@ def init_params(cfg: Config, *, seed: int = 0, dtype=np.float32) -> dict:
 
 def _sub(params: dict, prefix: str) -> dict:
     """The entries under ``prefix`` with the prefix removed: ``_sub(p, "block0.attn.")``."""
-    return {key[len(prefix):]: a for key, a in params.items() if key.startswith(prefix)}
+    return {key[len(prefix) :]: a for key, a in params.items() if key.startswith(prefix)}
 
 
 def model_forward(params: dict, ids, cfg: Config, *, need_weights: bool = False):
@@ -111,12 +111,14 @@ def model_forward(params: dict, ids, cfg: Config, *, need_weights: bool = False)
     for i in range(cfg.num_layers):
         pre = f"block{i}."
         h, r_ln1 = layer_norm_forward(x, params[pre + "ln1.gamma"], params[pre + "ln1.beta"])  # (B, T, D)
-        a, r_attn = mha_forward(_sub(params, pre + "attn."), h, num_heads=cfg.num_heads, causal=True,
-                                need_weights=need_weights)  # (B, T, D)
+        a, r_attn = mha_forward(
+            _sub(params, pre + "attn."), h, num_heads=cfg.num_heads, causal=True, need_weights=need_weights
+        )  # (B, T, D)
         x = x + a  # (B, T, D)
         h, r_ln2 = layer_norm_forward(x, params[pre + "ln2.gamma"], params[pre + "ln2.beta"])  # (B, T, D)
-        m, r_mlp = mlp_forward(h, params[pre + "mlp.w1"], params[pre + "mlp.b1"],
-                               params[pre + "mlp.w2"], params[pre + "mlp.b2"])  # (B, T, D)
+        m, r_mlp = mlp_forward(
+            h, params[pre + "mlp.w1"], params[pre + "mlp.b1"], params[pre + "mlp.w2"], params[pre + "mlp.b2"]
+        )  # (B, T, D)
         x = x + m  # (B, T, D)
         res["blocks"].append((r_ln1, r_attn, r_ln2, r_mlp))
         if need_weights:
@@ -157,4 +159,4 @@ def greedy_decode(params: dict, prompt, cfg: Config, num_tokens: int):
     for _ in range(num_tokens):
         logits, _ = model_forward(params, seq, cfg)  # (B, P + i, V)
         seq = np.concatenate([seq, logits[:, -1].argmax(axis=-1)[:, None]], axis=1)  # (B, P + i + 1)
-    return seq[:, prompt.shape[1]:]  # (B, num_tokens)
+    return seq[:, prompt.shape[1] :]  # (B, num_tokens)
