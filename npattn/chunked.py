@@ -346,7 +346,7 @@ def chunked_backward(
     bs, N, K, G = spec.batch_shape, spec.num_heads, spec.num_kv_heads, spec.group_size
     T, S, H, Hv = spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim
     if _is_empty(spec):
-        dbias = None if spec.bias is None else _zeros(spec, spec.bias_shape)
+        dbias = None if spec.bias_shape is None else _zeros(spec, spec.bias_shape)
         return _zeros(spec, bs + (N, T, H)), _zeros(spec, bs + (K, S, H)), _zeros(spec, bs + (K, S, Hv)), dbias
     qs = xp.reshape(q, bs + (K, G, T, H)) * spec.scale  # (..., K, G, T, H), scale * Q
     kg = xp.reshape(k, bs + (K, 1, S, H))  # (..., K, 1, S, H)

@@ -109,5 +109,5 @@ def dense_backward(
     ds = p * (dp - D)  # (..., N, T, S)
     dq = spec.scale * (ds @ expand_kv_heads(xp, k, G))  # (..., N, T, H)
     dk = reduce_kv_heads(xp, spec.scale * (xp.matrix_transpose(ds) @ q), K)  # (..., K, S, H)
-    dbias = None if spec.bias is None else sum_to_shape(xp, ds, spec.bias_shape)
+    dbias = None if spec.bias_shape is None else sum_to_shape(xp, ds, spec.bias_shape)
     return dq, dk, dv, dbias

@@ -212,8 +212,9 @@ def _run(items, work, *, parallel: bool = True, spare_thread: bool = False) -> N
             future.cancel()
         wait(pending)
     for future in futures:
-        if not future.cancelled() and future.exception() is not None:
-            raise future.exception()
+        error = None if future.cancelled() else future.exception()
+        if error is not None:
+            raise error
 
 
 # --- shared pieces ----------------------------------------------------------------------
@@ -386,6 +387,7 @@ def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list[list[
             rows_hidden = None
             if shared:
                 visible = visible_tile(spec, p0, p1, j0, j1)  # (tq, tk)
+                assert visible is not None, "a hidden range comes from an index rule, so visibility is set"
                 rows_hidden = _position_major(np.broadcast_to(~visible, (G, p1 - p0, j1 - j0)))  # (tq*G, tk)
             masks.append((j0, j1, rows_hidden))
         return (p0, p1, c0, c1, tuple(masks))
@@ -464,7 +466,8 @@ class _RangeMax:
     (the same key ranges recur for every query tile)."""
 
     def __init__(self, values: Any):
-        self.values, self.memo = values, {}
+        self.values = values
+        self.memo: dict[tuple[int, int], float] = {}
 
     def __getitem__(self, key: tuple[int, int]) -> float:
         found = self.memo.get(key)
@@ -545,7 +548,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     scale = dtype.type(spec.scale * base)
     threshold = RESCALE_THRESHOLD * base
     ones_k = np.ones(block_k, dtype=dtype)
-    k_norm_max = [[_RangeMax(k_norms[b, kv]) if fused else None for kv in range(K)] for b in range(Bf)]
+    k_norm_max = [[_RangeMax(k_norms[b, kv]) for kv in range(K)] for b in range(Bf)]  # read only when fused
 
     def work(job):
         b, kv, qi = job
@@ -726,7 +729,7 @@ def backward(
             )
             for q0, q1 in q_tiles
         ]
-        k_norm_max = _RangeMax(k_norms[b, kv]) if fused else None
+        k_norm_max = _RangeMax(k_norms[b, kv])  # read only when fused
         s_flat = np.empty(G * block_q * block_k, dtype=dtype)  # scores, then P, of one span
         dp_flat = np.empty_like(s_flat)  # dP - D, then dS, of one span
         dk_j, dv_j = np.empty((block_k, H), dtype=dtype), np.empty((block_k, Hv), dtype=dtype)

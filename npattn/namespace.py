@@ -73,7 +73,9 @@ def resolve_namespace(named_arrays: dict[str, Any], xp: Any = None) -> Any:
     'array_api_compat.numpy'
     """
     present = {name: a for name, a in named_arrays.items() if a is not None}
-    first_name, first_ns, first_device = None, None, None
+    first_name: str = ""
+    first_ns: Any = None
+    first_device: Any = None
     for name, a in present.items():
         try:
             ns = array_api_compat.array_namespace(a)
