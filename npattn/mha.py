@@ -318,6 +318,8 @@ def _recompute_weights(attn: AttentionResiduals) -> Any:
 class MHAGrads(NamedTuple):
     """Gradients of :func:`mha_forward`, each in its input's shape and dtype.
 
+    Attributes
+    ----------
     dx : array, (B, T, E)
     dcontext : None (self-attention), an array (B, S, kdim) (one context),
         or a pair ``(dkey_source, dvalue_source)`` (a pair context).
