@@ -1,10 +1,13 @@
 """The runnable examples in examples/, each in its --quick mode: in-process
 through ``main(argv)`` (loaded with runpy) to check what they print and
-return, and once each as a script in a subprocess."""
+return, and once each as a script in a subprocess. ring_attention.py runs
+under ``mpiexec`` on two ranks (skipped without MPI);
+train_tiny_transformer.py has tests/test_train_example.py."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 import runpy
 import subprocess
@@ -12,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+from mpi_support import mpi_skip_reason, run_mpi
 
 import npattn
 
@@ -143,3 +147,18 @@ def test_example_runs_as_a_script(name, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip()
+
+
+@pytest.mark.skipif(mpi_skip_reason() is not None, reason=str(mpi_skip_reason()))
+def test_ring_attention_quick_on_two_ranks(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLES.parent), "OMP_NUM_THREADS": "1"}
+    proc = run_mpi(2, EXAMPLES / "ring_attention.py", ["--quick"], env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "on 2 rank(s), shards of 21, 43 tokens" in proc.stdout  # 64 tokens, shares 1:2
+    assert proc.stdout.count("max |ring - single process|") == 5
+
+
+def test_every_example_takes_quick():
+    """The README and docs say each example takes --quick."""
+    for script in sorted(EXAMPLES.glob("*.py")):
+        assert '"--quick"' in script.read_text(), f"{script.name} has no --quick flag"
