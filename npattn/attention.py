@@ -9,6 +9,7 @@ validated options, so the backward always follows the forward that made them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -16,12 +17,13 @@ from . import fast_numpy
 from .chunked import chunked_backward, chunked_forward
 from .dense import dense_backward, dense_forward
 from .namespace import resolve_namespace
-from .options import AttentionSpec, make_spec
+from .options import AUTO_CHUNKED_MIN_SCORES, AUTO_FAST_MIN_SCORES_PER_HEAD, AttentionSpec, make_spec
 
 __all__ = [
     "attention",
     "attention_forward",
     "attention_backward",
+    "choose_impl",
     "AttentionGrads",
     "AttentionResiduals",
     "DenseResiduals",
@@ -222,6 +224,7 @@ def attention_forward(
         block_k=block_k,
         xp=xp,
     )
+    spec = choose_impl(spec)
     xp = spec.xp
     qc, kc, vc = (xp.astype(a, spec.compute_dtype, copy=False) for a in (q, k, v))
     if spec.impl == "dense":
@@ -283,6 +286,30 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
     if dbias is not None:
         dbias = xp.astype(dbias, spec.bias_dtype, copy=False)
     return AttentionGrads(*(xp.astype(g, spec.dtype, copy=False) for g in (dq, dk, dv)), dbias)
+
+
+def choose_impl(spec: AttentionSpec) -> AttentionSpec:
+    """``spec`` with ``impl="auto"`` resolved to the path that runs it; a
+    forced ``"dense"`` or ``"chunked"`` is returned as is.
+
+    Chunked once the dense score tensor ``(..., N, T, S)`` would hold more
+    than :data:`~npattn.options.AUTO_CHUNKED_MIN_SCORES` entries, or where the
+    NumPy fast path takes the inputs and ``T * S`` reaches
+    :data:`~npattn.options.AUTO_FAST_MIN_SCORES_PER_HEAD`; dense otherwise.
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> x = np.zeros((1, 2, 600, 8))
+    >>> spec = make_spec(x, x, x)
+    >>> spec.impl, choose_impl(spec).impl, choose_impl(make_spec(x[..., :10, :], x, x)).impl
+    ('auto', 'chunked', 'dense')
+    """
+    if spec.impl != "auto":
+        return spec
+    scores = spec.num_batch * spec.num_heads * spec.q_len * spec.kv_len  # entries of (..., N, T, S)
+    large = scores > AUTO_CHUNKED_MIN_SCORES
+    fast = spec.q_len * spec.kv_len >= AUTO_FAST_MIN_SCORES_PER_HEAD and fast_numpy.supports(spec)
+    return dataclasses.replace(spec, impl="chunked" if large or fast else "dense")
 
 
 def chunked_kernel(spec: AttentionSpec) -> str:

@@ -70,7 +70,14 @@ from typing import Any
 
 import numpy as np
 
-from .attention import AttentionGrads, ChunkedResiduals, attention_backward, attention_forward, chunked_kernel
+from .attention import (
+    AttentionGrads,
+    ChunkedResiduals,
+    attention_backward,
+    attention_forward,
+    choose_impl,
+    chunked_kernel,
+)
 from .merge import merge_partials
 from .namespace import array_device, compute_dtype, dtype_name, resolve_namespace, to_numpy
 from .options import check_int, make_spec
@@ -807,9 +814,8 @@ def _backward(MPI, ring, P, dout, res: RingResiduals, dlse, stats) -> AttentionG
         dk_rs = dv_rs = None
         if pair is not None:
             pair = _materialize(xp, device, layout, r, s, pair)
-            spec = make_spec(
-                res.q, k_s, v_s, scale=res.scale, impl=res.impl, block_q=res.block_q, block_k=res.block_k, xp=xp, **pair
-            )
+            options = dict(scale=res.scale, impl=res.impl, block_q=res.block_q, block_k=res.block_k, xp=xp, **pair)
+            spec = choose_impl(make_spec(res.q, k_s, v_s, **options))  # the path the forward took for this pair
             if spec.impl == "dense":  # one tile: the dense computation, from the global out and lse
                 spec = dataclasses.replace(spec, block_q=max(spec.q_len, 1), block_k=spec.kv_len)
             spec = dataclasses.replace(spec, impl="chunked")

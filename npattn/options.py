@@ -182,6 +182,219 @@ def _check_lengths(xp, name, lengths, batch_shape, limit, device):
     return xp.astype(lengths, xp.int64), (lo, hi)
 
 
+def _resolve_arrays(q, k, v, mask, bias, q_lengths, kv_lengths, xp) -> Any:
+    """The one namespace of every array argument (q, k, v must not be None)."""
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a is None:
+            raise TypeError(f"{name} must be an array, got None")
+    arrays = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "mask": mask,
+        "bias": bias,
+        "q_lengths": q_lengths if hasattr(q_lengths, "shape") else None,
+        "kv_lengths": kv_lengths if hasattr(kv_lengths, "shape") else None,
+    }
+    return resolve_namespace(arrays, xp)
+
+
+def _shapes_fit(q_shape: tuple, k_shape: tuple, v_shape: tuple) -> bool:
+    """Whether (..., N, T, H), (..., K, S, H), (..., K, S, Hv) fit: k and v
+    share (K, S), S >= 1 and K divides N."""
+    (N, _T, H), (K, S, Hk), (Kv, Sv, _Hv) = q_shape[-3:], k_shape[-3:], v_shape[-3:]
+    return Hk == H and (Kv, Sv) == (K, S) and S >= 1 and K >= 1 and N % K == 0
+
+
+def _layout_hint(q, k, v) -> str:
+    """A sentence for shape errors that swapping axes -3 and -2 of some of
+    q, k, v would fix (arrays passed as (..., length, heads, head_dim)); ""
+    when no such swap makes the shapes fit."""
+    shapes = {"q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape)}
+
+    def more_heads_than_positions(layout: dict) -> int:
+        return sum(s[-3] > s[-2] for s in layout.values())
+
+    # Heads are usually fewer than positions: a swap must not make that rarer,
+    # and the one that leaves the fewest exceptions (then moves fewest arrays) wins.
+    candidates = []
+    for swapped in (("q",), ("k",), ("v",), ("k", "v"), ("q", "k"), ("q", "v"), ("q", "k", "v")):
+        moved = {name: s[:-3] + (s[-2], s[-3], s[-1]) if name in swapped else s for name, s in shapes.items()}
+        exceptions = more_heads_than_positions(moved)
+        if _shapes_fit(moved["q"], moved["k"], moved["v"]) and exceptions <= more_heads_than_positions(shapes):
+            candidates.append((exceptions, len(swapped), swapped))
+    if not candidates:
+        return ""
+    swapped = min(candidates)[2]
+    rank = len(shapes["q"])
+    order = tuple(range(rank - 3)) + (rank - 2, rank - 3, rank - 1)
+    if len(swapped) == 1:
+        name = swapped[0]
+        seen = f"{name}'s shape {shapes[name]} looks"
+        fix = f"{name}.transpose{order} or np.swapaxes({name}, -3, -2)"
+    else:
+        names = ", ".join(swapped[:-1]) + " and " + swapped[-1]
+        listed = ", ".join(str(shapes[name]) for name in swapped[:-1]) + f" and {shapes[swapped[-1]]}"
+        seen = f"the shapes of {names}, {listed}, look"
+        fix = f"x.transpose{order} or np.swapaxes(x, -3, -2) on each of {names}"
+    return (
+        f". q, k and v use the layout (..., heads, length, head_dim); {seen} like "
+        f"(..., length, heads, head_dim): move the heads axis with {fix}"
+    )
+
+
+def _check_shapes(q, k, v) -> tuple[tuple[int, ...], tuple[int, int, int], tuple[int, int, int]]:
+    """Ranks, batch axes, heads and lengths of q, k, v; returns
+    ``(batch_shape, (N, T, H), (K, S, Hv))``."""
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.ndim < 3:
+            raise ValueError(
+                f"{name} must have rank >= 3 with layout (..., heads, length, dim), got shape {tuple(a.shape)}"
+            )
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError(
+            f"q, k and v must have the same rank, got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    batch_shape = tuple(q.shape[:-3])
+    if tuple(k.shape[:-3]) != batch_shape or tuple(v.shape[:-3]) != batch_shape:
+        raise ValueError(
+            f"q, k and v must have equal leading (batch) axes, got "
+            f"{batch_shape}, {tuple(k.shape[:-3])}, {tuple(v.shape[:-3])}"
+        )
+    N, T, H = q.shape[-3:]
+    K, S, Hk = k.shape[-3:]
+    Kv, Sv, Hv = v.shape[-3:]
+    if Hk != H:
+        raise ValueError(f"k's head dim (last axis) must equal q's: q has H={H}, k has {Hk}")
+    if (Kv, Sv) != (K, S):
+        raise ValueError(
+            f"v must have k's heads and length (axes -3, -2): k has (K={K}, S={S}), v has ({Kv}, {Sv})"
+            + _layout_hint(q, k, v)
+        )
+    if S == 0:
+        raise ValueError("k and v must hold at least one key (S >= 1); use kv_lengths=0 for an empty sequence")
+    if K == 0 or N % K != 0:
+        raise ValueError(
+            f"the number of query heads N={N} must be a multiple of the number of "
+            f"key/value heads K={K} (axis -3 of q and k)" + _layout_hint(q, k, v)
+        )
+    return batch_shape, (N, T, H), (K, S, Hv)
+
+
+def _check_dtypes(xp, q, k, v) -> None:
+    """q, k and v: one real floating dtype."""
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        check_floating(xp, name, a)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _check_mask(xp, mask, full: tuple[int, ...]) -> Any:
+    """A bool mask broadcastable to ``full`` (..., N, T, S), reshaped (a view) to its rank."""
+    if mask is None:
+        return None
+    if mask.dtype != xp.bool:
+        raise TypeError(
+            f"mask must be a bool array (True = may attend), got dtype {mask.dtype}; "
+            "pass additive float scores as bias="
+        )
+    if not _broadcasts_to(tuple(mask.shape), full):
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (..., N, T, S) = {full}")
+    return xp.reshape(mask, (1,) * (len(full) - mask.ndim) + tuple(mask.shape))
+
+
+def _check_bias(xp, bias, full: tuple[int, ...]) -> tuple[Any, tuple[int, ...] | None, Any]:
+    """A float bias broadcastable to ``full`` (..., N, T, S): ``(bias reshaped
+    to that rank, its own shape, its dtype)``, or three Nones."""
+    if bias is None:
+        return None, None, None
+    if not xp.isdtype(bias.dtype, "real floating"):
+        raise TypeError(f"bias must have a real floating dtype, got {bias.dtype}; pass booleans as mask=")
+    bias_shape = tuple(bias.shape)
+    if not _broadcasts_to(bias_shape, full):
+        raise ValueError(f"bias of shape {bias_shape} does not broadcast to (..., N, T, S) = {full}")
+    return xp.reshape(bias, (1,) * (len(full) - bias.ndim) + bias_shape), bias_shape, bias.dtype
+
+
+def _check_window(causal, window) -> tuple[int | None, int | None]:
+    """``(left, right)`` of the visible band, ``causal`` folded in as right = 0."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    left = right = None
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
+        left = check_int("window[0] (left)", window[0], minimum=0, allow_none=True)
+        right = check_int("window[1] (right)", window[1], minimum=0, allow_none=True)
+    if causal:
+        if right not in (None, 0):
+            raise ValueError(
+                f"causal=True means window right = 0, but window=({left}, {right}) asks for {right}; "
+                "drop causal or set the right side to 0 or None"
+            )
+        right = 0
+    return left, right
+
+
+def _check_align(align, positional: bool, T: int, S: int) -> str | None:
+    """The alignment; None means top_left for causal/window, allowed only when T == S."""
+    if align is not None and align not in ALIGNS:
+        raise ValueError(f"align must be one of {ALIGNS} or None, got {align!r}")
+    if positional and align is None:
+        if T != S:
+            raise ValueError(
+                f"causal/window with T={T} != S={S} needs an explicit alignment: "
+                "align='top_left' (query i at position i, PyTorch is_causal) or "
+                "align='bottom_right' (query i at position i + S - T, FlashAttention-2 / KV cache)"
+            )
+        return "top_left"
+    return align
+
+
+def _query_offset(xp, bottom_right: bool, q_lengths, kv_lengths, batch_shape, T: int, S: int) -> tuple[Any, tuple]:
+    """Position of query 0 and its host-side (min, max): 0 unless
+    bottom_right, then ``S - T``, or with lengths ``kv_len - q_len`` per batch
+    element (int64, shape ``batch_shape``)."""
+    if not bottom_right:
+        return 0, (0, 0)
+    if q_lengths is None and kv_lengths is None:
+        return S - T, (S - T, S - T)
+    kv_valid = kv_lengths if kv_lengths is not None else S
+    q_valid = q_lengths if q_lengths is not None else T
+    q_offset = kv_valid - q_valid  # int64, shape batch_shape
+    if math.prod(batch_shape) == 0:
+        return q_offset, (0, 0)
+    return q_offset, (int(xp.min(q_offset)), int(xp.max(q_offset)))
+
+
+def _check_scale(xp, scale, H: int, cdtype) -> float:
+    """The score scale, ``1 / sqrt(H)`` when None; finite and representable in the compute dtype."""
+    if scale is None:
+        return 1.0 / math.sqrt(H) if H > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite real number or None, got {scale!r}")
+    if abs(float(scale)) > float(xp.finfo(cdtype).max):
+        raise ValueError(f"scale={scale!r} overflows the compute dtype {cdtype} (it would become inf)")
+    return float(scale)
+
+
+def _check_dropout(dropout_p, seed) -> tuple[float, int | None]:
+    """``(dropout_p, seed)``: p in [0, 1), and a seed in [0, 2**64) whenever p > 0."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
+    if p > 0 and seed is None:
+        raise ValueError("seed is required when dropout_p > 0: the keep mask is a pure function of the seed")
+    if seed is None:
+        return p, None
+    checked = check_int("seed", seed, minimum=0)
+    if checked >= 2**64:
+        raise ValueError(f"seed must be < 2**64 (the dropout hash reads 64 bits), got {checked}")
+    return p, checked
+
+
 def make_spec(
     q,
     k,
@@ -205,154 +418,25 @@ def make_spec(
     """Check every argument of :func:`npattn.attention_forward` and return the
     normalized :class:`AttentionSpec`. Raises ``TypeError``/``ValueError``
     naming the offending argument."""
-    for name, a in (("q", q), ("k", k), ("v", v)):
-        if a is None:
-            raise TypeError(f"{name} must be an array, got None")
-    xp = resolve_namespace(
-        {
-            "q": q,
-            "k": k,
-            "v": v,
-            "mask": mask,
-            "bias": bias,
-            "q_lengths": q_lengths if hasattr(q_lengths, "shape") else None,
-            "kv_lengths": kv_lengths if hasattr(kv_lengths, "shape") else None,
-        },
-        xp,
-    )
-    # --- ranks and shapes -------------------------------------------------
-    for name, a in (("q", q), ("k", k), ("v", v)):
-        if a.ndim < 3:
-            raise ValueError(
-                f"{name} must have rank >= 3 with layout (..., heads, length, dim), got shape {tuple(a.shape)}"
-            )
-    if not (q.ndim == k.ndim == v.ndim):
-        raise ValueError(
-            f"q, k and v must have the same rank, got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    batch_shape = tuple(q.shape[:-3])
-    if tuple(k.shape[:-3]) != batch_shape or tuple(v.shape[:-3]) != batch_shape:
-        raise ValueError(
-            f"q, k and v must have equal leading (batch) axes, got "
-            f"{batch_shape}, {tuple(k.shape[:-3])}, {tuple(v.shape[:-3])}"
-        )
-    N, T, H = q.shape[-3:]
-    K, S, Hk = k.shape[-3:]
-    Kv, Sv, Hv = v.shape[-3:]
-    if Hk != H:
-        raise ValueError(f"k's head dim (last axis) must equal q's: q has H={H}, k has {Hk}")
-    if (Kv, Sv) != (K, S):
-        raise ValueError(f"v must have k's heads and length (axes -3, -2): k has (K={K}, S={S}), v has ({Kv}, {Sv})")
-    if S == 0:
-        raise ValueError("k and v must hold at least one key (S >= 1); use kv_lengths=0 for an empty sequence")
-    if K == 0 or N % K != 0:
-        raise ValueError(
-            f"the number of query heads N={N} must be a multiple of the number of "
-            f"key/value heads K={K} (axis -3 of q and k)"
-        )
-    # --- dtypes -----------------------------------------------------------
-    for name, a in (("q", q), ("k", k), ("v", v)):
-        check_floating(xp, name, a)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    xp = _resolve_arrays(q, k, v, mask, bias, q_lengths, kv_lengths, xp)
+    batch_shape, (N, T, H), (K, S, Hv) = _check_shapes(q, k, v)
+    _check_dtypes(xp, q, k, v)
     device = array_device(q)
     cdtype = compute_dtype(xp, q.dtype)
-    full = batch_shape + (N, T, S)
-    rank = len(full)
-
-    # --- mask and bias ----------------------------------------------------
-    if mask is not None:
-        if mask.dtype != xp.bool:
-            raise TypeError(
-                f"mask must be a bool array (True = may attend), got dtype {mask.dtype}; "
-                "pass additive float scores as bias="
-            )
-        if not _broadcasts_to(tuple(mask.shape), full):
-            raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (..., N, T, S) = {full}")
-        mask = xp.reshape(mask, (1,) * (rank - mask.ndim) + tuple(mask.shape))
-    bias_shape = bias_dtype = None
-    if bias is not None:
-        if not xp.isdtype(bias.dtype, "real floating"):
-            raise TypeError(f"bias must have a real floating dtype, got {bias.dtype}; pass booleans as mask=")
-        if not _broadcasts_to(tuple(bias.shape), full):
-            raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to (..., N, T, S) = {full}")
-        bias_shape, bias_dtype = tuple(bias.shape), bias.dtype
-        bias = xp.reshape(bias, (1,) * (rank - bias.ndim) + bias_shape)
-
-    # --- causal / window / align -------------------------------------------
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    left = right = None
-    if window is not None:
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise TypeError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
-        left, right = window
-        left = check_int("window[0] (left)", left, minimum=0, allow_none=True)
-        right = check_int("window[1] (right)", right, minimum=0, allow_none=True)
-    if causal:
-        if right not in (None, 0):
-            raise ValueError(
-                f"causal=True means window right = 0, but window=({left}, {right}) asks for {right}; "
-                "drop causal or set the right side to 0 or None"
-            )
-        right = 0
-    if align is not None and align not in ALIGNS:
-        raise ValueError(f"align must be one of {ALIGNS} or None, got {align!r}")
+    full = batch_shape + (N, T, S)  # (..., N, T, S): what mask and bias broadcast to
+    mask = _check_mask(xp, mask, full)
+    bias, bias_shape, bias_dtype = _check_bias(xp, bias, full)
+    left, right = _check_window(causal, window)
     positional = left is not None or right is not None
-    if positional and align is None:
-        if T != S:
-            raise ValueError(
-                f"causal/window with T={T} != S={S} needs an explicit alignment: "
-                "align='top_left' (query i at position i, PyTorch is_causal) or "
-                "align='bottom_right' (query i at position i + S - T, FlashAttention-2 / KV cache)"
-            )
-        align = "top_left"
-
-    # --- lengths ------------------------------------------------------------
+    align = _check_align(align, positional, T, S)
     q_lengths, q_len_bounds = _check_lengths(xp, "q_lengths", q_lengths, batch_shape, T, device)
     kv_lengths, kv_len_bounds = _check_lengths(xp, "kv_lengths", kv_lengths, batch_shape, S, device)
-
-    # Position of query 0 (only matters for causal/window).
-    q_offset: Any = 0
-    offset_bounds = (0, 0)
-    if positional and align == "bottom_right":
-        if q_lengths is None and kv_lengths is None:
-            q_offset = S - T
-            offset_bounds = (S - T, S - T)
-        else:
-            kv_valid = kv_lengths if kv_lengths is not None else S
-            q_valid = q_lengths if q_lengths is not None else T
-            q_offset = kv_valid - q_valid  # int64, shape batch_shape
-            if math.prod(batch_shape) == 0:
-                offset_bounds = (0, 0)
-            else:
-                offset_bounds = (int(xp.min(q_offset)), int(xp.max(q_offset)))
-
-    # --- scale, dropout, impl -----------------------------------------------
-    if scale is None:
-        scale = 1.0 / math.sqrt(H) if H > 0 else 1.0
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise TypeError(f"scale must be a finite real number or None, got {scale!r}")
-    elif abs(scale) > float(xp.finfo(cdtype).max):
-        raise ValueError(f"scale={scale!r} overflows the compute dtype {cdtype} (it would become inf)")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
-    if dropout_p > 0 and seed is None:
-        raise ValueError("seed is required when dropout_p > 0: the keep mask is a pure function of the seed")
-    if seed is not None:
-        seed = check_int("seed", seed, minimum=0)
-        if seed >= 2**64:
-            raise ValueError(f"seed must be < 2**64 (the dropout hash reads 64 bits), got {seed}")
+    bottom_right = positional and align == "bottom_right"
+    q_offset, offset_bounds = _query_offset(xp, bottom_right, q_lengths, kv_lengths, batch_shape, T, S)
+    scale = _check_scale(xp, scale, H, cdtype)
+    dropout_p, seed = _check_dropout(dropout_p, seed)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "auto":
-        from .fast_numpy import handles  # here: fast_numpy imports this module
-
-        large = math.prod(full) > AUTO_CHUNKED_MIN_SCORES
-        fast = T * S >= AUTO_FAST_MIN_SCORES_PER_HEAD and handles(xp, cdtype)
-        impl = "chunked" if large or fast else "dense"
     block_q = check_int("block_q", block_q, minimum=1, allow_none=True)
     block_k = check_int("block_k", block_k, minimum=1, allow_none=True)
 
@@ -368,7 +452,7 @@ def make_spec(
         value_dim=Hv,
         dtype=q.dtype,
         compute_dtype=cdtype,
-        scale=float(scale),
+        scale=scale,
         mask=mask,
         bias=bias,
         bias_shape=bias_shape,
@@ -382,7 +466,7 @@ def make_spec(
         offset_bounds=offset_bounds,
         q_len_bounds=q_len_bounds,
         kv_len_bounds=kv_len_bounds,
-        dropout_p=float(dropout_p),
+        dropout_p=dropout_p,
         seed=seed,
         impl=impl,
         block_q=block_q,

@@ -162,3 +162,56 @@ def test_xp_given_as_the_bare_torch_module_uses_the_compat_namespace():
     t = torch.asarray(Q[:, :2, :, :3].copy())
     out = npattn.attention(t, t, t, xp=torch)
     np.testing.assert_allclose(out.numpy(), npattn.attention(Q[:, :2, :, :3], Q[:, :2, :, :3], Q[:, :2, :, :3]))
+
+
+# --- the layout hint: arrays passed as (..., length, heads, head_dim) -------------
+
+LAYOUT = "q, k and v use the layout (..., heads, length, head_dim)"
+
+
+def _swap(a):
+    return np.swapaxes(a, -3, -2)
+
+
+def test_query_passed_length_first_gets_the_layout_hint():
+    q = RNG.standard_normal((2, 4, 9, 5))  # N=4 heads, T=9: passed as (B, T, N, H) it reads as N=9
+    with pytest.raises(ValueError) as info:
+        npattn.attention(_swap(q), K, V)
+    message = str(info.value)
+    assert message.startswith("the number of query heads N=9 must be a multiple of the number of key/value heads K=2")
+    assert LAYOUT in message
+    assert "q's shape (2, 9, 4, 5) looks like (..., length, heads, head_dim)" in message
+    assert "q.transpose(0, 2, 1, 3) or np.swapaxes(q, -3, -2)" in message
+    npattn.attention(q, K, V)  # the suggested fix runs
+
+
+def test_keys_and_values_passed_length_first_name_both():
+    with pytest.raises(ValueError, match="multiple of the number of key/value heads") as info:
+        npattn.attention(Q, _swap(K), _swap(V))  # k, v (2, 6, 2, 5): K reads as 6, which 4 heads cannot share
+    assert "the shapes of k and v, (2, 6, 2, 5) and (2, 6, 2, 7), look like" in str(info.value)
+    assert "on each of k and v" in str(info.value)
+
+
+def test_values_alone_passed_length_first_get_the_hint_on_the_kv_check():
+    with pytest.raises(ValueError) as info:
+        npattn.attention(Q, K, _swap(V))
+    message = str(info.value)
+    assert message.startswith("v must have k's heads and length (axes -3, -2): k has (K=2, S=6), v has (6, 2)")
+    assert "v's shape (2, 6, 2, 7) looks like" in message and "np.swapaxes(v, -3, -2)" in message
+
+
+def test_three_d_inputs_get_a_transpose_of_their_rank():
+    q = RNG.standard_normal((4, 9, 5))  # (N, T, H)
+    with pytest.raises(ValueError, match=r"q\.transpose\(1, 0, 2\)"):
+        npattn.attention(_swap(q), K[0], V[0])
+
+
+def test_a_genuine_head_count_error_gets_no_layout_hint():
+    # N=4, K=3: swapping q's axes would give N=6 (a multiple of 3), but 6 heads over 4 positions; no hint.
+    q, k = RNG.standard_normal((1, 4, 6, 5)), RNG.standard_normal((1, 3, 6, 5))
+    with pytest.raises(ValueError, match="multiple of the number of key/value heads") as info:
+        npattn.attention(q, k, k)
+    assert LAYOUT not in str(info.value)
+    with pytest.raises(ValueError) as info:
+        npattn.attention(Q[:, :3], K, V)  # 3 heads over 2 kv heads, all axes as documented
+    assert LAYOUT not in str(info.value)

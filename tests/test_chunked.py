@@ -34,6 +34,7 @@ from strategies import FEATURES, attention_cases
 
 import npattn
 import npattn.chunked as chunked
+from npattn.attention import choose_impl
 from npattn.options import AUTO_CHUNKED_MIN_SCORES, AUTO_FAST_MIN_SCORES_PER_HEAD, make_spec
 
 TOL = dict(rtol=1e-12, atol=1e-12)
@@ -522,14 +523,14 @@ def test_auto_switches_to_chunked_above_the_threshold(monkeypatch):
     side = math.isqrt(AUTO_CHUNKED_MIN_SCORES)  # T = S = side gives exactly the threshold
     for T, expected in ((side, "dense"), (side + 1, "chunked")):
         q = np.broadcast_to(np.zeros((), dtype=np.float32), (1, T, 1))  # no memory behind it
-        assert make_spec(q, q, q).impl == expected
+        assert choose_impl(make_spec(q, q, q)).impl == expected
 
 
 def test_auto_picks_the_numpy_fast_path_from_one_512x512_tile_per_head(monkeypatch):
     def impl(T, S, dtype=np.float32, N=3):
         q = np.broadcast_to(np.zeros((), dtype=dtype), (2, N, T, 4))  # no memory behind it
         k = np.broadcast_to(np.zeros((), dtype=dtype), (2, N, S, 4))
-        return make_spec(q, k, k).impl
+        return choose_impl(make_spec(q, k, k)).impl
 
     assert AUTO_FAST_MIN_SCORES_PER_HEAD == 512 * 512
     assert impl(512, 512) == impl(1024, 256) == impl(512, 512, np.float64) == impl(512, 512, np.float16) == "chunked"
@@ -540,7 +541,7 @@ def test_auto_picks_the_numpy_fast_path_from_one_512x512_tile_per_head(monkeypat
     xps = pytest.importorskip("array_api_strict")
     monkeypatch.delenv("NPATTN_FAST_NUMPY")
     x = xps.zeros((1, 512, 4), dtype=xps.float32)
-    assert make_spec(x, x, x).impl == "dense"  # no fast path for other namespaces
+    assert choose_impl(make_spec(x, x, x)).impl == "dense"  # no fast path for other namespaces
 
 
 def test_benchmark_quick_smoke(capsys):
