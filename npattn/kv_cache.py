@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .namespace import array_device, check_float_dtype, check_namespace, resolve_namespace
+from .mha_params import layer_dims
+from .namespace import array_device, check_float_dtype, check_namespace, compute_dtype, resolve_namespace
 from .options import check_int
 
 __all__ = ["KVCache", "default_float_dtype"]
@@ -126,9 +127,6 @@ class KVCache:
         >>> cache.batch_size, cache.num_kv_heads, cache.head_dim
         (3, 2, 2)
         """
-        from .mha import layer_dims
-        from .namespace import compute_dtype
-
         dims = layer_dims(params, num_heads=num_heads, num_kv_heads=num_kv_heads)
         weight = params["k_weight"]
         xp = resolve_namespace({"params['k_weight']": weight})

@@ -39,7 +39,15 @@ from .attention import AttentionResiduals, DenseResiduals, attention_backward, a
 from .dense import dense_scores
 from .kv_cache import KVCache, default_float_dtype
 from .masking import visible_tile
-from .namespace import check_float_dtype, check_floating, check_namespace, compute_dtype, resolve_namespace
+from .mha_params import PARAM_KEYS, WEIGHT_KEYS, LayerDims, layer_dims
+from .namespace import (
+    check_float_dtype,
+    check_floating,
+    check_namespace,
+    compute_dtype,
+    dtype_name,
+    resolve_namespace,
+)
 from .options import check_int
 
 __all__ = [
@@ -53,11 +61,6 @@ __all__ = [
     "layer_dims",
     "PARAM_KEYS",
 ]
-
-#: Every key a params dict may hold; the ``*_weight`` keys are required, a
-#: missing ``*_bias`` key means that projection has no bias.
-PARAM_KEYS = ("q_weight", "q_bias", "k_weight", "k_bias", "v_weight", "v_bias", "out_weight", "out_bias")
-WEIGHT_KEYS = ("q_weight", "k_weight", "v_weight", "out_weight")
 
 
 def _check_heads(embed_dim: int, num_heads: Any, num_kv_heads: Any) -> tuple[int, int]:
@@ -179,76 +182,6 @@ def mha_init(
     return params
 
 
-class LayerDims(NamedTuple):
-    """Sizes of a layer, read from its params and head counts."""
-
-    embed_dim: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    kdim: int
-    vdim: int
-
-
-def layer_dims(params, /, *, num_heads, num_kv_heads=None) -> LayerDims:
-    """Check a params dict and return its :class:`LayerDims`.
-
-    ``num_kv_heads=None`` reads K from ``params["k_weight"]`` (``K*H`` rows);
-    given, it must agree. Every error names the key and the expected shape.
-
-    >>> from npattn.mha import layer_dims, mha_init
-    >>> layer_dims(mha_init(8, 4, num_kv_heads=1, vdim=3), num_heads=4)
-    LayerDims(embed_dim=8, num_heads=4, num_kv_heads=1, head_dim=2, kdim=8, vdim=3)
-    """
-    if not isinstance(params, Mapping):
-        raise TypeError(f"params must be a dict of arrays as made by npattn.mha_init, got {type(params).__name__}")
-    unknown = sorted(set(params) - set(PARAM_KEYS), key=str)
-    if unknown:
-        raise ValueError(f"params has unknown keys {unknown}; the keys are {PARAM_KEYS}")
-    missing = [name for name in WEIGHT_KEYS if name not in params]
-    if missing:
-        raise ValueError(f"params is missing {missing} (required: {WEIGHT_KEYS}; biases are optional)")
-    for name in params:
-        if not hasattr(params[name], "shape") or not hasattr(params[name], "dtype"):
-            raise TypeError(f"params[{name!r}] must be an array, got {type(params[name]).__name__}")
-
-    def shape(name):
-        return tuple(params[name].shape)
-
-    if len(shape("q_weight")) != 2 or shape("q_weight")[0] != shape("q_weight")[1] or shape("q_weight")[0] == 0:
-        raise ValueError(
-            f"params['q_weight'] must have shape (embed_dim, embed_dim) with embed_dim >= 1, got {shape('q_weight')}"
-        )
-    E = shape("q_weight")[0]
-    N = check_int("num_heads", num_heads, minimum=1)
-    if E % N:
-        raise ValueError(f"embed_dim={E} (params['q_weight'].shape) must be divisible by num_heads={N}")
-    H = E // N
-    if len(shape("k_weight")) != 2 or shape("k_weight")[0] == 0 or shape("k_weight")[0] % H:
-        raise ValueError(
-            f"params['k_weight'] must have shape (num_kv_heads * head_dim, kdim) with head_dim={H} "
-            f"(embed_dim {E} / num_heads {N}), got {shape('k_weight')}"
-        )
-    Kd, kdim = shape("k_weight")
-    K = Kd // H
-    if num_kv_heads is not None and check_int("num_kv_heads", num_kv_heads, minimum=1) != K:
-        raise ValueError(
-            f"num_kv_heads={num_kv_heads}, but params['k_weight'] has {Kd} rows = {K} heads of head_dim {H}"
-        )
-    if N % K:
-        raise ValueError(f"num_heads={N} must be divisible by num_kv_heads={K} (params['k_weight'] rows / head_dim)")
-    if len(shape("v_weight")) != 2 or shape("v_weight")[0] != Kd:
-        raise ValueError(
-            f"params['v_weight'] must have shape ({Kd}, vdim) like params['k_weight'], got {shape('v_weight')}"
-        )
-    vdim = shape("v_weight")[1]
-    expected = {"out_weight": (E, E), "q_bias": (E,), "k_bias": (Kd,), "v_bias": (Kd,), "out_bias": (E,)}
-    for name, want in expected.items():
-        if name in params and shape(name) != want:
-            raise ValueError(f"params[{name!r}] must have shape {want}, got {shape(name)}")
-    return LayerDims(E, N, K, H, kdim, vdim)
-
-
 # --- shape helpers ----------------------------------------------------------
 
 
@@ -310,6 +243,136 @@ def _recompute_weights(attn: AttentionResiduals) -> Any:
     lse_safe = xp.where(finite, lse, xp.zeros_like(lse))
     p = xp.exp(s - lse_safe)  # (B, N, T, S), exactly 0 where hidden
     return xp.where(finite, p, xp.zeros_like(p))
+
+
+# --- the forward's steps ----------------------------------------------------
+
+
+def _sources(x: Any, context: Any) -> tuple[str, Any, Any, tuple[str, str]]:
+    """``(kind, key_source, value_source, names)`` of a ``context`` argument:
+    ``"self"`` (None: keys and values from ``x``), ``"single"`` (one array) or
+    ``"pair"`` (``(key_source, value_source)``); ``names`` are the sources'
+    names in error messages."""
+    if isinstance(context, (tuple, list)):
+        if len(context) != 2:
+            raise ValueError(f"context must be an array or a pair (key_source, value_source), got {len(context)} items")
+        return "pair", context[0], context[1], ("context[0] (key source)", "context[1] (value source)")
+    if context is None:
+        return "self", x, x, ("x", "x")
+    return "single", context, context, ("context", "context")
+
+
+def _layer_namespace(arrays: dict[str, Any], params: Any, cache: Any, xp: Any) -> Any:
+    """The one namespace of ``arrays``, the params' arrays and the cache's
+    keys (one library, one device), each named in the error otherwise."""
+    named = dict(arrays)
+    if isinstance(params, Mapping):
+        named.update({f"params[{name!r}]": a for name, a in params.items() if hasattr(a, "shape")})
+    if isinstance(cache, KVCache):
+        named["cache"] = cache.keys  # (B, K, L, H): the cache's library and device
+    return resolve_namespace(named, xp)
+
+
+def _check_source_shapes(
+    kind: str, names: tuple[str, str], x: Any, key_source: Any, value_source: Any, dims: LayerDims
+) -> tuple[int, int]:
+    """``x`` (B, T, E) and the key/value sources (B, S, kdim), (B, S, vdim)
+    against the params' widths; returns ``(B, T)``."""
+    E, kdim, vdim = dims.embed_dim, dims.kdim, dims.vdim
+    _check_source("x", x, E, "embed_dim", None)
+    B, T = x.shape[0], x.shape[1]
+    if kind == "self":
+        if (kdim, vdim) != (E, E):
+            raise ValueError(
+                f"params were made for cross-attention (kdim={kdim}, vdim={vdim}, embed_dim={E}); pass context"
+            )
+    elif kind == "single":
+        if kdim != vdim:
+            raise ValueError(
+                f"params have kdim={kdim} != vdim={vdim}: pass context as a pair (key_source, value_source)"
+            )
+        _check_source("context", key_source, kdim, "kdim", B)
+    else:
+        _check_source(names[0], key_source, kdim, "kdim", B)
+        _check_source(names[1], value_source, vdim, "vdim", B)
+        if key_source.shape[1] != value_source.shape[1]:
+            raise ValueError(
+                f"context[0] and context[1] must have one length S (axis 1), got "
+                f"{key_source.shape[1]} and {value_source.shape[1]}"
+            )
+    return B, T
+
+
+def _check_layer_dtypes(
+    xp: Any, names: tuple[str, str], x: Any, key_source: Any, value_source: Any, params: Mapping
+) -> Any:
+    """One floating dtype for ``x``, the sources and the params; returns the compute dtype."""
+    check_floating(xp, "x", x)
+    sources = [(names[0], key_source), (names[1], value_source)]
+    for name, a in sources + [(f"params[{key!r}]", a) for key, a in params.items()]:
+        if a.dtype != x.dtype:
+            message = f"{name} has dtype {a.dtype} but x has {x.dtype}; the layer needs one dtype"
+            if name.startswith("params["):
+                message += (
+                    f": make the params in x's dtype with mha_init(..., dtype=x.dtype) (here {dtype_name(x.dtype)}; "
+                    f"MultiheadAttention takes the same dtype=), or cast x to {dtype_name(a.dtype)}"
+                )
+            raise TypeError(message)
+    return compute_dtype(xp, x.dtype)
+
+
+def _check_cache(
+    cache: Any, kind: str, dropout_p: Any, align: Any, dims: LayerDims, cdtype: Any, B: int, T: int
+) -> str:
+    """Check a decoding ``cache`` against the call; returns the alignment it implies, ``"bottom_right"``."""
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be an npattn KVCache, got {type(cache).__name__}")
+    if kind != "self":
+        raise ValueError("cache= decodes self-attention only: context must be None")
+    if dropout_p:
+        raise ValueError(
+            "dropout_p must be 0 with cache=: the dropout mask is keyed by each call's query index, "
+            "so decoding step by step would not draw the mask of one full forward"
+        )
+    if align not in (None, "bottom_right"):
+        raise ValueError(
+            f"with a cache the new queries sit at the end of the cached keys: align must be "
+            f"None or 'bottom_right', got {align!r}"
+        )
+    K, H = dims.num_kv_heads, dims.head_dim
+    if (cache.num_kv_heads, cache.head_dim) != (K, H):
+        raise ValueError(
+            f"cache holds num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim}, but the layer has {K} and {H}"
+        )
+    if cache.dtype != cdtype:
+        raise TypeError(f"cache stores {cache.dtype}, but the layer computes in {cdtype}")
+    cache.check_new(B, T)
+    return "bottom_right"
+
+
+def _in_compute_dtype(
+    xp: Any, kind: str, params: Mapping, x: Any, key_source: Any, value_source: Any, cdtype: Any
+) -> tuple[dict[str, Any], Any, Any, Any]:
+    """``(params, x, key_source, value_source)`` in the compute dtype, sharing
+    arrays where the caller passed one array twice (no second cast)."""
+    P = {name: xp.astype(a, cdtype, copy=False) for name, a in params.items()}
+    xc = xp.astype(x, cdtype, copy=False)  # (B, T, E)
+    ks = xc if kind == "self" else xp.astype(key_source, cdtype, copy=False)  # (B, S, kdim)
+    vs = ks if kind != "pair" else xp.astype(value_source, cdtype, copy=False)  # (B, S, vdim)
+    return P, xc, ks, vs
+
+
+def _project_heads(xp: Any, P: Mapping, xc: Any, ks: Any, vs: Any, dims: LayerDims) -> tuple[Any, Any, Any]:
+    """The in-projections, heads split: ``q (B, N, T, H)``, ``k``, ``v`` ``(B, K, S, H)``."""
+    q = _split_heads(xp, _linear(xp, xc, P["q_weight"], P.get("q_bias")), dims.num_heads)  # (B, N, T, H)
+    k = _split_heads(xp, _linear(xp, ks, P["k_weight"], P.get("k_bias")), dims.num_kv_heads)  # (B, K, S, H)
+    v = _split_heads(xp, _linear(xp, vs, P["v_weight"], P.get("v_bias")), dims.num_kv_heads)  # (B, K, S, H)
+    return q, k, v
+
+
+def _attention_weights(attn: AttentionResiduals) -> Any:
+    """``need_weights``: the dense path's probabilities, or the chunked path's rebuilt, ``(B, N, T, S)``."""
+    return attn.probs if isinstance(attn, DenseResiduals) else _recompute_weights(attn)
 
 
 # --- forward and backward ---------------------------------------------------
@@ -498,98 +561,20 @@ def mha_forward(
     >>> grads.dx.shape, grads.dcontext, grads.dparams["k_weight"].shape
     ((3, 5, 8), None, (4, 8))
     """
-    if isinstance(context, (tuple, list)):
-        if len(context) != 2:
-            raise ValueError(f"context must be an array or a pair (key_source, value_source), got {len(context)} items")
-        kind, key_source, value_source = "pair", context[0], context[1]
-        names = ("context[0] (key source)", "context[1] (value source)")
-    elif context is None:
-        kind, key_source, value_source = "self", x, x
-        names = ("x", "x")
-    else:
-        kind, key_source, value_source = "single", context, context
-        names = ("context", "context")
+    kind, key_source, value_source, names = _sources(x, context)
     arrays = {"x": x, names[0]: key_source, names[1]: value_source, "mask": mask, "bias": bias}
-    if isinstance(params, Mapping):
-        arrays.update({f"params[{name!r}]": a for name, a in params.items() if hasattr(a, "shape")})
-    if isinstance(cache, KVCache):
-        arrays["cache"] = cache.keys  # (B, K, L, H): the cache's library and device
-    xp = resolve_namespace(arrays, xp)
+    xp = _layer_namespace(arrays, params, cache, xp)
     dims = layer_dims(params, num_heads=num_heads, num_kv_heads=num_kv_heads)
-    E, N, K, H, kdim, vdim = dims
-
-    # --- shapes --------------------------------------------------------------
-    _check_source("x", x, E, "embed_dim", None)
-    B, T = x.shape[0], x.shape[1]
-    if kind == "self":
-        if (kdim, vdim) != (E, E):
-            raise ValueError(
-                f"params were made for cross-attention (kdim={kdim}, vdim={vdim}, embed_dim={E}); pass context"
-            )
-    elif kind == "single":
-        if kdim != vdim:
-            raise ValueError(
-                f"params have kdim={kdim} != vdim={vdim}: pass context as a pair (key_source, value_source)"
-            )
-        _check_source("context", context, kdim, "kdim", B)
-    else:
-        _check_source(names[0], key_source, kdim, "kdim", B)
-        _check_source(names[1], value_source, vdim, "vdim", B)
-        if key_source.shape[1] != value_source.shape[1]:
-            raise ValueError(
-                f"context[0] and context[1] must have one length S (axis 1), got "
-                f"{key_source.shape[1]} and {value_source.shape[1]}"
-            )
-
-    # --- dtypes --------------------------------------------------------------
-    check_floating(xp, "x", x)
-    for name, a in [(names[0], key_source), (names[1], value_source)] + [
-        (f"params[{key!r}]", a) for key, a in params.items()
-    ]:
-        if a.dtype != x.dtype:
-            raise TypeError(f"{name} has dtype {a.dtype} but x has {x.dtype}; the layer needs one dtype")
-    cdtype = compute_dtype(xp, x.dtype)
-
+    B, T = _check_source_shapes(kind, names, x, key_source, value_source, dims)
+    cdtype = _check_layer_dtypes(xp, names, x, key_source, value_source, params)
     if not isinstance(need_weights, bool):
         raise TypeError(f"need_weights must be a bool, got {need_weights!r}")
-
-    # --- cache ---------------------------------------------------------------
     if cache is not None:
-        if not isinstance(cache, KVCache):
-            raise TypeError(f"cache must be an npattn KVCache, got {type(cache).__name__}")
-        if kind != "self":
-            raise ValueError("cache= decodes self-attention only: context must be None")
-        if dropout_p:
-            raise ValueError(
-                "dropout_p must be 0 with cache=: the dropout mask is keyed by each call's query index, "
-                "so decoding step by step would not draw the mask of one full forward"
-            )
-        if align not in (None, "bottom_right"):
-            raise ValueError(
-                f"with a cache the new queries sit at the end of the cached keys: align must be "
-                f"None or 'bottom_right', got {align!r}"
-            )
-        align = "bottom_right"
-        if (cache.num_kv_heads, cache.head_dim) != (K, H):
-            raise ValueError(
-                f"cache holds num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim}, "
-                f"but the layer has {K} and {H}"
-            )
-        if cache.dtype != cdtype:
-            raise TypeError(f"cache stores {cache.dtype}, but the layer computes in {cdtype}")
-        cache.check_new(B, T)
+        align = _check_cache(cache, kind, dropout_p, align, dims, cdtype, B, T)
 
-    # --- projections and attention --------------------------------------------
-    P = {name: xp.astype(a, cdtype, copy=False) for name, a in params.items()}
-    xc = xp.astype(x, cdtype, copy=False)
-    ks = xc if kind == "self" else xp.astype(key_source, cdtype, copy=False)
-    vs = ks if kind != "pair" else xp.astype(value_source, cdtype, copy=False)
-    q = _split_heads(xp, _linear(xp, xc, P["q_weight"], P.get("q_bias")), N)  # (B, N, T, H)
-    k = _split_heads(xp, _linear(xp, ks, P["k_weight"], P.get("k_bias")), K)  # (B, K, S, H)
-    v = _split_heads(xp, _linear(xp, vs, P["v_weight"], P.get("v_bias")), K)  # (B, K, S, H)
-    state = None
-    if cache is not None:
-        k, v, state = cache._stage(k, v)  # (B, K, L + T, H) each
+    P, xc, ks, vs = _in_compute_dtype(xp, kind, params, x, key_source, value_source, cdtype)
+    q, k, v = _project_heads(xp, P, xc, ks, vs, dims)  # (B, N, T, H), (B, K, S, H), (B, K, S, H)
+    k, v, state = (k, v, None) if cache is None else cache._stage(k, v)  # with a cache: (B, K, L + T, H) each
     o, attn = attention_forward(
         q,
         k,
@@ -611,9 +596,7 @@ def mha_forward(
     )  # o: (B, N, T, H)
     merged = _merge_heads(xp, o)  # (B, T, E)
     y = _linear(xp, merged, P["out_weight"], P.get("out_bias"))  # (B, T, E)
-    weights = None
-    if need_weights:
-        weights = attn.probs if isinstance(attn, DenseResiduals) else _recompute_weights(attn)
+    weights = _attention_weights(attn) if need_weights else None  # (B, N, T, S)
     if state is not None:
         cache._commit(state)
     residuals = MHAResiduals(
@@ -811,6 +794,11 @@ class MultiheadAttention:
     def num_kv_heads(self) -> int:
         return self.dims.num_kv_heads
 
+    @property
+    def dtype(self) -> Any:
+        """The params' dtype, which inputs must share (``x``, ``context``)."""
+        return self.params["q_weight"].dtype
+
     def forward(self, x, context=None, /, **options):
         """``mha_forward(self.params, x, context, num_heads=..., **options)``."""
         return mha_forward(self.params, x, context, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, **options)
@@ -829,4 +817,7 @@ class MultiheadAttention:
 
     def __repr__(self) -> str:
         E, N, K, _H, kdim, vdim = self.dims
-        return f"MultiheadAttention(embed_dim={E}, num_heads={N}, num_kv_heads={K}, kdim={kdim}, vdim={vdim})"
+        return (
+            f"MultiheadAttention(embed_dim={E}, num_heads={N}, num_kv_heads={K}, kdim={kdim}, vdim={vdim}, "
+            f"dtype={dtype_name(self.dtype)})"
+        )

@@ -359,6 +359,28 @@ def test_class_wrapper():
     assert adopted.num_kv_heads == 2 and "num_kv_heads=2" in repr(adopted)
 
 
+def test_repr_and_dtype_show_the_layer_dtype():
+    layer = MultiheadAttention(8, 2)
+    assert layer.dtype == np.float64 and repr(layer).endswith(", dtype=float64)")
+    single = MultiheadAttention(8, 2, dtype=np.float32)
+    assert single.dtype == np.float32 and "dtype=float32" in repr(single)
+
+
+def test_float32_input_to_a_float64_layer_says_which_dtype_to_make_it_in():
+    layer = MultiheadAttention(8, 2)  # float64 by default
+    x32 = np.zeros((1, 3, 8), np.float32)
+    with pytest.raises(TypeError) as info:
+        layer(x32)
+    message = str(info.value)
+    assert message.startswith("params['q_weight'] has dtype float64 but x has float32; the layer needs one dtype")
+    assert "mha_init(..., dtype=x.dtype) (here float32" in message and "cast x to float64" in message
+    y, _ = MultiheadAttention(8, 2, dtype=x32.dtype)(x32)  # the suggested fix runs
+    assert y.dtype == np.float32
+    with pytest.raises(TypeError) as info:  # a context of another dtype: not the params' fault, no mha_init hint
+        layer(np.zeros((1, 3, 8)), x32)
+    assert str(info.value) == "context has dtype float32 but x has float64; the layer needs one dtype"
+
+
 # --- bad input ------------------------------------------------------------------
 
 

@@ -1,0 +1,86 @@
+"""The package's architecture: data flows one way (arguments -> validated
+spec -> path choice -> kernel), so the import graph of npattn's modules,
+function-local imports included, has no cycle."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import numpy as np
+
+import npattn
+from npattn.attention import choose_impl
+from npattn.options import AUTO_CHUNKED_MIN_SCORES, make_spec
+
+PACKAGE = pathlib.Path(npattn.__file__).parent
+MODULES = {path.stem for path in PACKAGE.glob("*.py")}
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The npattn modules ``path`` imports, at module level or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names = [node.module] if node.module else [alias.name for alias in node.names]
+            found.update(name.split(".")[0] for name in names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("npattn."):
+            found.add(node.module.split(".")[1])
+    return found & MODULES
+
+
+GRAPH = {path.stem: _imports(path) for path in PACKAGE.glob("*.py")}
+
+
+def _cycle_from(start: str) -> list[str] | None:
+    """A path of imports from ``start`` back to itself, or None."""
+    stack = [(start, [start])]
+    seen = set()
+    while stack:
+        module, path = stack.pop()
+        for dep in GRAPH[module]:
+            if dep == start:
+                return path + [start]
+            if dep not in seen:
+                seen.add(dep)
+                stack.append((dep, path + [dep]))
+    return None
+
+
+def test_the_import_graph_has_no_cycle():
+    cycles = {module: cycle for module in GRAPH if (cycle := _cycle_from(module)) is not None}
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    GRAPH["_a"], GRAPH["_b"] = {"_b"}, {"_a"}
+    try:
+        assert _cycle_from("_a") == ["_a", "_b", "_a"]
+    finally:
+        del GRAPH["_a"], GRAPH["_b"]
+
+
+def test_validation_imports_no_kernel_and_the_layer_parts_import_one_way():
+    assert GRAPH["options"] <= {"namespace"}
+    assert "mha" not in GRAPH["kv_cache"]
+
+
+def test_make_spec_validates_only_and_choose_impl_picks_the_path():
+    x = np.zeros((1, 2, 600, 8))  # T * S = 360000 >= 2**18: the NumPy fast path pays
+    spec = make_spec(x, x, x)
+    assert spec.impl == "auto"
+    chosen = choose_impl(spec)
+    assert chosen.impl == "chunked" and chosen is not spec and spec.impl == "auto"
+    assert choose_impl(make_spec(x[..., :10, :], x, x)).impl == "dense"
+    forced = make_spec(x, x, x, impl="dense")
+    assert choose_impl(forced) is forced
+    _, residuals = npattn.attention_forward(x, x, x)
+    assert residuals.spec.impl == "chunked"  # the residuals record the path taken, never "auto"
+
+
+def test_choose_impl_reads_the_documented_threshold(monkeypatch):
+    monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")  # the size rule alone
+    big = np.broadcast_to(np.zeros((), dtype=np.float32), (1, 1, 4096, 1))  # no memory behind it
+    wide = np.broadcast_to(np.zeros((), dtype=np.float32), (1, 1, AUTO_CHUNKED_MIN_SCORES // 4096 + 1, 1))
+    assert choose_impl(make_spec(big, wide, wide, align="top_left")).impl == "chunked"
+    assert choose_impl(make_spec(big, big, big)).impl == "dense"
