@@ -12,11 +12,6 @@ import shutil
 
 import npattn
 
-# Stubs of the API reference are generated afresh on every build, so that a
-# name removed from api.rst leaves no stale page behind (a warning, hence an
-# error, in a -W build).
-shutil.rmtree(pathlib.Path(__file__).with_name("generated"), ignore_errors=True)
-
 project = "npattn"
 author = "The npattn developers"
 copyright = "The npattn developers (MIT License)"
@@ -78,5 +73,10 @@ def _drop_builtin_docstrings(app, what, name, obj, options, lines):
 
 
 def setup(app):
+    # Stubs of the API reference are generated afresh on every build, so that
+    # a name removed from api.rst leaves no stale page behind (a warning,
+    # hence an error, in a -W build). Here rather than at import, so that
+    # pytest's --doctest-modules importing this file deletes nothing.
+    shutil.rmtree(pathlib.Path(__file__).with_name("generated"), ignore_errors=True)
     app.connect("autodoc-skip-member", _skip_namedtuple_fields)
     app.connect("autodoc-process-docstring", _drop_builtin_docstrings)
