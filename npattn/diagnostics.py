@@ -695,59 +695,17 @@ def plot_attention(
     check_floating(xp, "weights", weights)
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or path-like, got {type(path).__name__}")
-    shape = tuple(weights.shape)
-    if weights.ndim == 4:
-        if batch_index is None:
-            raise ValueError(
-                f"weights has a batch axis (shape {shape}, B={shape[0]}); "
-                "pass batch_index= to pick the batch element to draw"
-            )
-        if isinstance(batch_index, bool) or not hasattr(batch_index, "__index__"):
-            raise TypeError(f"batch_index must be an int, got {type(batch_index).__name__}")
-        batch_index = operator.index(batch_index)
-        if not -shape[0] <= batch_index < shape[0]:
-            raise ValueError(f"batch_index {batch_index} is out of range for batch size {shape[0]}")
-        w = weights[batch_index, ...]  # (N, T, S)
-    elif weights.ndim in (2, 3):
-        if batch_index is not None:
-            raise ValueError(f"batch_index is only for 4-D (B, N, T, S) weights, got shape {shape}")
-        w = _as_heads(xp, weights)  # (N, T, S)
-    else:
-        raise ValueError(f"weights must have shape (N, T, S), (T, S) or (B, N, T, S), got {shape}")
+    w = _weights_to_draw(xp, weights, batch_index)  # (N, T, S)
     N, T, S = w.shape
     if N == 0:
-        raise ValueError(f"weights has no heads to draw (shape {shape})")
+        raise ValueError(f"weights has no heads to draw (shape {tuple(weights.shape)})")
     for name, value in (("vmin", vmin), ("vmax", vmax)):
         if value is not None:
             _check_real(name, value)
-    if isinstance(dpi, bool) or not isinstance(dpi, numbers.Real) or not dpi > 0:
+    if isinstance(dpi, bool) or not isinstance(dpi, numbers.Real) or not float(dpi) > 0:
         raise ValueError(f"dpi must be a positive number, got {dpi!r}")
-    if tokens is not None and (query_tokens is not None or key_tokens is not None):
-        raise ValueError("pass either tokens (both axes) or query_tokens/key_tokens, not both")
-    if tokens is not None and T != S:
-        raise ValueError(
-            f"tokens labels both axes and needs T == S, got T={T}, S={S}; "
-            "pass query_tokens= and key_tokens= for cross-attention"
-        )
-    y_labels = _labels(
-        "tokens" if tokens is not None else "query_tokens", tokens if tokens is not None else query_tokens, T, "query"
-    )
-    x_labels = _labels(
-        "tokens" if tokens is not None else "key_tokens", tokens if tokens is not None else key_tokens, S, "key"
-    )
-    if heads is None:
-        heads = list(range(N))
-    else:
-        if isinstance(heads, (str, bytes)) or not isinstance(heads, Sequence):
-            raise TypeError(f"heads must be a sequence of ints, got {type(heads).__name__}")
-        if not heads:
-            raise ValueError("heads must name at least one head")
-        for n in heads:
-            if isinstance(n, bool) or not hasattr(n, "__index__"):
-                raise TypeError(f"heads must hold ints, got {n!r}")
-            if not -N <= operator.index(n) < N:
-                raise ValueError(f"heads holds {n}, out of range for {N} heads")
-        heads = [operator.index(n) % N for n in heads]
+    y_labels, x_labels = _axis_labels(tokens, query_tokens, key_tokens, T, S)
+    heads = _head_indices(heads, N)
 
     try:
         import matplotlib
@@ -769,25 +727,86 @@ def plot_attention(
     cell = min(max(3.0, 0.22 * max(T, S) + 1.0), 12.0)
     fig = Figure(figsize=(cell * ncols + 1.0, cell * nrows + (0.5 if title else 0.0)), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False)
-    fontsize = 8 if max(T, S) <= 24 else 6
-    image = None
-    for slot, ax in enumerate(axes.flat):
-        if slot >= len(heads):
-            ax.set_axis_off()
-            continue
-        n = heads[slot]
-        masked_rows = ~(host[n] != 0).any(axis=-1, keepdims=True)  # (T, 1)
-        cells = np.ma.masked_array(host[n], mask=np.broadcast_to(masked_rows, host[n].shape))  # (T, S)
-        image = ax.imshow(cells, vmin=vmin, vmax=vmax, cmap=colormap, aspect="auto", interpolation="nearest")
+    images = []
+    for n, ax in zip(heads, axes.flat):
+        cells = _masked_rows(host[n])  # (T, S)
+        images.append(ax.imshow(cells, vmin=vmin, vmax=vmax, cmap=colormap, aspect="auto", interpolation="nearest"))
         ax.set_title(f"head {n}  (entropy {entropy[n]:.2f}, peak {peak[n]:.2f})", fontsize=9)
-        ax.set_xlabel("key", fontsize=8)
-        ax.set_ylabel("query", fontsize=8)
-        if x_labels is not None:
-            ax.set_xticks(range(S), labels=x_labels, rotation=90, fontsize=fontsize)
-        if y_labels is not None:
-            ax.set_yticks(range(T), labels=y_labels, fontsize=fontsize)
-    fig.colorbar(image, ax=axes, shrink=0.8, label="attention weight")
+        _label_axes(ax, x_labels, y_labels, T, S)
+    for ax in axes.flat[len(heads) :]:
+        ax.set_axis_off()
+    fig.colorbar(images[-1], ax=axes, shrink=0.8, label="attention weight")
     if title:
         fig.suptitle(title)
     fig.savefig(path, dpi=dpi)
     return pathlib.Path(path)
+
+
+def _weights_to_draw(xp: Any, weights: Any, batch_index: Any) -> Any:
+    """``weights`` as ``(N, T, S)``: a (T, S) map gets a head axis, a
+    (B, N, T, S) one is indexed by ``batch_index`` (required for it only)."""
+    shape = tuple(weights.shape)
+    if weights.ndim == 4:
+        if batch_index is None:
+            raise ValueError(
+                f"weights has a batch axis (shape {shape}, B={shape[0]}); "
+                "pass batch_index= to pick the batch element to draw"
+            )
+        if isinstance(batch_index, bool) or not hasattr(batch_index, "__index__"):
+            raise TypeError(f"batch_index must be an int, got {type(batch_index).__name__}")
+        batch_index = operator.index(batch_index)
+        if not -shape[0] <= batch_index < shape[0]:
+            raise ValueError(f"batch_index {batch_index} is out of range for batch size {shape[0]}")
+        return weights[batch_index, ...]  # (N, T, S)
+    if weights.ndim in (2, 3):
+        if batch_index is not None:
+            raise ValueError(f"batch_index is only for 4-D (B, N, T, S) weights, got shape {shape}")
+        return _as_heads(xp, weights)  # (N, T, S)
+    raise ValueError(f"weights must have shape (N, T, S), (T, S) or (B, N, T, S), got {shape}")
+
+
+def _axis_labels(tokens: Any, query_tokens: Any, key_tokens: Any, T: int, S: int) -> tuple[Any, Any]:
+    """``(y_labels, x_labels)``, the query and key axes' labels (None: unlabelled)."""
+    if tokens is not None and (query_tokens is not None or key_tokens is not None):
+        raise ValueError("pass either tokens (both axes) or query_tokens/key_tokens, not both")
+    if tokens is None:
+        return _labels("query_tokens", query_tokens, T, "query"), _labels("key_tokens", key_tokens, S, "key")
+    if T != S:
+        raise ValueError(
+            f"tokens labels both axes and needs T == S, got T={T}, S={S}; "
+            "pass query_tokens= and key_tokens= for cross-attention"
+        )
+    return _labels("tokens", tokens, T, "query"), _labels("tokens", tokens, S, "key")
+
+
+def _head_indices(heads: Any, N: int) -> list[int]:
+    """The heads to draw as indices in ``[0, N)`` (negative ones count from the end); all by default."""
+    if heads is None:
+        return list(range(N))
+    if isinstance(heads, (str, bytes)) or not isinstance(heads, Sequence):
+        raise TypeError(f"heads must be a sequence of ints, got {type(heads).__name__}")
+    if not heads:
+        raise ValueError("heads must name at least one head")
+    for n in heads:
+        if isinstance(n, bool) or not hasattr(n, "__index__"):
+            raise TypeError(f"heads must hold ints, got {n!r}")
+        if not -N <= operator.index(n) < N:
+            raise ValueError(f"heads holds {n}, out of range for {N} heads")
+    return [operator.index(n) % N for n in heads]
+
+
+def _masked_rows(head: np.ndarray) -> np.ma.MaskedArray:
+    """One head's (T, S) map with its fully masked (all-zero) rows masked, drawn as the colour map's "bad" colour."""
+    masked_rows = ~(head != 0).any(axis=-1, keepdims=True)  # (T, 1)
+    return np.ma.masked_array(head, mask=np.broadcast_to(masked_rows, head.shape))  # (T, S)
+
+
+def _label_axes(ax: Any, x_labels: list[str] | None, y_labels: list[str] | None, T: int, S: int) -> None:
+    """Axis names, and the token labels where given (smaller type on long axes)."""
+    fontsize = 8 if max(T, S) <= 24 else 6
+    ax.set_xlabel("key", fontsize=8)
+    ax.set_ylabel("query", fontsize=8)
+    if x_labels is not None:
+        ax.set_xticks(range(S), labels=x_labels, rotation=90, fontsize=fontsize)
+    if y_labels is not None:
+        ax.set_yticks(range(T), labels=y_labels, fontsize=fontsize)
