@@ -227,6 +227,7 @@ def attention_forward(
     spec = choose_impl(spec)
     xp = spec.xp
     qc, kc, vc = (xp.astype(a, spec.compute_dtype, copy=False) for a in (q, k, v))
+    residuals: AttentionResiduals
     if spec.impl == "dense":
         out, lse, probs = dense_forward(spec, qc, kc, vc)
         residuals = DenseResiduals(spec, qc, kc, vc, out, lse, probs)
@@ -269,7 +270,7 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
     >>> g.dv.tolist()
     [[[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]]
     """
-    if not isinstance(residuals, AttentionResiduals):
+    if not isinstance(residuals, (DenseResiduals, ChunkedResiduals)):
         raise TypeError(f"residuals must come from npattn.attention_forward, got {type(residuals).__name__}")
     spec = residuals.spec
     xp = spec.xp
@@ -285,7 +286,8 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
         )
     if dbias is not None:
         dbias = xp.astype(dbias, spec.bias_dtype, copy=False)
-    return AttentionGrads(*(xp.astype(g, spec.dtype, copy=False) for g in (dq, dk, dv)), dbias)
+    dq, dk, dv = (xp.astype(g, spec.dtype, copy=False) for g in (dq, dk, dv))
+    return AttentionGrads(dq, dk, dv, dbias)
 
 
 def choose_impl(spec: AttentionSpec) -> AttentionSpec:

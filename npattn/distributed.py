@@ -847,4 +847,5 @@ def _backward(MPI, ring, P, dout, res: RingResiduals, dlse, stats) -> AttentionG
             bytes_sent=wire.bytes_sent,
             bytes_received=wire.bytes_received,
         )
-    return AttentionGrads(*(xp.astype(g, res.dtype, copy=False) for g in (dq, dk_s, dv_s)), None)
+    dq, dk_s, dv_s = (xp.astype(g, res.dtype, copy=False) for g in (dq, dk_s, dv_s))
+    return AttentionGrads(dq, dk_s, dv_s, None)

@@ -67,6 +67,7 @@ def keep_tile(
     head = xp.reshape(xp.arange(h0, h1, dtype=xp.int64, device=dev), (h1 - h0, 1, 1))  # (N, 1, 1)
     rows = xp.reshape(xp.arange(q0, q1, dtype=xp.int64, device=dev), (q1 - q0, 1))  # (tq, 1)
     cols = xp.reshape(xp.arange(k0, k1, dtype=xp.int64, device=dev), (1, k1 - k0))  # (1, tk)
+    assert spec.seed is not None, "make_spec requires a seed whenever dropout_p > 0"
     h = mix32(batch ^ _seed_hash(spec.seed))  # (..., 1, 1, 1)
     h = mix32(h ^ head)  # (..., N, 1, 1)
     h = mix32(h ^ rows)  # (..., N, tq, 1)

@@ -305,13 +305,13 @@ def _check_full_jacobian(
         result.max_abs_error[name] = max(result.max_abs_error.get(name, 0.0), worst)
         bad = ~(diff <= atol + rtol * np.abs(analytic[i]))  # a NaN anywhere fails
         if bad.any():
-            o_row, e = np.unravel_index(np.argmax(np.where(bad, diff, -1)), bad.shape)
+            o_row, column = (int(j) for j in np.unravel_index(np.argmax(np.where(bad, diff, -1)), bad.shape))
             o_index = int(np.searchsorted(np.cumsum(out_sizes), o_row, side="right"))
             o_elem = o_row - sum(out_sizes[:o_index])
-            in_index = tuple(int(i) for i in np.unravel_index(e, shape))
+            in_index = tuple(int(i) for i in np.unravel_index(column, shape))
             out_index = tuple(int(i) for i in np.unravel_index(o_elem, tuple(outputs[o_index].shape)))
             result.failures.append(
                 f"{name}{list(in_index)} -> output {o_index}{list(out_index)}: "
-                f"numeric {numeric[o_row, e]:.12g} vs analytic {analytic[i][o_row, e]:.12g} "
+                f"numeric {numeric[o_row, column]:.12g} vs analytic {analytic[i][o_row, column]:.12g} "
                 f"({int(bad.sum())} of {bad.size} Jacobian entries fail)"
             )

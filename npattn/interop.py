@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .mha import layer_dims
+from .mha_params import layer_dims
 from .namespace import resolve_namespace
 from .options import check_int
 
@@ -267,7 +267,8 @@ def mha_masks_from_torch(*, key_padding_mask=None, attn_mask=None, num_heads=Non
         if (key_padding_mask is not None or attn_mask is not None)
         else xp
     )
-    masks, biases = [], []
+    masks: list[Any] = []
+    biases: list[Any] = []
     if key_padding_mask is not None:
         kpm = key_padding_mask
         if kpm.ndim not in (1, 2):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 from .namespace import array_device, check_floating, compute_dtype, resolve_namespace
 
@@ -132,6 +132,14 @@ def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     if len(shape) > len(target):
         return False
     return all(s == t or s == 1 for s, t in zip(shape[::-1], target[::-1]))
+
+
+@overload
+def check_int(name: str, value: Any, *, minimum: int, allow_none: Literal[False] = False) -> int: ...
+
+
+@overload
+def check_int(name: str, value: Any, *, minimum: int, allow_none: bool) -> int | None: ...
 
 
 def check_int(name: str, value: Any, *, minimum: int, allow_none: bool = False) -> int | None:
