@@ -150,6 +150,55 @@ def check_gradients(
     """
     _check_arguments(forward, backward, inputs, names, wrt, eps, atol, rtol, seed, jacobian, max_jacobian_elements)
     xp = resolve_namespace({f"inputs[{i}]": a for i, a in enumerate(inputs) if hasattr(a, "shape")})
+    inputs, names, wrt = _float64_inputs(xp, inputs, names, wrt)
+    device = array_device(inputs[wrt[0]])
+    rng = np.random.default_rng(seed)
+
+    def random_like(a):
+        return xp.asarray(rng.standard_normal(tuple(a.shape)), dtype=xp.float64, device=device)
+
+    probe = _Probe(xp, forward, backward, inputs)
+    cotangents = [xp.where(f, random_like(o), xp.zeros_like(o)) for o, f in zip(probe.outputs, probe.finite)]
+    result = GradcheckResult(names=[names[i] for i in wrt])
+    grads = probe.backward(cotangents)
+    well_shaped = []
+    for i in wrt:
+        name = names[i]
+        if grads[i] is None or tuple(grads[i].shape) != tuple(inputs[i].shape):
+            got = None if grads[i] is None else tuple(grads[i].shape)
+            result.failures.append(f"{name}: gradient has shape {got}, input has {tuple(inputs[i].shape)}")
+            continue
+        well_shaped.append(i)
+        _check_random_vjp(xp, probe, cotangents, i, name, grads[i], random_like(inputs[i]), eps, atol, rtol, result)
+
+    sizes = [math.prod(o.shape) for o in probe.outputs] + [math.prod(inputs[i].shape) for i in wrt]
+    if jacobian == "auto":
+        jacobian = max(sizes, default=0) <= max_jacobian_elements
+    if jacobian:
+        result.jacobian_checked = True
+        _check_full_jacobian(
+            xp,
+            device,
+            inputs,
+            names,
+            well_shaped,
+            probe.outputs,
+            probe.finite,
+            probe.backward,
+            probe.outputs_at,
+            eps,
+            atol,
+            rtol,
+            result,
+        )
+    if raise_on_failure and result.failures:
+        raise GradcheckError(str(result))
+    return result
+
+
+def _float64_inputs(xp: Any, inputs: Sequence[Any], names: Any, wrt: Any) -> tuple[list[Any], list[str], list[int]]:
+    """``(inputs, names, wrt)``: floating inputs cast to float64, a name per
+    input, and the indices to check (every floating input by default)."""
     names = list(names) if names is not None else [f"input{i}" for i in range(len(inputs))]
     if len(names) != len(inputs):
         raise ValueError(f"names must have one entry per input ({len(inputs)}), got {len(names)}")
@@ -161,73 +210,72 @@ def check_gradients(
             raise ValueError(f"wrt index {i} does not name a floating input")
     if not wrt:
         raise ValueError("nothing to check: no input has a real floating dtype (wrt is empty)")
-    device = array_device(inputs[wrt[0]])
-    rng = np.random.default_rng(seed)
+    return inputs, names, wrt
 
-    def random_like(a):
-        return xp.asarray(rng.standard_normal(tuple(a.shape)), dtype=xp.float64, device=device)
 
-    returned = forward(*inputs)
-    if not isinstance(returned, (tuple, list)) or len(returned) != 2:
-        raise TypeError(f"forward must return a pair (outputs, residuals), got {type(returned).__name__}")
-    outputs, residuals = returned
-    single_output = not isinstance(outputs, (tuple, list))
-    outputs = _as_tuple(outputs)
-    for n, o in enumerate(outputs):
-        if not hasattr(o, "dtype") or not xp.isdtype(o.dtype, "real floating"):
-            got = getattr(o, "dtype", type(o).__name__)
-            raise TypeError(f"forward's output {n} must be a real floating array of the inputs' library, got {got}")
-    finite = [xp.isfinite(o) for o in outputs]
-    cotangents = [xp.where(f, random_like(o), xp.zeros_like(o)) for o, f in zip(outputs, finite)]
+class _Probe:
+    """The pair under test, run once at ``inputs``: its outputs there (which
+    entries are finite), and calls of the backward and of the forward at
+    moved inputs, with non-finite output entries zeroed."""
 
-    def call_backward(cots):
-        grads = _as_tuple(backward(cots[0] if single_output else tuple(cots), residuals))
-        if len(grads) != len(inputs):
-            raise ValueError(f"backward returned {len(grads)} gradients for {len(inputs)} inputs")
+    def __init__(self, xp: Any, forward: Callable, backward: Callable, inputs: list[Any]):
+        self.xp, self.forward, self._backward, self.inputs = xp, forward, backward, inputs
+        returned = forward(*inputs)
+        if not isinstance(returned, (tuple, list)) or len(returned) != 2:
+            raise TypeError(f"forward must return a pair (outputs, residuals), got {type(returned).__name__}")
+        outputs, self.residuals = returned
+        self.single_output = not isinstance(outputs, (tuple, list))
+        self.outputs = _as_tuple(outputs)
+        for n, o in enumerate(self.outputs):
+            if not hasattr(o, "dtype") or not xp.isdtype(o.dtype, "real floating"):
+                got = getattr(o, "dtype", type(o).__name__)
+                raise TypeError(f"forward's output {n} must be a real floating array of the inputs' library, got {got}")
+        self.finite = [xp.isfinite(o) for o in self.outputs]
+
+    def backward(self, cotangents: list[Any]) -> tuple:
+        """The gradients for ``cotangents`` (one per output), one per input."""
+        cots = cotangents[0] if self.single_output else tuple(cotangents)
+        grads = _as_tuple(self._backward(cots, self.residuals))
+        if len(grads) != len(self.inputs):
+            raise ValueError(f"backward returned {len(grads)} gradients for {len(self.inputs)} inputs")
         return grads
 
-    def outputs_at(i, direction, step):
-        moved = list(inputs)
-        moved[i] = inputs[i] + step * direction
-        outs = _as_tuple(forward(*moved)[0])
-        return [xp.where(f, o, xp.zeros_like(o)) for o, f in zip(outs, finite)]
+    def outputs_at(self, i: int, direction: Any, step: float) -> list[Any]:
+        """The outputs with input ``i`` moved by ``step * direction``, 0 where they are not finite at the inputs."""
+        xp = self.xp
+        moved = list(self.inputs)
+        moved[i] = self.inputs[i] + step * direction
+        outs = _as_tuple(self.forward(*moved)[0])
+        return [xp.where(f, o, xp.zeros_like(o)) for o, f in zip(outs, self.finite)]
 
-    result = GradcheckResult(names=[names[i] for i in wrt])
-    grads = call_backward(cotangents)
-    well_shaped = []
-    for i in wrt:
-        name = names[i]
-        if grads[i] is None or tuple(grads[i].shape) != tuple(inputs[i].shape):
-            got = None if grads[i] is None else tuple(grads[i].shape)
-            result.failures.append(f"{name}: gradient has shape {got}, input has {tuple(inputs[i].shape)}")
-            continue
-        well_shaped.append(i)
-        w = random_like(inputs[i])
-        analytic = float(xp.sum(xp.astype(grads[i], xp.float64) * w))
-        plus, minus = outputs_at(i, w, eps), outputs_at(i, w, -eps)
-        terms = [u * (p - m) for u, p, m in zip(cotangents, plus, minus)]
-        numeric = sum(float(xp.sum(t)) for t in terms) / (2 * eps)
-        magnitude = sum(float(xp.sum(xp.abs(t))) for t in terms) / (2 * eps)
-        error = abs(numeric - analytic)
-        error = math.inf if math.isnan(error) else error
-        result.vjp[name] = (numeric, analytic)
-        result.max_abs_error[name] = error
-        if not error <= atol + rtol * max(abs(analytic), magnitude):
-            result.failures.append(
-                f"{name}: random VJP numeric {numeric:.12g} vs analytic {analytic:.12g} (error {error:.3g})"
-            )
 
-    sizes = [math.prod(o.shape) for o in outputs] + [math.prod(inputs[i].shape) for i in wrt]
-    if jacobian == "auto":
-        jacobian = max(sizes, default=0) <= max_jacobian_elements
-    if jacobian:
-        result.jacobian_checked = True
-        _check_full_jacobian(
-            xp, device, inputs, names, well_shaped, outputs, finite, call_backward, outputs_at, eps, atol, rtol, result
+def _check_random_vjp(
+    xp: Any,
+    probe: _Probe,
+    cotangents: list[Any],
+    i: int,
+    name: str,
+    grad: Any,
+    w: Any,
+    eps: float,
+    atol: float,
+    rtol: float,
+    result: GradcheckResult,
+) -> None:
+    """``<grad, w>`` against the central difference of ``L = sum <u, outputs>`` along ``w``, into ``result``."""
+    analytic = float(xp.sum(xp.astype(grad, xp.float64) * w))
+    plus, minus = probe.outputs_at(i, w, eps), probe.outputs_at(i, w, -eps)
+    terms = [u * (p - m) for u, p, m in zip(cotangents, plus, minus)]
+    numeric = sum(float(xp.sum(t)) for t in terms) / (2 * eps)
+    magnitude = sum(float(xp.sum(xp.abs(t))) for t in terms) / (2 * eps)
+    error = abs(numeric - analytic)
+    error = math.inf if math.isnan(error) else error
+    result.vjp[name] = (numeric, analytic)
+    result.max_abs_error[name] = error
+    if not error <= atol + rtol * max(abs(analytic), magnitude):
+        result.failures.append(
+            f"{name}: random VJP numeric {numeric:.12g} vs analytic {analytic:.12g} (error {error:.3g})"
         )
-    if raise_on_failure and result.failures:
-        raise GradcheckError(str(result))
-    return result
 
 
 def _check_arguments(
