@@ -127,30 +127,61 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="npattn", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=("numpy", "cupy"), default="numpy")
-    parser.add_argument("--batch", type=_positive_int, default=2)
-    parser.add_argument("--heads", type=_positive_int, default=8)
-    parser.add_argument("--kv-heads", type=_positive_int, default=2)
-    parser.add_argument("--length", type=_positive_int, default=512)
-    parser.add_argument("--head-dim", type=_positive_int, default=64)
-    args = parser.parse_args(argv)
-    if args.heads % args.kv_heads:
-        parser.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
-    xb, to_host, sync = _backend(args.backend)
+#: ``--help``'s description, written for a terminal (the module docstring is reStructuredText).
+DESCRIPTION = """\
+The npattn demo: runs masked attention forward and backward on a realistic
+shape (float32, causal, grouped-query heads, padded keys), times the dense
+and the chunked path and compares their outputs and gradients, then
+gradient-checks both paths in float64 against central differences.
 
-    B, N, K, T, H = args.batch, args.heads, args.kv_heads, args.length, args.head_dim
-    rng = np.random.default_rng(0)
-    q, k, v, dout = (
+Exit status 0 when the paths agree and every gradient check passes, else 1."""
+
+EXAMPLES = """\
+examples (the npattn command runs the same demo):
+  python -m npattn                      NumPy on the CPU
+  python -m npattn --backend cupy       CuPy on a GPU (fails clearly without one)
+  python -m npattn --length 2048 --batch 1"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line: backend and problem sizes."""
+    parser = argparse.ArgumentParser(
+        prog="npattn",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("numpy", "cupy"),
+        default="numpy",
+        help="array library to run on: numpy on the CPU, cupy on a CUDA GPU (default: %(default)s)",
+    )
+    sizes = (
+        ("--batch", 2, "batch size B"),
+        ("--heads", 8, "query heads N"),
+        ("--kv-heads", 2, "key/value heads K, a divisor of --heads; fewer than N is grouped-query attention"),
+        ("--length", 512, "sequence length T = S"),
+        ("--head-dim", 64, "head dimension H"),
+    )
+    for flag, default, meaning in sizes:
+        parser.add_argument(flag, type=_positive_int, default=default, help=f"{meaning} (default: %(default)s)")
+    return parser
+
+
+def _demo_inputs(xb, rng, B: int, N: int, K: int, T: int, H: int) -> tuple[list, dict]:
+    """``[q, k, v, dout]`` in float32 on the backend, and the attention options (causal, padded keys)."""
+    arrays = [
         xb.asarray(rng.standard_normal(s, dtype=np.float32))
         for s in ((B, N, T, H), (B, K, T, H), (B, K, T, H), (B, N, T, H))
-    )
-    options = dict(causal=True, kv_lengths=xb.asarray(np.array([T, T * 3 // 4] * (B // 2) + [T] * (B % 2))))
-    print(
-        f"npattn demo on {args.backend}: float32, B={B}, N={N} query heads, K={K} kv heads (GQA), "
-        f"T=S={T}, H={H}, causal, padded keys"
-    )
+    ]  # q (B, N, T, H), k and v (B, K, T, H), dout (B, N, T, H)
+    kv_lengths = xb.asarray(np.array([T, T * 3 // 4] * (B // 2) + [T] * (B % 2)))  # (B,): every other one padded
+    return arrays, dict(causal=True, kv_lengths=kv_lengths)
+
+
+def _time_paths(backend: str, xb, sync, q, k, v, dout, options: dict) -> dict:
+    """Time forward and forward+backward on each path, print a table row per
+    path with its peak memory; returns ``{impl: (out, residuals, grads)}``."""
     print(f"{'impl':>8} {'forward ms':>11} {'fwd+bwd ms':>11} {'peak MiB':>9}")
     results = {}
     for impl in [i for i in IMPLS if i != "auto"]:
@@ -158,19 +189,23 @@ def main(argv: list[str] | None = None) -> int:
         def fwd(impl=impl):
             return attention_forward(q, k, v, impl=impl, **options)
 
-        def fwd_bwd():
+        def fwd_bwd(fwd=fwd):
             out, res = fwd()
             return out, res, attention_backward(dout, res)
 
         t_fwd, _ = _timed(fwd, sync)
         t_all, results[impl] = _timed(fwd_bwd, sync)
-        if args.backend == "numpy":
+        if backend == "numpy":
             peak = f"{traced_peak_mib(fwd_bwd):9.1f}"
         else:  # tracemalloc sees host memory only: ask CuPy's allocator instead
             peak_bytes = cupy_peak_bytes(xb, fwd_bwd)
             peak = f"{'n/a':>9}" if peak_bytes is None else f"{peak_bytes / 2**20:9.1f}"
         print(f"{impl:>8} {t_fwd:11.1f} {t_all:11.1f} {peak}")
+    return results
 
+
+def _paths_agree(results: dict, to_host) -> bool:
+    """Print the largest dense/chunked difference over out, lse and the gradients; whether it is within tolerance."""
     (out_d, res_d, g_d), (out_c, res_c, g_c) = results["dense"], results["chunked"]
     pairs = [
         ("out", out_d, out_c),
@@ -185,11 +220,15 @@ def main(argv: list[str] | None = None) -> int:
         f"max |dense - chunked| over out, lse, dq, dk, dv (float32): {worst:.2e} "
         f"({'agree' if agree else 'DISAGREE'}: tolerance {AGREEMENT_TOLERANCE:g})"
     )
+    return agree
 
-    # Gradient check in float64 on a small problem, both paths, every input.
+
+def _gradient_checks_pass(xb, rng) -> bool:
+    """Gradient-check both paths in float64 on a small problem (every input,
+    bias and dropout included); print each report, return whether all pass."""
     small = [xb.asarray(rng.standard_normal(s)) for s in ((2, 4, 6, 3), (2, 2, 6, 3), (2, 2, 6, 3))]
     bias = xb.asarray(rng.standard_normal((4, 6, 6)))
-    ok = agree
+    ok = True
     for impl in ("dense", "chunked"):
 
         def forward(q, k, v, bias, impl=impl):
@@ -208,6 +247,26 @@ def main(argv: list[str] | None = None) -> int:
         )
         ok &= report.ok
         print(f"[{impl}] {report}")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo with the command line ``argv``; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    xb, to_host, sync = _backend(args.backend)
+    B, N, K, T, H = args.batch, args.heads, args.kv_heads, args.length, args.head_dim
+    rng = np.random.default_rng(0)
+    (q, k, v, dout), options = _demo_inputs(xb, rng, B, N, K, T, H)
+    print(
+        f"npattn demo on {args.backend}: float32, B={B}, N={N} query heads, K={K} kv heads (GQA), "
+        f"T=S={T}, H={H}, causal, padded keys"
+    )
+    results = _time_paths(args.backend, xb, sync, q, k, v, dout, options)
+    agree = _paths_agree(results, to_host)
+    ok = _gradient_checks_pass(xb, rng) and agree
     print("demo finished:", "paths agree and all gradient checks passed" if ok else "FAILED")
     return 0 if ok else 1
 

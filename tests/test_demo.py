@@ -39,3 +39,19 @@ def test_max_difference_counts_nan_and_mismatched_masking_as_infinite():
     assert max_difference(np.array([1.0]), np.array([np.nan])) == float("inf")
     assert max_difference(np.array([np.nan]), np.array([1.0])) == float("inf")
     assert max_difference(np.array([-np.inf]), np.array([0.0])) == float("inf")
+
+
+def test_help_is_plain_text_and_every_option_has_help(capsys):
+    from npattn.__main__ import _parser
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    for markup in ("``", ":func:", ":mod:", ":class:", ":data:"):
+        assert markup not in text, f"--help shows reStructuredText markup {markup!r}"
+    assert "Exit status 0 when the paths agree" in text
+    assert "python -m npattn --backend cupy" in text  # the examples keep their line breaks
+    for action in _parser()._actions:
+        assert action.help, f"{action.option_strings} has no help string"
+    assert "(default: 512)" in text and "grouped-query attention" in text
