@@ -3,7 +3,9 @@ one validated, immutable :class:`AttentionSpec` that every path reads.
 
 All checks happen here, before any compute, so the dense and chunked paths
 see identical, already-normalized options and every bad input gets one clear
-``TypeError`` or ``ValueError`` that names the argument.
+``TypeError`` or ``ValueError`` that names the argument. This module imports
+no kernel: the data flow is arguments -> validated spec (here) -> path choice
+(:func:`npattn.attention.choose_impl`) -> kernel -> residuals -> backward.
 
 :func:`check_int` is the integer-argument check every other module (the
 layer, the KV cache, diagnostics, the gradient checker, interop, ring
@@ -75,6 +77,8 @@ class AttentionSpec:
     (bottom_right without lengths) or an int64 array of shape ``batch_shape``
     (bottom_right with lengths). ``offset_bounds`` and the ``*_len_bounds``
     are its host-side (min, max), used to classify tiles without a sync.
+    ``impl`` is the caller's, ``"auto"`` included: choosing the path is the
+    dispatcher's job (:func:`npattn.attention.choose_impl`), not validation's.
     """
 
     xp: Any
