@@ -84,3 +84,29 @@ def test_choose_impl_reads_the_documented_threshold(monkeypatch):
     wide = np.broadcast_to(np.zeros((), dtype=np.float32), (1, 1, AUTO_CHUNKED_MIN_SCORES // 4096 + 1, 1))
     assert choose_impl(make_spec(big, wide, wide, align="top_left")).impl == "chunked"
     assert choose_impl(make_spec(big, big, big)).impl == "dense"
+
+
+#: Modules whose hot loops may stay long (CONVENTIONS §3: kernels aside).
+KERNELS = {"dense", "chunked", "fast_numpy"}
+
+#: Code lines (the docstring not counted) a function outside the kernels may take.
+MAX_FUNCTION_LINES = 80
+
+
+def _code_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    total = (function.end_lineno or function.lineno) - function.lineno + 1
+    first = function.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        total -= (first.end_lineno or first.lineno) - first.lineno + 1
+    return total
+
+
+def test_functions_outside_the_kernels_read_at_once():
+    long = {
+        f"{path.stem}.{node.name}": _code_lines(node)
+        for path in PACKAGE.glob("*.py")
+        if path.stem not in KERNELS
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _code_lines(node) > MAX_FUNCTION_LINES
+    }
+    assert not long, f"functions over {MAX_FUNCTION_LINES} code lines outside the kernels: {long}"
