@@ -41,6 +41,7 @@ from .interop import mha_masks_from_torch, mha_params_from_torch, mha_params_to_
 from .kv_cache import KVCache
 from .merge import MergeResiduals, merge_partials, merge_partials_backward
 from .mha import MHAGrads, MHAResiduals, MultiheadAttention, mha_backward, mha_forward, mha_init
+from .scores import alibi_slopes
 
 __version__ = "0.1.0"
 
@@ -48,6 +49,7 @@ __all__ = [
     "attention",
     "attention_forward",
     "attention_backward",
+    "alibi_slopes",
     "AttentionGrads",
     "AttentionResiduals",
     "DenseResiduals",

@@ -18,6 +18,7 @@ from .chunked import chunked_backward, chunked_forward
 from .dense import dense_backward, dense_forward
 from .namespace import resolve_namespace
 from .options import AUTO_CHUNKED_MIN_SCORES, AUTO_FAST_MIN_SCORES_PER_HEAD, AttentionSpec, make_spec
+from .scores.sinks import apply_sinks, sinks_grad
 
 __all__ = [
     "attention",
@@ -35,13 +36,18 @@ class AttentionGrads(NamedTuple):
     """Gradients of attention, each in its input's shape and dtype.
 
     ``dq (..., N, T, H)``, ``dk (..., K, S, H)``, ``dv (..., K, S, Hv)``;
-    ``dbias`` has the bias's own shape and dtype, or is None without a bias.
+    ``dbias``, ``dsinks`` and ``dalibi_slopes`` have the shape and dtype of
+    ``bias``, ``sinks`` and ``alibi_slopes``, or are None where that option
+    was not given. A named tuple of six: read the fields by name
+    (``grads.dq``); unpacking takes six names.
     """
 
     dq: Any
     dk: Any
     dv: Any
-    dbias: Any
+    dbias: Any = None
+    dsinks: Any = None
+    dalibi_slopes: Any = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,15 +121,28 @@ def attention_forward(
     impl="auto",
     block_q=None,
     block_k=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
     xp=None,
 ):
     r"""Masked scaled dot-product attention, keeping residuals for the backward.
 
     .. math::
 
-        \mathrm{out} = \mathrm{dropout}\big(\mathrm{softmax}(\mathrm{scale}\cdot QK^\top
-        + \mathrm{bias},\ \mathrm{masked})\big)\,V,\qquad
-        \mathrm{lse} = \log\sum_{j\ \mathrm{visible}} e^{\mathrm{scale}\cdot q\cdot k_j + \mathrm{bias}_j}
+        s_{ij} = c\tanh\big(\mathrm{scale}\; q_i\cdot k_j / c\big) + \mathrm{bias}_{ij}
+        - m_n |p_i - j|,\qquad
+        \mathrm{lse}_i = \log\Big(e^{\mathrm{sinks}_n} + \sum_{j\ \mathrm{visible}} e^{s_{ij}}\Big)
+
+    .. math::
+
+        \mathrm{out}_i = \sum_j \mathrm{dropout}\big(e^{s_{ij} - \mathrm{lse}_i}\big)\, v_j
+
+    where the softcap ``c``, the bias, the ALiBi slopes ``m_n`` and the sinks
+    each apply only when given (the score pipeline of :mod:`npattn.scores`, in
+    this order: softcap, bias and ALiBi, visibility, sinks).
 
     Dimension legend: B... batch axes, N query heads, K kv heads (N % K == 0;
     K < N is GQA/MQA), T query length, S key length, H head dim, Hv value dim.
@@ -176,6 +195,23 @@ def attention_forward(
         all batch elements and heads, ``B*N*block_q*block_k``, within
         ``npattn.options.ACCELERATOR_TILE_SCORES`` = 2**25 entries (2048 x 2048
         at B*N = 8): per-tile kernel launches, not tile size, dominate there.
+    softcap : float > 0, optional
+        Logit soft-capping (Gemma 2): the raw scores ``scale * q.k`` become
+        ``softcap * tanh(s / softcap)``, before the bias.
+    alibi_slopes : float array of shape (N,) or broadcastable to (..., N), optional
+        ALiBi: ``-slope_n * |p_i - j|`` is added to the scores, with query
+        positions ``p_i`` under ``align`` (required when T != S). Its gradient
+        is returned as ``dalibi_slopes``. :func:`npattn.alibi_slopes` gives
+        the standard slopes.
+    sinks : float array of shape (N,) or broadcastable to (..., N), optional
+        Learnable attention sinks: one virtual key per head with score
+        ``sinks_n`` and value 0, in every row that is not padding; it enters
+        ``lse``. A row whose keys are all hidden gets out 0 and lse
+        ``sinks_n``. Its gradient is returned as ``dsinks``.
+    q_segment_ids, kv_segment_ids : int arrays of shapes (..., T) and (..., S), optional
+        Packed documents: key j is visible to query i only where their ids
+        are equal (JAX, FlexAttention document masking). Both or neither.
+        Tiles whose id ranges cannot meet are skipped.
     xp : namespace, optional
         Array API namespace; inferred from the inputs by default.
 
@@ -222,6 +258,11 @@ def attention_forward(
         impl=impl,
         block_q=block_q,
         block_k=block_k,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
         xp=xp,
     )
     spec = choose_impl(spec)
@@ -230,10 +271,13 @@ def attention_forward(
     residuals: AttentionResiduals
     if spec.impl == "dense":
         out, lse, probs = dense_forward(spec, qc, kc, vc)
+        out, lse, factor = apply_sinks(spec, out, lse)
+        if factor is not None:
+            probs = probs * factor[..., None]  # (..., N, T, S): the sinks' share leaves each row
         residuals = DenseResiduals(spec, qc, kc, vc, out, lse, probs)
     else:
         kernel = chunked_kernel(spec)
-        out, lse = _CHUNKED_KERNELS[kernel][0](spec, qc, kc, vc)
+        out, lse, _ = apply_sinks(spec, *_CHUNKED_KERNELS[kernel][0](spec, qc, kc, vc))
         residuals = ChunkedResiduals(spec, qc, kc, vc, out, lse, kernel)
     return xp.astype(out, spec.dtype, copy=False), residuals
 
@@ -279,15 +323,28 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
     if dlse is not None:
         dlse_c = _check_cotangent(residuals, "dlse", dlse, tuple(residuals.lse.shape), spec.compute_dtype)
     if isinstance(residuals, DenseResiduals):
-        dq, dk, dv, dbias = dense_backward(spec, residuals.q, residuals.k, residuals.v, residuals.probs, dout_c, dlse_c)
+        dq, dk, dv, dbias, params = dense_backward(
+            spec, residuals.q, residuals.k, residuals.v, residuals.probs, dout_c, dlse_c
+        )
     else:
-        dq, dk, dv, dbias = _CHUNKED_KERNELS[residuals.kernel][1](
+        dq, dk, dv, dbias, params = _CHUNKED_KERNELS[residuals.kernel][1](
             spec, residuals.q, residuals.k, residuals.v, residuals.out, residuals.lse, dout_c, dlse_c
         )
-    if dbias is not None:
-        dbias = xp.astype(dbias, spec.bias_dtype, copy=False)
+    dsinks = sinks_grad(spec, dout_c, residuals.out, residuals.lse, dlse_c)
     dq, dk, dv = (xp.astype(g, spec.dtype, copy=False) for g in (dq, dk, dv))
-    return AttentionGrads(dq, dk, dv, dbias)
+    return AttentionGrads(
+        dq,
+        dk,
+        dv,
+        dbias=_in_dtype(xp, dbias, spec.bias_dtype),
+        dsinks=_in_dtype(xp, dsinks, spec.sinks_dtype),
+        dalibi_slopes=_in_dtype(xp, params.get("alibi_slopes"), spec.alibi_dtype),
+    )
+
+
+def _in_dtype(xp: Any, grad: Any | None, dtype: Any) -> Any | None:
+    """A parameter's gradient in the parameter's own dtype (None stays None)."""
+    return None if grad is None else xp.astype(grad, dtype, copy=False)
 
 
 def choose_impl(spec: AttentionSpec) -> AttentionSpec:

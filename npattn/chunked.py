@@ -7,7 +7,7 @@ Forward, for each query tile ``i`` (``Q_i``, rows ``[q0, q1)``), visiting key
 tiles ``j`` in order with running row max ``m``, row sum ``l`` and an
 unnormalized output ``acc`` (``m = -inf``, ``l = 0``, ``acc = 0`` at the start)::
 
-    S_ij  = scale * Q_i K_j^T + bias_ij          hidden entries -> -inf
+    S_ij  = pipeline(scale * Q_i K_j^T)          softcap, + bias - ALiBi; hidden -> -inf
     m_new = max(m, rowmax(S_ij))
     a     = exp(m - m_new)                       rescales what came before
     P~_ij = exp(S_ij - m_new)
@@ -29,13 +29,14 @@ over key tiles ``j``, inner loop over query tiles ``i``)::
     Pd_ij = P_ij * keep_ij / (1 - p)
     dV_j += Pd_ij^T dO_i
     dP_ij = (dO_i V_j^T) * keep_ij / (1 - p)
-    dS_ij = P_ij * (dP_ij - D_i)                 also the bias gradient tile
-    dQ_i += scale * dS_ij K_j
-    dK_j += scale * dS_ij^T Q_i
+    dS_ij = P_ij * (dP_ij - D_i)                 also the bias gradient tile (and d slopes)
+    dR_ij = pipeline'(dS_ij)                      the softcap's chain rule
+    dQ_i += scale * dR_ij K_j
+    dK_j += scale * dR_ij^T Q_i
 
 ``dbias`` is accumulated tile by tile, each ``dS_ij`` summed to the bias
 tile's own shape (a bias tile keeps its size-1 broadcast axes, see
-:func:`npattn.masking.slice_tile`), then the tiles are concatenated.
+:func:`npattn.scores.tiles.slice_tile`), then the tiles are concatenated.
 
 Dimension legend: B... batch axes, N query heads, K kv heads, G = N // K
 query heads per kv head, T query length, S key length, H head dim, Hv value
@@ -43,7 +44,7 @@ dim, tq/tk the rows/columns of one tile. Heads are kept in a grouped layout,
 ``Q (..., K, G, T, H)`` against ``K (..., K, 1, S, H)``, so GQA/MQA never
 copies keys or values G times; ``dK`` and ``dV`` are summed over the group.
 
-Tiles are classified first (:func:`npattn.masking.classify_tile`): tiles that
+Tiles are classified first (:func:`npattn.scores.visibility.classify_tile`): tiles that
 causal/window/lengths hide completely are skipped in both passes (so causal
 costs about half), fully visible tiles build no mask, and only mixed tiles
 build their visibility from indices. Dropout's keep mask is regenerated per
@@ -76,7 +77,6 @@ from typing import Any
 import array_api_compat
 
 from . import dropout as _dropout
-from .masking import ALL, NONE, bias_tile, classify_tile, visible_tile
 from .namespace import sum_to_shape
 from .options import (
     ACCELERATOR_BLOCK_MAX,
@@ -86,6 +86,8 @@ from .options import (
     DEFAULT_BLOCK_Q,
     AttentionSpec,
 )
+from .scores.pipeline import ScoreParamGrads, additive_tile, transform, transform_backward
+from .scores.visibility import ALL, NONE, classify_tile, visible_tile
 
 __all__ = ["chunked_forward", "chunked_backward", "tile_ranges", "default_blocks", "on_accelerator"]
 
@@ -206,23 +208,26 @@ def _ungrouped(spec: AttentionSpec, x: Any) -> Any:
     return spec.xp.reshape(x, tuple(x.shape[:-4]) + (spec.num_heads,) + tuple(x.shape[-2:]))
 
 
-def _tile_scores(spec: AttentionSpec, qs_i: Any, kT_j: Any, q0: int, q1: int, k0: int, k1: int, kind: str) -> Any:
-    """``S_ij = (scale * Q_i) K_j^T + bias_ij``, hidden entries set to ``-inf``.
+def _tile_scores(
+    spec: AttentionSpec, qs_i: Any, kT_j: Any, q0: int, q1: int, k0: int, k1: int, kind: str
+) -> tuple[Any, Any]:
+    """``(S_ij, R_ij)``: the raw products ``R_ij = (scale * Q_i) K_j^T`` and
+    the scores ``S_ij`` after the pipeline (:mod:`npattn.scores.pipeline`:
+    softcap, bias, ALiBi), hidden entries set to ``-inf``.
 
     ``qs_i`` is the pre-scaled query tile ``(..., K, G, tq, H)``, ``kT_j`` the
     transposed key tile ``(..., K, 1, H, tk)``. A fully visible tile
     (``kind == ALL``) builds no mask.
     """
     xp = spec.xp
-    s = qs_i @ kT_j  # (..., K, G, tq, tk)
-    bias = bias_tile(spec, q0, q1, k0, k1)  # (..., N|1, tq|1, tk|1) or None
-    if bias is not None:
-        s = s + _grouped(spec, bias)  # (..., K, G, tq, tk)
+    raw = qs_i @ kT_j  # (..., K, G, tq, tk)
+    additive = additive_tile(spec, q0, q1, k0, k1)  # (..., N|1, tq|1, tk|1) or None
+    s = transform(spec, raw, None if additive is None else _grouped(spec, additive))  # (..., K, G, tq, tk)
     if kind != ALL:
         visible = visible_tile(spec, q0, q1, k0, k1)  # broadcastable to (..., N, tq, tk)
         if visible is not None:
             s = xp.where(_grouped(spec, visible), s, -xp.inf)  # (..., K, G, tq, tk)
-    return s
+    return s, raw
 
 
 def _dropout_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> Any | None:
@@ -294,7 +299,7 @@ def chunked_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, A
             kind = classify_tile(spec, q0, q1, k0, k1)
             if kind == NONE:
                 continue
-            s = _tile_scores(spec, qs_i, kT[..., k0:k1], q0, q1, k0, k1, kind)  # (..., K, G, tq, tk)
+            s, _ = _tile_scores(spec, qs_i, kT[..., k0:k1], q0, q1, k0, k1, kind)  # (..., K, G, tq, tk)
             m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))  # (..., K, G, tq, 1)
             m_safe = xp.where(m_new == -xp.inf, xp.zeros_like(m_new), m_new)  # no exp(-inf - -inf)
             a = xp.exp(m - m_safe)  # (..., K, G, tq, 1)
@@ -316,7 +321,7 @@ def chunked_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, A
 
 def chunked_backward(
     spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dlse: Any | None
-) -> tuple[Any, Any, Any, Any | None]:
+) -> tuple[Any, Any, Any, Any | None, dict[str, Any]]:
     """Gradients of :func:`chunked_forward`, recomputing ``P`` tile by tile.
 
     Parameters
@@ -341,13 +346,17 @@ def chunked_backward(
         Summed over the G query heads sharing each kv head.
     dbias : array in ``spec.bias_shape``, or None without a bias
         Summed over the bias's broadcast axes; in the compute dtype.
+    param_grads : dict
+        The score pipeline's parameter gradients (``"alibi_slopes"``), see
+        :class:`npattn.scores.pipeline.ScoreParamGrads`.
     """
     xp = spec.xp
     bs, N, K, G = spec.batch_shape, spec.num_heads, spec.num_kv_heads, spec.group_size
     T, S, H, Hv = spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim
     if _is_empty(spec):
         dbias = None if spec.bias_shape is None else _zeros(spec, spec.bias_shape)
-        return _zeros(spec, bs + (N, T, H)), _zeros(spec, bs + (K, S, H)), _zeros(spec, bs + (K, S, Hv)), dbias
+        grads = _zeros(spec, bs + (N, T, H)), _zeros(spec, bs + (K, S, H)), _zeros(spec, bs + (K, S, Hv))
+        return (*grads, dbias, ScoreParamGrads(spec).result())
     qs = xp.reshape(q, bs + (K, G, T, H)) * spec.scale  # (..., K, G, T, H), scale * Q
     kg = xp.reshape(k, bs + (K, 1, S, H))  # (..., K, 1, S, H)
     vg = xp.reshape(v, bs + (K, 1, S, Hv))  # (..., K, 1, S, Hv)
@@ -363,6 +372,7 @@ def chunked_backward(
     dq_tiles: list[Any] = [None] * len(q_tiles)  # sum_j dS_ij K_j, each (..., K, G, tq, H)
     dk_tiles, dv_tiles = [], []
     dbias_acc = _DbiasAccumulator(spec, q_tiles, k_tiles)
+    params = ScoreParamGrads(spec)
     for j, (k0, k1) in enumerate(k_tiles):
         k_j = kg[..., k0:k1, :]  # (..., K, 1, tk, H)
         kT_j = xp.matrix_transpose(k_j)  # (..., K, 1, H, tk)
@@ -374,7 +384,7 @@ def chunked_backward(
             if kind == NONE:
                 continue
             qs_i, do_i = qs[..., q0:q1, :], do[..., q0:q1, :]  # (..., K, G, tq, H), (..., K, G, tq, Hv)
-            s = _tile_scores(spec, qs_i, kT_j, q0, q1, k0, k1, kind)  # (..., K, G, tq, tk)
+            s, raw = _tile_scores(spec, qs_i, kT_j, q0, q1, k0, k1, kind)  # (..., K, G, tq, tk)
             p = xp.exp(s - lse[..., q0:q1, :])  # P_ij (..., K, G, tq, tk)
             drop = _dropout_tile(spec, q0, q1, k0, k1)
             p_dropped = p if drop is None else p * drop  # Pd_ij
@@ -384,11 +394,14 @@ def chunked_backward(
             if drop is not None:
                 dp = dp * drop
             ds = p * (dp - D[..., q0:q1, :])  # dS_ij (..., K, G, tq, tk)
+            dbias_acc.add(i, j, ds)
+            if params.needed:
+                params.add(_ungrouped(spec, ds), q0, q1, k0, k1)
+            ds = transform_backward(spec, ds, raw)  # dR_ij: through the softcap
             dq_ij = ds @ k_j  # (..., K, G, tq, tk) @ (..., K, 1, tk, H) -> (..., K, G, tq, H)
             dq_tiles[i] = dq_ij if dq_tiles[i] is None else dq_tiles[i] + dq_ij
             # (..., K, G, tk, tq) @ (..., K, G, tq, H) -> (..., K, G, tk, H), summed over G
             dk_j = dk_j + xp.sum(xp.matrix_transpose(ds) @ qs_i, axis=-3)
-            dbias_acc.add(i, j, ds)
         dk_tiles.append(dk_j)
         dv_tiles.append(dv_j)
     dq_tiles = [
@@ -397,7 +410,7 @@ def chunked_backward(
     dq = spec.scale * xp.reshape(xp.concat(dq_tiles, axis=-2), bs + (N, T, H))  # (..., N, T, H)
     dk = xp.concat(dk_tiles, axis=-2)  # (..., K, S, H)
     dv = xp.concat(dv_tiles, axis=-2)  # (..., K, S, Hv)
-    return dq, dk, dv, dbias_acc.result()
+    return dq, dk, dv, dbias_acc.result(), params.result()
 
 
 class _DbiasAccumulator:

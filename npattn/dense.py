@@ -2,7 +2,8 @@
 
 Forward (per batch element and query head ``n``, kv head ``n // G``)::
 
-    S   = scale * Q K^T + bias              (..., N, T, S)
+    R   = scale * Q K^T                      (..., N, T, S), the raw products
+    S   = pipeline(R)                        softcap, + bias - ALiBi (npattn.scores)
     P   = masked_softmax(S)                  hidden -> 0, fully masked row -> 0
     lse = logsumexp(S over visible keys)     (..., N, T), -inf if none visible
     Pd  = P * keep / (1 - p)                 dropout (keep = 1 when p = 0)
@@ -14,9 +15,13 @@ Backward, given ``dO`` and optionally ``dlse``::
     dPd = dO V^T
     dP  = dPd * keep / (1 - p)
     D   = rowsum(P * dP) - dlse              (= rowsum(dO * O) - dlse)
-    dS  = P * (dP - D)                       also dbias (summed to bias's shape)
-    dQ  = scale * dS K
-    dK  = scale * dS^T Q                     summed over the G heads sharing it
+    dS  = P * (dP - D)                       also dbias (summed to bias's shape), d slopes
+    dR  = pipeline'(dS)                      softcap's chain rule
+    dQ  = scale * dR K
+    dK  = scale * dR^T Q                     summed over the G heads sharing it
+
+Sinks (:mod:`npattn.scores.sinks`) are merged into ``O``, ``lse`` and ``P``
+after this forward, by :func:`npattn.attention_forward`, as on every path.
 
 This is the readable oracle the chunked path is tested against.
 """
@@ -26,9 +31,10 @@ from __future__ import annotations
 from typing import Any
 
 from . import dropout as _dropout
-from .masking import bias_tile, visible_tile
 from .namespace import sum_to_shape
 from .options import AttentionSpec
+from .scores.pipeline import ScoreParamGrads, additive_tile, transform, transform_backward
+from .scores.visibility import visible_tile
 from .softmax import masked_softmax
 
 __all__ = ["dense_forward", "dense_backward", "dense_scores", "expand_kv_heads", "reduce_kv_heads"]
@@ -67,15 +73,19 @@ def _dropout_scale(spec: AttentionSpec) -> Any | None:
     return xp.astype(keep, spec.compute_dtype) / (1.0 - spec.dropout_p)
 
 
-def dense_scores(spec: AttentionSpec, q: Any, k: Any) -> Any:
-    """``S = scale * Q K^T + bias`` over the whole ``(..., N, T, S)``, before
-    masking: the one definition of the dense scores (the multi-head layer
-    rebuilds the chunked path's probabilities from it)."""
+def raw_scores(spec: AttentionSpec, q: Any, k: Any) -> Any:
+    """``R = scale * Q K^T`` over the whole ``(..., N, T, S)``."""
     xp = spec.xp
     k_heads = expand_kv_heads(xp, k, spec.group_size)  # (..., N, S, H)
-    s = spec.scale * (q @ xp.matrix_transpose(k_heads))  # (..., N, T, S)
-    bias = bias_tile(spec, 0, spec.q_len, 0, spec.kv_len)
-    return s if bias is None else s + bias
+    return spec.scale * (q @ xp.matrix_transpose(k_heads))  # (..., N, T, S)
+
+
+def dense_scores(spec: AttentionSpec, q: Any, k: Any) -> Any:
+    """The scores over the whole ``(..., N, T, S)`` after the pipeline's
+    transforms (softcap, bias, ALiBi), before masking: the one definition of
+    the dense scores (the multi-head layer rebuilds the chunked path's
+    probabilities from it)."""
+    return transform(spec, raw_scores(spec, q, k), additive_tile(spec, 0, spec.q_len, 0, spec.kv_len))
 
 
 def dense_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
@@ -91,9 +101,11 @@ def dense_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any
 
 def dense_backward(
     spec: AttentionSpec, q: Any, k: Any, v: Any, p: Any, dout: Any, dlse: Any | None
-) -> tuple[Any, Any, Any, Any | None]:
-    """Return ``(dq, dk, dv, dbias)`` in the compute dtype (dbias in the
-    bias's shape, or None). ``p`` is the saved pre-dropout probabilities."""
+) -> tuple[Any, Any, Any, Any | None, dict[str, Any]]:
+    """Return ``(dq, dk, dv, dbias, param_grads)`` in the compute dtype
+    (dbias in the bias's shape, or None; ``param_grads`` the pipeline's, see
+    :class:`~npattn.scores.pipeline.ScoreParamGrads`). ``p`` is the saved
+    pre-dropout probabilities."""
     xp = spec.xp
     G = spec.group_size
     drop = _dropout_scale(spec)
@@ -107,7 +119,11 @@ def dense_backward(
     if dlse is not None:
         D = D - dlse[..., None]
     ds = p * (dp - D)  # (..., N, T, S)
+    dbias = None if spec.bias_shape is None else sum_to_shape(xp, ds, spec.bias_shape)
+    params = ScoreParamGrads(spec)
+    params.add(ds, 0, spec.q_len, 0, spec.kv_len)
+    if spec.softcap is not None:
+        ds = transform_backward(spec, ds, raw_scores(spec, q, k))  # dR (..., N, T, S)
     dq = spec.scale * (ds @ expand_kv_heads(xp, k, G))  # (..., N, T, H)
     dk = reduce_kv_heads(xp, spec.scale * (xp.matrix_transpose(ds) @ q), K)  # (..., K, S, H)
-    dbias = None if spec.bias_shape is None else sum_to_shape(xp, ds, spec.bias_shape)
-    return dq, dk, dv, dbias
+    return dq, dk, dv, dbias, params.result()

@@ -1,7 +1,7 @@
 r"""NumPy fast path of the chunked algorithm, for the CPU.
 
 The same online-softmax forward and FlashAttention-2 backward as
-:mod:`npattn.chunked`, with the same masks (built by :mod:`npattn.masking`),
+:mod:`npattn.chunked`, with the same masks (built by :mod:`npattn.scores.visibility`),
 the same dropout mask and the same fully-masked-row rules, rearranged for
 NumPy on a multi-core CPU:
 
@@ -25,7 +25,7 @@ NumPy on a multi-core CPU:
   the generic path, so the backward recomputes exactly the forward's scores.
   Fused, the scores are kept in base 2 (``log2 e`` folded into the scale) and
   exponentiated with ``exp2``, about twice as fast as ``exp`` in float32.
-- **tile skipping** as the generic path (:func:`npattn.masking.classify_tile`),
+- **tile skipping** as the generic path (:func:`npattn.scores.visibility.classify_tile`),
   and within a partly visible tile, spans that skip what no row can see
   (:func:`plan_tile`).
 - **no subnormal probabilities**: those below ``2**FLUSH_EXPONENT`` are
@@ -64,9 +64,10 @@ from threadpoolctl import ThreadpoolController
 
 from . import dropout as _dropout
 from .chunked import tile_ranges
-from .masking import ALL, NONE, bias_tile, classify_tile, visible_tile
 from .namespace import sum_to_shape
 from .options import AttentionSpec
+from .scores.pipeline import additive_tile
+from .scores.visibility import ALL, NONE, classify_tile, visible_tile
 
 __all__ = ["supports", "forward", "backward", "num_threads", "FAST_BLOCKS"]
 
@@ -221,8 +222,9 @@ def _run(items, work, *, parallel: bool = True, spare_thread: bool = False) -> N
 
 
 def supports(spec: AttentionSpec) -> bool:
-    """Whether this fast path handles ``spec``: see :func:`handles`."""
-    return handles(spec.xp, spec.compute_dtype)
+    """Whether this fast path handles ``spec``: see :func:`handles`; softcap
+    and ALiBi run on the generic path for now."""
+    return handles(spec.xp, spec.compute_dtype) and spec.softcap is None and spec.alibi_slopes is None
 
 
 def handles(xp: Any, compute_dtype: Any) -> bool:
@@ -348,7 +350,7 @@ def plan_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> list[t
     if kind == ALL:
         return [(q0, q1, k0, k1, ())]
     sub = SPLIT_BLOCK
-    if not spec.has_positional_mask or (q1 - q0 <= sub and k1 - k0 <= sub):
+    if not spec.has_index_rules or (q1 - q0 <= sub and k1 - k0 <= sub):
         return [(q0, q1, k0, k1, ((k0, k1),))]
     key_blocks = [(j0, min(j0 + sub, k1)) for j0 in range(k0, k1, sub)]
     spans: list[tuple] = []
@@ -377,7 +379,7 @@ def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list[list[
     ``hidden`` is the ``(R, j1 - j0)`` boolean of entries to hide, built here
     once rather than per item; otherwise None, and each item builds its own.
     """
-    shared = spec.mask is None and spec.q_lengths is None and spec.kv_lengths is None
+    shared = spec.mask is None and spec.q_lengths is None and spec.kv_lengths is None and not spec.has_segments
     G = spec.group_size
 
     def with_masks(span):
@@ -414,7 +416,7 @@ class _Item:
 
     def add_bias(self, s: Any, p0: int, p1: int, c0: int, c1: int) -> None:
         """Add the bias over positions ``[p0, p1)`` and keys ``[c0, c1)`` to ``s``."""
-        bias = bias_tile(self.spec, p0, p1, c0, c1, batch=self.b, heads=self.heads)
+        bias = additive_tile(self.spec, p0, p1, c0, c1, batch=self.b, heads=self.heads)
         if bias is not None:
             s += self._as_rows(bias, p1 - p0, c1 - c0)
 
@@ -663,7 +665,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
 
 def backward(
     spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dlse: Any | None
-) -> tuple[Any, Any, Any, Any | None]:
+) -> tuple[Any, Any, Any, Any | None, dict[str, Any]]:
     """FlashAttention-2 backward; same contract as :func:`npattn.chunked.chunked_backward`.
 
     When fused (see the module docstring), the two per-row subtractions ride
@@ -786,4 +788,4 @@ def backward(
     _run([(b, kv) for b in range(Bf) for kv in range(K)], work, parallel=dbias is None)
     bs = spec.batch_shape
     grads = dq.reshape(bs + (N, T, H)), dk.reshape(bs + (K, S, H)), dv.reshape(bs + (K, S, Hv))
-    return (*grads, None if dbias is None else dbias.reshape(spec.bias_shape))
+    return (*grads, None if dbias is None else dbias.reshape(spec.bias_shape), {})

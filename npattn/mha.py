@@ -38,7 +38,6 @@ import numpy as np
 from .attention import AttentionResiduals, DenseResiduals, attention_backward, attention_forward
 from .dense import dense_scores
 from .kv_cache import KVCache, default_float_dtype
-from .masking import visible_tile
 from .mha_params import PARAM_KEYS, WEIGHT_KEYS, LayerDims, layer_dims
 from .namespace import (
     check_float_dtype,
@@ -49,6 +48,7 @@ from .namespace import (
     resolve_namespace,
 )
 from .options import check_int
+from .scores.visibility import visible_tile
 
 __all__ = [
     "mha_init",

@@ -19,7 +19,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
-from .namespace import array_device, check_floating, compute_dtype, resolve_namespace
+from .namespace import array_device, check_floating, compute_dtype, resolve_namespace, to_numpy
 
 __all__ = ["AttentionSpec", "make_spec", "check_int", "IMPLS", "ALIGNS"]
 
@@ -79,6 +79,16 @@ class AttentionSpec:
     are its host-side (min, max), used to classify tiles without a sync.
     ``impl`` is the caller's, ``"auto"`` included: choosing the path is the
     dispatcher's job (:func:`npattn.attention.choose_impl`), not validation's.
+
+    The variants of the score pipeline (:mod:`npattn.scores`): ``softcap`` a
+    float or None; ``alibi_slopes`` the slopes viewed at rank
+    ``len(batch_shape) + 3`` as ``(..., N|1, 1, 1)`` and ``sinks`` at rank
+    ``len(batch_shape) + 2`` as ``(..., N|1, 1)`` (views, with their own
+    ``*_shape`` and ``*_dtype`` for the gradients); ``q_segment_ids`` and
+    ``kv_segment_ids`` int64 of shapes ``batch_shape + (T,)`` and
+    ``batch_shape + (S,)``, with host (NumPy) copies flattened to
+    ``(B, T)``/``(B, S)`` in ``segment_host`` for classifying tiles.
+    ``q_offset`` is set whenever positions matter: causal/window or ALiBi.
     """
 
     xp: Any
@@ -111,6 +121,16 @@ class AttentionSpec:
     impl: str
     block_q: int | None
     block_k: int | None
+    softcap: float | None = None
+    alibi_slopes: Any = None
+    alibi_shape: tuple[int, ...] | None = None
+    alibi_dtype: Any = None
+    sinks: Any = None
+    sinks_shape: tuple[int, ...] | None = None
+    sinks_dtype: Any = None
+    q_segment_ids: Any = None
+    kv_segment_ids: Any = None
+    segment_host: tuple[Any, Any] | None = None
 
     @property
     def group_size(self) -> int:
@@ -126,6 +146,17 @@ class AttentionSpec:
             or self.q_lengths is not None
             or self.kv_lengths is not None
         )
+
+    @property
+    def has_segments(self) -> bool:
+        """Whether segment ids (packed documents) restrict visibility."""
+        return self.q_segment_ids is not None
+
+    @property
+    def has_index_rules(self) -> bool:
+        """Whether a rule decided by indices alone (causal/window, lengths,
+        segment ids) hides some keys: such tiles can be classified and cut."""
+        return self.has_positional_mask or self.has_segments
 
     @property
     def num_batch(self) -> int:
@@ -194,7 +225,7 @@ def _check_lengths(xp, name, lengths, batch_shape, limit, device):
     return xp.astype(lengths, xp.int64), (lo, hi)
 
 
-def _resolve_arrays(q, k, v, mask, bias, q_lengths, kv_lengths, xp) -> Any:
+def _resolve_arrays(q, k, v, mask, bias, q_lengths, kv_lengths, xp, extra=None) -> Any:
     """The one namespace of every array argument (q, k, v must not be None)."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         if a is None:
@@ -208,6 +239,8 @@ def _resolve_arrays(q, k, v, mask, bias, q_lengths, kv_lengths, xp) -> Any:
         "q_lengths": q_lengths if hasattr(q_lengths, "shape") else None,
         "kv_lengths": kv_lengths if hasattr(kv_lengths, "shape") else None,
     }
+    for name, a in (extra or {}).items():  # the score pipeline's arrays
+        arrays[name] = a if hasattr(a, "shape") else None
     return resolve_namespace(arrays, xp)
 
 
@@ -348,14 +381,15 @@ def _check_window(causal, window) -> tuple[int | None, int | None]:
     return left, right
 
 
-def _check_align(align, positional: bool, T: int, S: int) -> str | None:
-    """The alignment; None means top_left for causal/window, allowed only when T == S."""
+def _check_align(align, positional: bool, T: int, S: int, what: str = "causal/window") -> str | None:
+    """The alignment; None means top_left where positions matter (``what``:
+    causal/window, ALiBi), allowed only when T == S."""
     if align is not None and align not in ALIGNS:
         raise ValueError(f"align must be one of {ALIGNS} or None, got {align!r}")
     if positional and align is None:
         if T != S:
             raise ValueError(
-                f"causal/window with T={T} != S={S} needs an explicit alignment: "
+                f"{what} with T={T} != S={S} needs an explicit alignment: "
                 "align='top_left' (query i at position i, PyTorch is_causal) or "
                 "align='bottom_right' (query i at position i + S - T, FlashAttention-2 / KV cache)"
             )
@@ -407,6 +441,116 @@ def _check_dropout(dropout_p, seed) -> tuple[float, int | None]:
     return p, checked
 
 
+def _check_softcap(softcap) -> float | None:
+    """``softcap``: None, or a finite real number > 0."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a positive finite float or None, got {softcap!r}")
+    cap = float(softcap)
+    if not math.isfinite(cap) or cap <= 0:
+        raise ValueError(f"softcap must be a finite float > 0 (scores become cap * tanh(s / cap)), got {softcap!r}")
+    return cap
+
+
+def _check_per_head(xp, name: str, a, batch_shape: tuple[int, ...], N: int, trailing: int):
+    """A float per-head parameter (``alibi_slopes``, ``sinks``) of shape (N,)
+    or broadcastable to (..., N), with finite values: ``(a viewed at rank
+    len(batch_shape) + 1 + trailing as (..., N|1, 1...), its shape, its dtype)``."""
+    if a is None:
+        return None, None, None
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise TypeError(f"{name} must be a float array of shape (N,) = ({N},) or (..., N), got {type(a).__name__}")
+    if not xp.isdtype(a.dtype, "real floating"):
+        raise TypeError(f"{name} must have a real floating dtype, got {a.dtype}")
+    shape = tuple(a.shape)
+    target = batch_shape + (N,)
+    if a.ndim == 0 or not _broadcasts_to(shape, target):
+        raise ValueError(f"{name} must have shape (N,) = ({N},) or broadcast to (..., N) = {target}, got {shape}")
+    if math.prod(shape) and not bool(xp.all(xp.isfinite(a))):
+        raise ValueError(f"{name} must be finite, got NaN or inf entries")
+    rank = len(batch_shape) + 1
+    view = xp.reshape(a, (1,) * (rank - a.ndim) + shape + (1,) * trailing)
+    return view, shape, a.dtype
+
+
+def _check_segment_ids(xp, q_segment_ids, kv_segment_ids, batch_shape: tuple[int, ...], T: int, S: int):
+    """Integer ``q_segment_ids (..., T)`` and ``kv_segment_ids (..., S)``,
+    given together: ``(q ids, kv ids, host copies flattened to (B, T), (B, S))``
+    as int64, or three Nones."""
+    if q_segment_ids is None and kv_segment_ids is None:
+        return None, None, None
+    if q_segment_ids is None or kv_segment_ids is None:
+        given, missing = ("q", "kv") if kv_segment_ids is None else ("kv", "q")
+        raise ValueError(
+            f"{given}_segment_ids was given without {missing}_segment_ids: pass both "
+            "(key j is visible to query i only where their ids are equal)"
+        )
+    checked = []
+    for name, ids, length in (("q_segment_ids", q_segment_ids, T), ("kv_segment_ids", kv_segment_ids, S)):
+        expected = batch_shape + (length,)
+        if not hasattr(ids, "shape") or not hasattr(ids, "dtype"):
+            raise TypeError(f"{name} must be an integer array of shape {expected}, got {type(ids).__name__}")
+        if not xp.isdtype(ids.dtype, "integral"):
+            raise TypeError(f"{name} must have an integer dtype, got {ids.dtype}")
+        if tuple(ids.shape) != expected:
+            raise ValueError(f"{name} must have shape {expected} (batch axes, then length), got {tuple(ids.shape)}")
+        checked.append(xp.astype(ids, xp.int64))
+    B = math.prod(batch_shape)
+    host = tuple(to_numpy(ids).reshape(B, -1) for ids in checked)
+    return checked[0], checked[1], host
+
+
+def _check_variants(xp, batch_shape, sizes, softcap, alibi_slopes, sinks, q_segment_ids, kv_segment_ids) -> dict:
+    """The score pipeline's options (softcap, ALiBi, sinks, segment ids) as
+    :class:`AttentionSpec` fields; ``sizes`` is ``(N, T, S)``."""
+    N, T, S = sizes
+    slopes, alibi_shape, alibi_dtype = _check_per_head(xp, "alibi_slopes", alibi_slopes, batch_shape, N, 2)
+    sinks, sinks_shape, sinks_dtype = _check_per_head(xp, "sinks", sinks, batch_shape, N, 1)
+    q_ids, kv_ids, host = _check_segment_ids(xp, q_segment_ids, kv_segment_ids, batch_shape, T, S)
+    return {
+        "softcap": _check_softcap(softcap),
+        "alibi_slopes": slopes,
+        "alibi_shape": alibi_shape,
+        "alibi_dtype": alibi_dtype,
+        "sinks": sinks,
+        "sinks_shape": sinks_shape,
+        "sinks_dtype": sinks_dtype,
+        "q_segment_ids": q_ids,
+        "kv_segment_ids": kv_ids,
+        "segment_host": host,
+    }
+
+
+def _check_positions(xp, device, band, lengths, batch_shape, sizes, alibi: bool) -> dict:
+    """Causal/window, alignment, lengths and the query offset as
+    :class:`AttentionSpec` fields; ``band`` is ``(causal, window, align)``,
+    ``lengths`` ``(q_lengths, kv_lengths)``, ``sizes`` ``(T, S)``, ``alibi``
+    whether ALiBi reads positions too."""
+    causal, window, align = band
+    T, S = sizes
+    left, right = _check_window(causal, window)
+    positional = left is not None or right is not None
+    align = _check_align(align, positional, T, S)
+    if alibi:
+        align = _check_align(align, True, T, S, what="alibi_slopes (ALiBi)")
+    q_lengths, q_len_bounds = _check_lengths(xp, "q_lengths", lengths[0], batch_shape, T, device)
+    kv_lengths, kv_len_bounds = _check_lengths(xp, "kv_lengths", lengths[1], batch_shape, S, device)
+    bottom_right = (positional or alibi) and align == "bottom_right"
+    q_offset, offset_bounds = _query_offset(xp, bottom_right, q_lengths, kv_lengths, batch_shape, T, S)
+    return {
+        "window_left": left,
+        "window_right": right,
+        "align": align,
+        "q_lengths": q_lengths,
+        "kv_lengths": kv_lengths,
+        "q_offset": q_offset,
+        "offset_bounds": offset_bounds,
+        "q_len_bounds": q_len_bounds,
+        "kv_len_bounds": kv_len_bounds,
+    }
+
+
 def make_spec(
     q,
     k,
@@ -425,12 +569,19 @@ def make_spec(
     impl="auto",
     block_q=None,
     block_k=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
     xp=None,
 ) -> AttentionSpec:
     """Check every argument of :func:`npattn.attention_forward` and return the
     normalized :class:`AttentionSpec`. Raises ``TypeError``/``ValueError``
     naming the offending argument."""
-    xp = _resolve_arrays(q, k, v, mask, bias, q_lengths, kv_lengths, xp)
+    extra = {"alibi_slopes": alibi_slopes, "sinks": sinks, "q_segment_ids": q_segment_ids}
+    extra["kv_segment_ids"] = kv_segment_ids
+    xp = _resolve_arrays(q, k, v, mask, bias, q_lengths, kv_lengths, xp, extra)
     batch_shape, (N, T, H), (K, S, Hv) = _check_shapes(q, k, v)
     _check_dtypes(xp, q, k, v)
     device = array_device(q)
@@ -438,13 +589,16 @@ def make_spec(
     full = batch_shape + (N, T, S)  # (..., N, T, S): what mask and bias broadcast to
     mask = _check_mask(xp, mask, full)
     bias, bias_shape, bias_dtype = _check_bias(xp, bias, full)
-    left, right = _check_window(causal, window)
-    positional = left is not None or right is not None
-    align = _check_align(align, positional, T, S)
-    q_lengths, q_len_bounds = _check_lengths(xp, "q_lengths", q_lengths, batch_shape, T, device)
-    kv_lengths, kv_len_bounds = _check_lengths(xp, "kv_lengths", kv_lengths, batch_shape, S, device)
-    bottom_right = positional and align == "bottom_right"
-    q_offset, offset_bounds = _query_offset(xp, bottom_right, q_lengths, kv_lengths, batch_shape, T, S)
+    variants = _check_variants(xp, batch_shape, (N, T, S), softcap, alibi_slopes, sinks, q_segment_ids, kv_segment_ids)
+    positions = _check_positions(
+        xp,
+        device,
+        (causal, window, align),
+        (q_lengths, kv_lengths),
+        batch_shape,
+        (T, S),
+        variants["alibi_slopes"] is not None,
+    )
     scale = _check_scale(xp, scale, H, cdtype)
     dropout_p, seed = _check_dropout(dropout_p, seed)
     if impl not in IMPLS:
@@ -469,18 +623,11 @@ def make_spec(
         bias=bias,
         bias_shape=bias_shape,
         bias_dtype=bias_dtype,
-        window_left=left,
-        window_right=right,
-        align=align,
-        q_lengths=q_lengths,
-        kv_lengths=kv_lengths,
-        q_offset=q_offset,
-        offset_bounds=offset_bounds,
-        q_len_bounds=q_len_bounds,
-        kv_len_bounds=kv_len_bounds,
+        **positions,
         dropout_p=dropout_p,
         seed=seed,
         impl=impl,
         block_q=block_q,
         block_k=block_k,
+        **variants,
     )

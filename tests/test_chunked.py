@@ -65,7 +65,7 @@ def _chunked(q, k, v, dout, dlse=None, **options):
     qc, kc, vc = (xp.astype(a, spec.compute_dtype, copy=False) for a in (q, k, v))
     out, lse = chunked.chunked_forward(spec, qc, kc, vc)
     dout = xp.astype(dout, spec.compute_dtype, copy=False)
-    dq, dk, dv, dbias = chunked.chunked_backward(spec, qc, kc, vc, out, lse, dout, dlse)
+    dq, dk, dv, dbias, _ = chunked.chunked_backward(spec, qc, kc, vc, out, lse, dout, dlse)
     if dbias is not None:
         dbias = xp.astype(dbias, spec.bias_dtype, copy=False)
     out, dq, dk, dv = (xp.astype(a, spec.dtype, copy=False) for a in (out, dq, dk, dv))
@@ -201,7 +201,7 @@ def _chunked_pair(options: dict, with_bias: bool):
 
     def backward(cotangents, residuals):
         dout, dlse = cotangents
-        dq, dk, dv, dbias = chunked.chunked_backward(*residuals, dout, dlse)
+        dq, dk, dv, dbias, _ = chunked.chunked_backward(*residuals, dout, dlse)
         return (dq, dk, dv, dbias) if with_bias else (dq, dk, dv)
 
     return forward, backward

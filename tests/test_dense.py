@@ -203,6 +203,9 @@ def test_backend_matrix_forward_backward_and_no_mutation(backend):
     np.testing.assert_allclose(backend.to_numpy(out), ref_out, atol=1e-5)
     np.testing.assert_allclose(backend.to_numpy(res.lse), ref_res.lse, atol=1e-5)
     for got, want in zip(g, ref_g):
+        if want is None:  # a gradient of an option not given (dsinks, dalibi_slopes)
+            assert got is None
+            continue
         np.testing.assert_allclose(backend.to_numpy(got), want, atol=1e-5)
     for arr, orig in zip(inputs, before):
         np.testing.assert_array_equal(backend.to_numpy(arr), orig)

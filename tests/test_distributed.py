@@ -28,7 +28,7 @@ from mpi_support import find_mpiexec, mpi_skip_reason, run_mpi
 
 import npattn
 from npattn.distributed import RingLayout, _pair_mask, _pair_options
-from npattn.masking import visible_tile
+from npattn.scores.visibility import visible_tile
 from npattn.options import make_spec
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

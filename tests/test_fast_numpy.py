@@ -63,7 +63,7 @@ def test_fast_path_equals_generic_chunked_path(case, block_q, block_k, split):
 
 def _tile_visibility(spec, q0, q1, k0, k1):
     """``(any item sees it, every item sees it)`` over the tile, each ``(tq, tk)``."""
-    from npattn.masking import visible_tile
+    from npattn.scores.visibility import visible_tile
 
     visible = visible_tile(spec, q0, q1, k0, k1)
     if visible is None:
@@ -347,7 +347,7 @@ def test_large_logits_send_no_subnormal_into_a_matrix_product(monkeypatch, dtype
     monkeypatch.setattr(fast_numpy, "np", NumpyWithCheckedMatmul())
     spec = make_spec(q, k, v, impl="chunked", block_q=32, block_k=32, **options)
     out, lse = fast_numpy.forward(spec, q, k, v)
-    dq, dk, dv, _ = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)
+    dq, dk, dv, *_ = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)
     monkeypatch.undo()
     assert subnormal_operands and max(subnormal_operands) == 0
     wide = [a.astype(np.float64) for a in (q, k, v)]
@@ -384,7 +384,7 @@ def _fast_against_float64_dense(q, k, v, causal, **blocks):
     dout = np.random.default_rng(6).standard_normal(q.shape[:-1] + v.shape[-1:]).astype(q.dtype)
     spec = make_spec(q, k, v, impl="chunked", causal=causal, **blocks)
     out, lse = fast_numpy.forward(spec, q, k, v)
-    dq, dk, dv, _ = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)
+    dq, dk, dv, *_ = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)
     wide = [a.astype(np.float64) for a in (q, k, v)]
     ref_out, ref_res = npattn.attention_forward(*wide, impl="dense", causal=causal)
     ref = npattn.attention_backward(dout.astype(np.float64), ref_res)

@@ -531,7 +531,7 @@ def test_lengths_of_zero(path, which):
     assert not g.dk[0].any() and not g.dv[0].any() and not g.dbias[0].any()
     out_d, _res_d, g_d = run("dense", q, k, v, dout, dlse, bias=bias, causal=True, align="bottom_right", **options)
     np.testing.assert_allclose(out, out_d, atol=1e-12)
-    for a, b in zip(g, g_d):
+    for a, b in zip(g[:4], g_d[:4]):
         np.testing.assert_allclose(a, b, atol=1e-11)
 
 

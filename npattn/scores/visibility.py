@@ -1,13 +1,14 @@
-"""Which keys each query may attend to, built tile by tile from indices.
+"""Step 5 of the score pipeline: which keys each query may attend to, built
+tile by tile from indices.
 
-A query at row ``i`` sits at position ``p = i + q_offset`` (``q_offset`` is 0
-for ``align="top_left"``, ``S - T`` or ``kv_len - q_len`` per batch element for
-``"bottom_right"``). Key ``j`` is visible to it iff every rule that is set
-holds::
+A query at row ``i`` sits at position ``p = i + q_offset`` (see
+:mod:`npattn.scores.tiles`). Key ``j`` is visible to it iff every rule that
+is set holds::
 
     mask[..., n, i, j]                       (user's boolean mask, True = keep)
     p - left <= j <= p + right               (window; causal is right = 0)
     i < q_lengths[...]  and  j < kv_lengths[...]
+    q_segment_ids[..., i] == kv_segment_ids[..., j]    (packed documents)
 
 The dense path asks for the tile ``[0, T) x [0, S)``; the chunked path asks for
 ``[q0, q1) x [k0, k1)`` and first calls :func:`classify_tile` to skip tiles
@@ -19,48 +20,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .options import AttentionSpec
+import numpy as np
 
-__all__ = ["visible_tile", "bias_tile", "classify_tile", "slice_tile", "select_item", "NONE", "ALL", "SOME"]
+from ..options import AttentionSpec
+from .tiles import key_positions, per_batch, query_positions, row_indices, select_item, slice_tile
+
+__all__ = ["visible_tile", "classify_tile", "NONE", "ALL", "SOME"]
 
 NONE, ALL, SOME = "none", "all", "some"
-
-
-def slice_tile(a: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
-    """``a[..., q0:q1, k0:k1]``, leaving broadcast (size-1) axes whole."""
-    rows = slice(None) if a.shape[-2] == 1 else slice(q0, q1)
-    cols = slice(None) if a.shape[-1] == 1 else slice(k0, k1)
-    return a[..., rows, cols]
-
-
-def _per_batch(spec: AttentionSpec, a: Any, batch: int | None) -> Any:
-    """An array of shape ``batch_shape`` viewed as ``(..., 1, 1, 1)``, or its
-    entry for the flat batch index ``batch`` (a 0-d array)."""
-    if batch is not None:
-        return spec.xp.reshape(a, (-1,))[batch]  # ()
-    return spec.xp.reshape(a, spec.batch_shape + (1, 1, 1))
-
-
-def select_item(spec: AttentionSpec, a: Any, batch: int | None, heads: tuple[int, int] | None) -> Any:
-    """``a (..., N|1, x, y)`` restricted to one batch element (flat index,
-    batch axes dropped) and/or query heads ``[h0, h1)``; size-1 (broadcast)
-    axes are kept as they are."""
-    if batch is not None:
-        lead = a.ndim - 3
-        index = _unravel(batch, spec.batch_shape)
-        a = a[tuple(0 if a.shape[axis] == 1 else index[axis] for axis in range(lead))]  # (N|1, x, y)
-    if heads is not None and a.shape[-3] != 1:
-        a = a[..., heads[0] : heads[1], :, :]  # (..., h1 - h0, x, y)
-    return a
-
-
-def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """C-order multi-index of ``flat`` in ``shape``."""
-    index = []
-    for size in reversed(shape):
-        flat, i = divmod(flat, size)
-        index.append(i)
-    return tuple(reversed(index))
 
 
 def visible_tile(
@@ -85,13 +52,9 @@ def visible_tile(
         mask = select_item(spec, spec.mask, batch, heads)
         parts.append(slice_tile(mask, q0, q1, k0, k1))  # (..., N|1, tq|1, tk|1)
     if spec.has_positional_mask:
-        rows = xp.reshape(xp.arange(q0, q1, dtype=xp.int64, device=spec.device), (q1 - q0, 1))  # (tq, 1)
-        cols = xp.reshape(xp.arange(k0, k1, dtype=xp.int64, device=spec.device), (1, k1 - k0))  # (1, tk)
+        rows, cols = row_indices(spec, q0, q1), key_positions(spec, k0, k1)  # (tq, 1), (1, tk)
         if spec.window_left is not None or spec.window_right is not None:
-            offset = spec.q_offset
-            if hasattr(offset, "shape"):
-                offset = _per_batch(spec, offset, batch)  # (..., 1, 1, 1)
-            position = rows + offset  # (tq, 1) or (..., 1, tq, 1)
+            position = query_positions(spec, q0, q1, batch)  # (tq, 1) or (..., 1, tq, 1)
             # Positions lie in [-T, T + S) and keys in [0, S), so a side wider
             # than T + S hides nothing: clip it there to stay within int64.
             reach = spec.q_len + spec.kv_len
@@ -100,9 +63,11 @@ def visible_tile(
             if spec.window_right is not None:
                 parts.append(cols <= position + min(spec.window_right, reach))
         if spec.q_lengths is not None:
-            parts.append(rows < _per_batch(spec, spec.q_lengths, batch))  # (..., 1, tq, 1)
+            parts.append(rows < per_batch(spec, spec.q_lengths, batch))  # (..., 1, tq, 1)
         if spec.kv_lengths is not None:
-            parts.append(cols < _per_batch(spec, spec.kv_lengths, batch))  # (..., 1, 1, tk)
+            parts.append(cols < per_batch(spec, spec.kv_lengths, batch))  # (..., 1, 1, tk)
+    if spec.has_segments:
+        parts.append(_same_segment(spec, q0, q1, k0, k1, batch))  # (..., 1, tq, tk) or (tq, tk)
     if not parts:
         return None
     visible = parts[0]
@@ -111,30 +76,14 @@ def visible_tile(
     return visible
 
 
-def bias_tile(
-    spec: AttentionSpec,
-    q0: int,
-    q1: int,
-    k0: int,
-    k1: int,
-    batch: int | None = None,
-    heads: tuple[int, int] | None = None,
-) -> Any | None:
-    """The bias over ``[q0, q1) x [k0, k1)`` in the compute dtype, or None;
-    ``batch`` and ``heads`` select as in :func:`visible_tile`."""
-    if spec.bias is None:
-        return None
-    bias = select_item(spec, spec.bias, batch, heads)
-    return spec.xp.astype(slice_tile(bias, q0, q1, k0, k1), spec.compute_dtype, copy=False)
-
-
 def classify_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> str:
     """Whether the tile ``[q0, q1) x [k0, k1)`` is fully hidden (``NONE``), fully
     visible (``ALL``) or mixed (``SOME``), for every batch element and head.
 
     Decided on the host from the index rules and the (min, max) bounds of the
-    per-batch offsets and lengths; a user mask or a bias makes a tile that the
-    index rules leave visible ``SOME``, since only its values could tell.
+    per-batch offsets and lengths, and the range of the segment ids of each
+    batch element; a user mask makes a tile that the index rules leave
+    visible ``SOME``, since only its values could tell.
     """
     if q1 <= q0 or k1 <= k0:
         return NONE
@@ -154,6 +103,44 @@ def classify_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> st
     if spec.kv_lengths is not None:  # j < kv_len
         hidden |= k0 >= kmax
         partial |= k1 > kmin
+    if spec.has_segments:
+        segments = _classify_segments(spec, q0, q1, k0, k1)
+        hidden |= segments == NONE
+        partial |= segments == SOME
     if hidden:
         return NONE
     return SOME if partial else ALL
+
+
+def _same_segment(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int, batch: int | None) -> Any:
+    """``q_segment_ids[..., i] == kv_segment_ids[..., j]`` over the tile:
+    ``(..., 1, tq, tk)``, or ``(tq, tk)`` for one batch element."""
+    xp = spec.xp
+    q_ids, kv_ids = spec.q_segment_ids, spec.kv_segment_ids
+    if batch is not None:
+        q_ids = xp.reshape(q_ids, (spec.num_batch, spec.q_len))[batch, :]  # (T,)
+        kv_ids = xp.reshape(kv_ids, (spec.num_batch, spec.kv_len))[batch, :]  # (S,)
+    lead = tuple(q_ids.shape[:-1])
+    rows = xp.reshape(q_ids[..., q0:q1], lead + (q1 - q0, 1))  # (..., tq, 1)
+    cols = xp.reshape(kv_ids[..., k0:k1], lead + (1, k1 - k0))  # (..., 1, tk)
+    same = rows == cols  # (..., tq, tk)
+    return same if batch is not None else xp.reshape(same, lead + (1, q1 - q0, k1 - k0))  # (..., 1, tq, tk)
+
+
+def _classify_segments(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> str:
+    """``NONE`` where, in every batch element, the tile's query ids and key
+    ids lie in disjoint ranges; ``ALL`` where every id of the tile is one and
+    the same value (per batch element); ``SOME`` otherwise. Host-side, from
+    the spec's NumPy copies of the ids."""
+    assert spec.segment_host is not None, "segment ids come with their host copies"
+    q_host, kv_host = spec.segment_host  # (B, T), (B, S)
+    if q_host.shape[0] == 0:
+        return NONE
+    q_ids, kv_ids = q_host[:, q0:q1], kv_host[:, k0:k1]  # (B, tq), (B, tk)
+    q_min, q_max = q_ids.min(axis=1), q_ids.max(axis=1)  # (B,)
+    kv_min, kv_max = kv_ids.min(axis=1), kv_ids.max(axis=1)  # (B,)
+    if np.all((q_max < kv_min) | (kv_max < q_min)):
+        return NONE
+    if np.all((q_min == q_max) & (kv_min == kv_max) & (q_min == kv_min)):
+        return ALL
+    return SOME

@@ -1,0 +1,111 @@
+r"""Step 3 (in part) of the score pipeline: ALiBi linear position biases
+(Press et al., *Train Short, Test Long*, 2022).
+
+.. math::
+
+    s_{ij} \leftarrow s_{ij} - m_n \, |p_i - j|, \qquad
+    \frac{\partial L}{\partial m_n} = -\sum_{b, i, j} dS_{nij} \, |p_i - j|
+
+for query head ``n`` with slope ``m_n``, query position ``p_i`` (under
+``align``, exactly as causal/window use it) and key position ``j``. The term
+is built per tile from indices; no ``T x S`` bias is ever stored.
+:func:`alibi_slopes` gives the paper's geometric slopes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import array_api_compat.numpy as numpy_namespace
+
+from ..options import AttentionSpec, check_int
+from .tiles import key_positions, query_positions, select_item
+
+__all__ = ["alibi_slopes", "alibi_tile", "alibi_slopes_grad_tile"]
+
+
+def _geometric(n: int) -> list[float]:
+    """``2**(-8 k / n)`` for ``k = 1..n``, ``n`` a power of two."""
+    start = 2.0 ** (-8.0 / n)
+    return [start ** (k + 1) for k in range(n)]
+
+
+def alibi_slopes(num_heads: int, /, *, xp: Any = None, dtype: Any = None, device: Any = None) -> Any:
+    r"""The ALiBi slopes of Press et al. for ``num_heads`` heads, shape ``(num_heads,)``.
+
+    For a power of two ``n``: ``m_k = 2**(-8 k / n)``, ``k = 1..n``. Otherwise,
+    with ``c`` the largest power of two below ``n``: the ``c`` slopes of ``c``
+    heads, then every other slope of ``2 c`` heads (the odd ones), until there
+    are ``n`` (the reference implementation's rule).
+
+    Parameters
+    ----------
+    num_heads : int >= 1
+    xp : namespace, optional
+        Array API namespace of the result; NumPy by default.
+    dtype, device : optional
+        Of the result; float64 on the default device by default.
+
+    Returns
+    -------
+    array, (num_heads,)
+
+    Examples
+    --------
+    >>> import npattn
+    >>> npattn.alibi_slopes(8).tolist()
+    [0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625, 0.0078125, 0.00390625]
+    >>> [round(m, 4) for m in npattn.alibi_slopes(6).tolist()]
+    [0.25, 0.0625, 0.0156, 0.0039, 0.5, 0.125]
+    """
+    n = check_int("num_heads", num_heads, minimum=1)
+    closest = 1 << (n.bit_length() - 1)  # the largest power of two <= n
+    slopes = _geometric(closest)
+    if closest < n:
+        slopes += _geometric(2 * closest)[0::2][: n - closest]
+    xp = numpy_namespace if xp is None else xp
+    return xp.asarray(slopes, dtype=dtype if dtype is not None else xp.float64, device=device)
+
+
+def alibi_distance(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int, batch: int | None = None) -> Any:
+    """``|p_i - j|`` over the tile, in the compute dtype: ``(tq, tk)``, or
+    ``(..., 1, tq, tk)`` when positions differ per batch element."""
+    xp = spec.xp
+    distance = xp.abs(query_positions(spec, q0, q1, batch) - key_positions(spec, k0, k1))  # (..., tq, tk)
+    return xp.astype(distance, spec.compute_dtype)
+
+
+def _slopes(spec: AttentionSpec, batch: int | None, heads: tuple[int, int] | None) -> Any:
+    """The slopes as ``(..., N|1, 1, 1)`` in the compute dtype, selected like a tile."""
+    slopes = select_item(spec, spec.alibi_slopes, batch, heads)
+    return spec.xp.astype(slopes, spec.compute_dtype, copy=False)
+
+
+def alibi_tile(
+    spec: AttentionSpec,
+    q0: int,
+    q1: int,
+    k0: int,
+    k1: int,
+    batch: int | None = None,
+    heads: tuple[int, int] | None = None,
+) -> Any:
+    """``-m_n |p_i - j|`` over the tile, broadcastable to ``(..., N, tq, tk)``."""
+    return -_slopes(spec, batch, heads) * alibi_distance(spec, q0, q1, k0, k1, batch)  # (..., N|1, tq, tk)
+
+
+def alibi_slopes_grad_tile(
+    spec: AttentionSpec,
+    ds: Any,
+    q0: int,
+    q1: int,
+    k0: int,
+    k1: int,
+    batch: int | None = None,
+) -> Any:
+    """This tile's share of ``dL/dm_n = -sum_ij dS_nij |p_i - j|``: ``ds`` is
+    ``(..., N', tq, tk)`` in the canonical layout (``N'`` the selected heads),
+    the result ``(..., N')``."""
+    xp = spec.xp
+    weighted = ds * alibi_distance(spec, q0, q1, k0, k1, batch)  # (..., N', tq, tk)
+    return -xp.sum(weighted, axis=(-2, -1))  # (..., N')

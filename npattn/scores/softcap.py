@@ -1,0 +1,39 @@
+r"""Step 2 of the score pipeline: logit soft-capping (Gemma 2).
+
+.. math::
+
+    s' = c \tanh(s / c), \qquad \frac{\partial s'}{\partial s} = 1 - \tanh^2(s / c) = 1 - (s' / c)^2
+
+applied to the raw product ``s = scale * q.k``, before the bias. Scores are
+then bounded by ``|s'| < c``, which the fast path's bounds use. Elementwise,
+so it works in any tile layout; the FlashAttention-4 way of writing softcap
+as a score modification with its derivative beside it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["softcap_forward", "softcap_backward"]
+
+
+def softcap_forward(xp: Any, s: Any, cap: float) -> Any:
+    """``cap * tanh(s / cap)``.
+
+    >>> import numpy as np, array_api_compat.numpy as xp
+    >>> softcap_forward(xp, np.array([0.0, 1e6]), 5.0).tolist()
+    [0.0, 5.0]
+    """
+    return cap * xp.tanh(s / cap)
+
+
+def softcap_backward(xp: Any, capped: Any, cap: float, ds: Any) -> Any:
+    """The cotangent of the raw scores: ``ds * (1 - (capped / cap)**2)``,
+    from the capped scores ``capped = cap * tanh(s / cap)``.
+
+    >>> import numpy as np, array_api_compat.numpy as xp
+    >>> softcap_backward(xp, np.array([0.0, 3.0]), 5.0, np.ones(2)).tolist()
+    [1.0, 0.64]
+    """
+    t = capped / cap  # tanh(s / cap)
+    return ds * (1 - t * t)
