@@ -14,22 +14,52 @@ from npattn.attention import choose_impl
 from npattn.options import AUTO_CHUNKED_MIN_SCORES, make_spec
 
 PACKAGE = pathlib.Path(npattn.__file__).parent
-MODULES = {path.stem for path in PACKAGE.glob("*.py")}
+FILES = sorted(PACKAGE.rglob("*.py"))
+
+
+def _module_name(path: pathlib.Path) -> str:
+    """``options``, ``scores.alibi``; a package's ``__init__`` is the package
+    (``scores``), the top one ``__init__``."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1] or ("__init__",)
+    return ".".join(parts)
+
+
+MODULES = {_module_name(path) for path in FILES}
+
+
+def _resolve(candidates: list[str]) -> str | None:
+    """The longest dotted prefix of the first candidate that names a module."""
+    for dotted in candidates:
+        parts = dotted.split(".")
+        for end in range(len(parts), 0, -1):
+            if ".".join(parts[:end]) in MODULES:
+                return ".".join(parts[:end])
+    return None
 
 
 def _imports(path: pathlib.Path) -> set[str]:
     """The npattn modules ``path`` imports, at module level or inside a function."""
+    package = list(path.relative_to(PACKAGE).parts[:-1])  # the folder the module lives in
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            names = [node.module] if node.module else [alias.name for alias in node.names]
-            found.update(name.split(".")[0] for name in names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("npattn."):
-            found.add(node.module.split(".")[1])
-    return found & MODULES
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = package[: len(package) - (node.level - 1)]
+        elif (node.module or "").startswith("npattn"):
+            base, node = [], ast.ImportFrom(module=node.module.removeprefix("npattn").lstrip("."), names=node.names)
+        else:
+            continue
+        module = base + (node.module.split(".") if node.module else [])
+        targets = [".".join(module + [alias.name]) for alias in node.names] if not node.module else []
+        resolved = [_resolve([target]) for target in targets] or [_resolve([".".join(module)])]
+        found.update(name for name in resolved if name)
+    return found - {_module_name(path)}
 
 
-GRAPH = {path.stem: _imports(path) for path in PACKAGE.glob("*.py")}
+GRAPH = {_module_name(path): _imports(path) for path in FILES}
 
 
 def _cycle_from(start: str) -> list[str] | None:
@@ -103,7 +133,7 @@ def _code_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
 
 def test_functions_outside_the_kernels_read_at_once():
     long = {
-        f"{path.stem}.{node.name}": _code_lines(node)
+        f"{_module_name(path)}.{node.name}": _code_lines(node)
         for path in PACKAGE.glob("*.py")
         if path.stem not in KERNELS
         for node in ast.walk(ast.parse(path.read_text()))

@@ -28,8 +28,8 @@ from mpi_support import find_mpiexec, mpi_skip_reason, run_mpi
 
 import npattn
 from npattn.distributed import RingLayout, _pair_mask, _pair_options
-from npattn.scores.visibility import visible_tile
 from npattn.options import make_spec
+from npattn.scores.visibility import visible_tile
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKER = pathlib.Path(worker.__file__).resolve()

@@ -12,8 +12,8 @@ from strategies import attention_cases
 
 import npattn
 from npattn.dropout import keep_tile
-from npattn.scores.visibility import ALL, NONE, classify_tile, visible_tile
 from npattn.options import make_spec
+from npattn.scores.visibility import ALL, NONE, classify_tile, visible_tile
 
 
 def _spec(q, k, v, **options):
