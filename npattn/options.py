@@ -497,7 +497,7 @@ def _check_segment_ids(xp, q_segment_ids, kv_segment_ids, batch_shape: tuple[int
             raise ValueError(f"{name} must have shape {expected} (batch axes, then length), got {tuple(ids.shape)}")
         checked.append(xp.astype(ids, xp.int64))
     B = math.prod(batch_shape)
-    host = tuple(to_numpy(ids).reshape(B, -1) for ids in checked)
+    host = (to_numpy(checked[0]).reshape(B, T), to_numpy(checked[1]).reshape(B, S))  # (B, T), (B, S)
     return checked[0], checked[1], host
 
 
