@@ -4,7 +4,9 @@
 plus a dict of keyword options covering every mask feature of CONVENTIONS §1
 (bool mask, bias with ``-inf`` entries, causal, window, both alignments,
 lengths, GQA/MQA, dropout) and their combinations. On request it also draws
-empty sizes (T=0, a batch axis of 0) and masks with a fully masked row.
+empty sizes (T=0, a batch axis of 0) and masks with a fully masked row, and
+the score-pipeline variants of issue 14 (:data:`VARIANTS`: softcap, ALiBi,
+sinks, segment ids).
 """
 
 from __future__ import annotations
@@ -16,6 +18,13 @@ from hypothesis import strategies as st
 
 #: Every feature :func:`attention_cases` draws by default.
 FEATURES = ("mask", "bias", "causal", "window", "lengths", "dropout")
+
+#: The score-pipeline variants (CONVENTIONS §1b), drawn on request:
+#: ``features=ALL_FEATURES`` or ``FEATURES + ("sinks",)``.
+VARIANTS = ("softcap", "alibi", "sinks", "segments")
+
+#: Every mask feature and every variant.
+ALL_FEATURES = FEATURES + VARIANTS
 
 
 @dataclass
@@ -34,6 +43,35 @@ class AttentionCase:
         return f"AttentionCase(q{self.q.shape}, k{self.k.shape}, v{self.v.shape}, {opts})"
 
 
+def _segment_ids(draw, rng, batch_shape, T, S):
+    """``(q_segment_ids (..., T), kv_segment_ids (..., S))``: usually sorted
+    ids of packed documents (each document's queries and keys contiguous),
+    sometimes unsorted ids, sometimes with ids of one side the other never has."""
+    kind = draw(st.sampled_from(["packed", "packed", "unsorted", "disjoint"]))
+    docs = draw(st.integers(1, 3))
+    if kind == "unsorted":
+        return rng.integers(0, docs, size=(*batch_shape, T)), rng.integers(0, docs, size=(*batch_shape, S))
+    q_ids = np.sort(rng.integers(0, docs, size=(*batch_shape, T)), axis=-1)
+    kv_ids = np.sort(rng.integers(0, docs, size=(*batch_shape, S)), axis=-1)
+    if kind == "disjoint":
+        kv_ids = kv_ids + 1  # queries of document 0 see no key at all
+    return q_ids, kv_ids
+
+
+def _per_head(draw, rng, heads, kinds):
+    """A per-head float parameter (sinks, ALiBi slopes): shape (N,), or one
+    that broadcasts to ``heads`` (..., N)."""
+    shape = heads[-1:] if draw(st.booleans()) else _broadcast_shape(draw, heads + (1,))[:-1] or heads[-1:]
+    kind = draw(kinds)
+    if kind == "very negative":
+        return rng.uniform(-60.0, -20.0, size=shape)  # the sink holds next to nothing
+    if kind == "very positive":
+        return rng.uniform(20.0, 60.0, size=shape)  # the sink takes almost every row
+    if kind == "positive":
+        return rng.uniform(0.0, 1.0, size=shape)  # ALiBi's own slopes are in (0, 1]
+    return rng.standard_normal(shape)
+
+
 def _broadcast_shape(draw, full):
     """A shape that broadcasts to ``full``: some leading axes dropped, some axes set to 1."""
     drop = draw(st.integers(0, len(full) - 2))
@@ -43,8 +81,8 @@ def _broadcast_shape(draw, full):
 @st.composite
 def attention_cases(draw, *, max_len=6, features=FEATURES, min_batch_ndim=0, empty_sizes=False):
     """``features`` may also hold ``"masked_row"``: a drawn mask then sometimes
-    hides one query row entirely. ``empty_sizes``: T=0 and a batch axis of 0
-    are drawn too."""
+    hides one query row entirely, and the :data:`VARIANTS`. ``empty_sizes``:
+    T=0 and a batch axis of 0 are drawn too."""
     batch_shape = tuple(draw(st.lists(st.integers(1, 2), min_size=min_batch_ndim, max_size=2)))
     if empty_sizes and draw(st.integers(0, 6)) == 0:
         batch_shape = (0,) + batch_shape[1:]
@@ -70,7 +108,17 @@ def attention_cases(draw, *, max_len=6, features=FEATURES, min_batch_ndim=0, emp
         if draw(st.booleans()):
             bias = np.where(rng.random(bias.shape) < 0.15, -np.inf, bias)
         options["bias"] = bias
+    if "softcap" in features and draw(st.booleans()):
+        options["softcap"] = draw(st.sampled_from([0.05, 0.5, 1.0, 5.0, 30.0]))  # tiny ones saturate every score
+    if "segments" in features and draw(st.booleans()):
+        options["q_segment_ids"], options["kv_segment_ids"] = _segment_ids(draw, rng, batch_shape, T, S)
+    heads = (*batch_shape, N)
+    if "sinks" in features and draw(st.booleans()):
+        options["sinks"] = _per_head(draw, rng, heads, st.sampled_from(["normal", "very negative", "very positive"]))
     positional = False
+    if "alibi" in features and draw(st.booleans()):
+        options["alibi_slopes"] = _per_head(draw, rng, heads, st.sampled_from(["positive", "normal"]))
+        positional = True  # ALiBi reads positions: T != S needs an explicit align
     if "causal" in features and draw(st.booleans()):
         options["causal"] = True
         positional = True

@@ -1,13 +1,16 @@
 """The chunked online-softmax path (npattn.chunked) against the dense oracle.
 
-- float64, every option of CONVENTIONS §1, drawn by hypothesis, with block
-  sizes of 1, primes that do not divide the lengths and sizes past the length:
-  out, lse and every gradient (dlse included) agree with dense to ~1e-12;
+- float64, every option of CONVENTIONS §1 and every variant of the score
+  pipeline (softcap, ALiBi, sinks, segment ids), drawn by hypothesis, with
+  block sizes of 1, primes that do not divide the lengths and sizes past the
+  length: out, lse and every gradient (dlse, dsinks, dalibi_slopes included)
+  agree with dense to ~1e-12, on the generic kernel and on whichever kernel
+  ``impl="chunked"`` runs on NumPy;
 - central-difference gradient checks of chunked_forward/chunked_backward;
 - the backend matrix in float32 (and no input is mutated);
 - edge cases: T=0, B=0, T=1 decoding, fully masked rows (0 / -inf / 0, no NaN);
 - tile skipping, counted: hidden tiles are never computed, visible tiles build
-  no mask;
+  no mask (causal, window, lengths, packed documents);
 - default tile sizes: 128 x 128 on every CPU backend, the score-budget rule
   of ``chunked.default_blocks`` on an accelerator (forced here by
   monkeypatching the detection), the caller's sizes always winning, and the
@@ -30,12 +33,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import FEATURES, attention_cases
+from strategies import ALL_FEATURES, attention_cases
 
 import npattn
 import npattn.chunked as chunked
 from npattn.attention import choose_impl
 from npattn.options import AUTO_CHUNKED_MIN_SCORES, AUTO_FAST_MIN_SCORES_PER_HEAD, make_spec
+from npattn.scores.sinks import apply_sinks, sinks_grad
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -49,37 +53,52 @@ blocks = st.one_of(st.integers(1, 3), st.sampled_from([2, 4, 5, 7, 11, 64]))  # 
 
 @st.composite
 def problems(draw, max_len=11):
-    """``(q, k, v, options)`` in float64 covering every mask feature, GQA/MQA,
-    dropout, fully masked rows, empty sizes and chunked block sizes."""
-    case = draw(attention_cases(max_len=max_len, features=FEATURES + ("masked_row",), empty_sizes=True))
+    """``(q, k, v, options)`` in float64 covering every mask feature, every
+    score-pipeline variant, GQA/MQA, dropout, fully masked rows, empty sizes
+    and chunked block sizes."""
+    case = draw(attention_cases(max_len=max_len, features=ALL_FEATURES + ("masked_row",), empty_sizes=True))
     return (*case.arrays, dict(case.options, impl="chunked", block_q=draw(blocks), block_k=draw(blocks)))
 
 
 def _chunked(q, k, v, dout, dlse=None, **options):
-    """``(out, lse, dq, dk, dv, dbias)`` of npattn.chunked itself, called as
-    npattn.attention_forward/backward call it (the public API may send NumPy
-    inputs to a backend-specific fast path instead; this file tests the
-    generic Array API path)."""
+    """``(out, lse, dq, dk, dv, dbias, dsinks, dalibi_slopes)`` of
+    npattn.chunked itself, called as npattn.attention_forward/backward call it
+    (sinks merged after the kernel; the public API may send NumPy inputs to a
+    backend-specific fast path instead; this file tests the generic Array API
+    path)."""
     spec = make_spec(q, k, v, **{**options, "impl": "chunked"})
     xp = spec.xp
     qc, kc, vc = (xp.astype(a, spec.compute_dtype, copy=False) for a in (q, k, v))
-    out, lse = chunked.chunked_forward(spec, qc, kc, vc)
+    out, lse, _ = apply_sinks(spec, *chunked.chunked_forward(spec, qc, kc, vc))
     dout = xp.astype(dout, spec.compute_dtype, copy=False)
-    dq, dk, dv, dbias, _ = chunked.chunked_backward(spec, qc, kc, vc, out, lse, dout, dlse)
-    if dbias is not None:
-        dbias = xp.astype(dbias, spec.bias_dtype, copy=False)
+    dq, dk, dv, dbias, params = chunked.chunked_backward(spec, qc, kc, vc, out, lse, dout, dlse)
+    dsinks, dslopes = sinks_grad(spec, dout, out, lse, dlse), params.get("alibi_slopes")
+
+    def in_dtype(grad, dtype):
+        return None if grad is None else xp.astype(grad, dtype, copy=False)
+
+    dbias, dsinks = in_dtype(dbias, spec.bias_dtype), in_dtype(dsinks, spec.sinks_dtype)
+    dslopes = in_dtype(dslopes, spec.alibi_dtype)
     out, dq, dk, dv = (xp.astype(a, spec.dtype, copy=False) for a in (out, dq, dk, dv))
-    return out, lse, dq, dk, dv, dbias
+    return out, lse, dq, dk, dv, dbias, dsinks, dslopes
 
 
 def _run(q, k, v, options, dout, dlse, impl):
+    """``(out, lse, *AttentionGrads)``: ``impl="chunked"`` is the generic
+    kernel itself (:func:`_chunked`); ``"dense"`` and ``"public chunked"``
+    go through npattn.attention_forward (the latter with ``impl="chunked"``,
+    whichever kernel that runs)."""
     if impl == "chunked":
         return _chunked(q, k, v, dout, dlse, **options)
+    impl = "chunked" if impl == "public chunked" else impl
     out, res = npattn.attention_forward(q, k, v, **{**options, "impl": impl})
     return (out, res.lse) + tuple(npattn.attention_backward(dout, res, dlse=dlse))
 
 
-def _assert_paths_agree(chunk, dense, names=("out", "lse", "dq", "dk", "dv", "dbias"), **tol):
+NAMES = ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes")
+
+
+def _assert_paths_agree(chunk, dense, names=NAMES, **tol):
     for name, c, d in zip(names, chunk, dense):
         if d is None:
             assert c is None, name
@@ -99,7 +118,9 @@ def test_chunked_matches_dense(problem, use_dlse):
     rng = np.random.default_rng(0)
     dout = rng.standard_normal(q.shape[:-1] + v.shape[-1:])
     dlse = rng.standard_normal(q.shape[:-1]) if use_dlse else None
-    _assert_paths_agree(_run(q, k, v, options, dout, dlse, "chunked"), _run(q, k, v, options, dout, dlse, "dense"))
+    dense = _run(q, k, v, options, dout, dlse, "dense")
+    _assert_paths_agree(_run(q, k, v, options, dout, dlse, "chunked"), dense)
+    _assert_paths_agree(_run(q, k, v, options, dout, dlse, "public chunked"), dense)
 
 
 def _qkv(batch=(2,), N=2, K=2, T=5, S=7, H=3, Hv=4, seed=0):
@@ -149,7 +170,8 @@ def test_empty_inputs_give_shaped_empty_outputs(dims):
         q, k, v, np.zeros(q.shape[:-1] + v.shape[-1:]), np.zeros(q.shape[:-1]), bias=bias, causal=True, align="top_left"
     )
     assert out.shape == q.shape[:-1] + v.shape[-1:] and lse.shape == q.shape[:-1]
-    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, bias.shape]
+    assert [g.shape for g in grads[:4]] == [q.shape, k.shape, v.shape, bias.shape]
+    assert grads[4:] == [None, None]  # no sinks, no ALiBi
 
 
 def test_fully_masked_rows_give_zero_output_neginf_lse_zero_gradients():
@@ -161,7 +183,7 @@ def test_fully_masked_rows_give_zero_output_neginf_lse_zero_gradients():
     mask[3, :3] = False
     bias = np.zeros((4, 6))
     bias[1, :] = -np.inf  # row 1 fully masked by the bias alone
-    out, lse, dq, dk, dv, dbias = _chunked(
+    out, lse, dq, dk, dv, dbias, _, _ = _chunked(
         q, k, v, np.ones((1, 1, 4, 4)), np.ones((1, 1, 4)), mask=mask, bias=bias, block_q=2, block_k=3
     )
     assert np.all(out[..., :2, :] == 0) and np.all(np.isneginf(lse[..., :2]))
@@ -307,8 +329,9 @@ def test_backend_matrix_float32(backend, case):
 # --- tile skipping, counted --------------------------------------------------------
 
 
-def _positional_visibility(T, S, *, left=None, right=None, offset=0, q_len=None, kv_len=None):
-    """An independent (T, S) oracle of the index rules, for one batch element."""
+def _positional_visibility(T, S, *, left=None, right=None, offset=0, q_len=None, kv_len=None, segments=None):
+    """An independent (T, S) oracle of the index rules, for one batch element
+    (``segments``: its ``(q ids (T,), kv ids (S,))``)."""
     i = np.arange(T)[:, None]
     j = np.arange(S)[None, :]
     p = i + offset
@@ -321,6 +344,8 @@ def _positional_visibility(T, S, *, left=None, right=None, offset=0, q_len=None,
         visible &= i < q_len
     if kv_len is not None:
         visible &= j < kv_len
+    if segments is not None:
+        visible &= segments[0][:, None] == segments[1][None, :]
     return visible
 
 
@@ -357,6 +382,9 @@ class _Counter:
         monkeypatch.setattr(chunked, "visible_tile", counting_visible)
 
 
+_DOC_IDS = (np.repeat([0, 1, 2], [5, 3, 8]),) * 2  # (T,), (S,)
+_DOCS = dict(q_segment_ids=_DOC_IDS[0][None], kv_segment_ids=_DOC_IDS[1][None])  # batch of one
+
 SKIP_CASES = {
     # name: (T, S, block_q, block_k, options, oracle keywords)
     "causal, blocks of 1": (12, 12, 1, 1, dict(causal=True), dict(right=0)),
@@ -379,6 +407,18 @@ SKIP_CASES = {
         dict(q_len=9, kv_len=6),
     ),
     "no rule: every tile, no mask": (6, 10, 4, 3, dict(), dict()),
+    # Three packed documents of 5, 3 and 8 tokens: only tiles on the block
+    # diagonal are computed, and the ones inside one document build no mask.
+    "packed documents, blocks 2x2": (16, 16, 2, 2, _DOCS, dict(segments=_DOC_IDS)),
+    "packed documents + causal, blocks 4x3": (16, 16, 4, 3, dict(_DOCS, causal=True), dict(right=0, segments=_DOC_IDS)),
+    "packed documents, queries of the last two, blocks 3x4": (
+        11,
+        16,
+        3,
+        4,
+        dict(q_segment_ids=_DOC_IDS[0][None, 5:], kv_segment_ids=_DOC_IDS[1][None]),
+        dict(segments=(_DOC_IDS[0][5:], _DOC_IDS[1])),
+    ),
 }
 
 
@@ -506,7 +546,7 @@ def test_peak_memory_is_far_below_the_score_matrix(causal):
     _chunked(small, small, small, small)  # first-call costs (imports) stay out of the measurement
     tracemalloc.start()
     try:
-        _out, _lse, dq, _dk, _dv, _ = _chunked(q, k, v, dout, causal=causal)
+        _out, _lse, dq, *_ = _chunked(q, k, v, dout, causal=causal)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
