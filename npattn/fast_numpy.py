@@ -38,6 +38,31 @@ NumPy on a multi-core CPU:
 - **FlashAttention-2's loop order in the backward**: key tiles outside, so
   that ``dK_j`` and ``dV_j`` accumulate in cache-resident buffers.
 
+The variants of the score pipeline (:mod:`npattn.scores`) call its units:
+the softcap is :func:`~npattn.scores.softcap.softcap_forward` on each span's
+products and :func:`~npattn.scores.softcap.softcap_backward` on its ``dS``;
+bias and ALiBi are :func:`~npattn.scores.pipeline.additive_tile`, with each
+span's ``|p_i - j|`` built once per call and shared (:class:`_AlibiDistances`);
+the slope gradients are :func:`~npattn.scores.alibi.alibi_slopes_grad_tile`
+per span, summed per (batch element, kv head) item into its own slice of a
+``(B, N)`` buffer (so in a fixed order whatever the thread count), then
+:func:`~npattn.scores.pipeline.param_grads_from_heads`; sinks are merged
+after the kernel and segment ids are visibility, as on every path. Which
+tricks each variant keeps is decided per call (:class:`_Mode`):
+
+- **softcap**: base 2 (the cap scales with the scores: ``b c tanh(r/c) =
+  (b c) tanh(b r / (b c))``) and both bounds, now ``min(|scale q_i| |k_j|, c)``;
+  the shifts leave the GEMMs, since they would enter ``tanh``. Rows whose
+  reference maximum stays 0 skip the subtraction that replaces them.
+- **ALiBi**: the fused shifts and base 2 while the slopes times the largest
+  ``|p_i - j|`` keep every score under :func:`_fused_shift_limit` (the term
+  joins the bound), and the upper bound when every slope is >= 0 (the term is
+  then <= 0), so settled spans still skip their row-max pass. Never the lower
+  bound (the term is unbounded below): no row starts at the reference 0
+  without its row max, every ``exp`` is the flushed one, hidden entries are
+  set to -inf before it.
+- **a bias**: no bound, no fused shifts, base e (as before).
+
 With an additive bias the backward's items would share ``dbias`` entries
 wherever the bias broadcasts, so they then run one after another, in the same
 fixed order, on the calling thread (BLAS keeps its own threads there).
@@ -66,7 +91,9 @@ from . import dropout as _dropout
 from .chunked import tile_ranges
 from .namespace import sum_to_shape
 from .options import AttentionSpec
-from .scores.pipeline import additive_tile
+from .scores.alibi import alibi_distance, alibi_slopes_grad_tile
+from .scores.pipeline import additive_tile, param_grads_from_heads
+from .scores.softcap import softcap_backward, softcap_forward
 from .scores.visibility import ALL, NONE, classify_tile, visible_tile
 
 __all__ = ["supports", "forward", "backward", "num_threads", "FAST_BLOCKS"]
@@ -222,9 +249,9 @@ def _run(items, work, *, parallel: bool = True, spare_thread: bool = False) -> N
 
 
 def supports(spec: AttentionSpec) -> bool:
-    """Whether this fast path handles ``spec``: see :func:`handles`; softcap
-    and ALiBi run on the generic path for now."""
-    return handles(spec.xp, spec.compute_dtype) and spec.softcap is None and spec.alibi_slopes is None
+    """Whether this fast path handles ``spec``: see :func:`handles` (every
+    variant of the score pipeline runs here)."""
+    return handles(spec.xp, spec.compute_dtype)
 
 
 def handles(xp: Any, compute_dtype: Any) -> bool:
@@ -258,17 +285,46 @@ def _row_norms(x3: Any) -> Any:
     return np.sqrt(np.vecdot(x3, x3))
 
 
-def _fuse_shifts(spec: AttentionSpec, q_norms: Any, k_norms: Any) -> bool:
-    """Whether the per-row shifts may be fused into the GEMMs: no bias, and
-    ``log2(e) * scale * max|q_i| * max|k_j|`` (a bound on every score in base
-    2) below :func:`_fused_shift_limit`. Computed from the inputs alone, so the
-    forward and the backward decide alike."""
-    if spec.bias is not None:
-        return False
-    if q_norms.size == 0 or k_norms.size == 0:
-        return True
-    bound = LOG2E * abs(spec.scale) * float(q_norms.max()) * float(k_norms.max())
-    return bound < _fused_shift_limit(spec.compute_dtype)
+class _Mode:
+    """How one call computes its scores, decided from the inputs alone, so
+    that the forward and the backward decide alike (see the module docstring).
+
+    ``base2``: scores in base 2 (``log2 e`` folded into the scale, ``exp2``):
+    no bias, and a bound on every score below :func:`_fused_shift_limit`.
+    ``fused``: the per-row shifts ride inside the GEMMs, which needs
+    ``base2`` and no softcap (the shift would enter ``tanh``). ``upper`` /
+    ``lower``: whether ``S_ij <= bound`` / ``S_ij >= -bound`` hold for the
+    Cauchy-Schwarz bound ``|scale q_i| |k_j|`` (a softcap lowers it to
+    ``min(bound, c)``): both need no bias; ALiBi keeps the upper one when
+    every slope is >= 0 (its term is then <= 0) and loses the lower one.
+    ``cap``: the softcap in the scores' base (inf without one).
+    """
+
+    def __init__(self, spec: AttentionSpec, q_norms: Any, k_norms: Any):
+        slopes = None if spec.alibi_slopes is None else np.asarray(spec.alibi_slopes)
+        self.upper = spec.bias is None and (slopes is None or bool(np.all(slopes >= 0)))
+        self.lower = spec.bias is None and slopes is None
+        self.base2 = spec.bias is None and self._score_bound(spec, q_norms, k_norms, slopes) < _fused_shift_limit(
+            spec.compute_dtype
+        )
+        self.fused = self.base2 and spec.softcap is None
+        self.base = LOG2E if self.base2 else 1.0
+        self.cap = np.inf if spec.softcap is None else spec.softcap * self.base
+
+    @staticmethod
+    def _score_bound(spec: AttentionSpec, q_norms: Any, k_norms: Any, slopes: Any | None) -> float:
+        """A bound on every ``|S_ij|`` in base 2: Cauchy-Schwarz, or the softcap
+        if lower, plus ``max|m_n|`` times the largest ``|p_i - j|`` with ALiBi."""
+        bound = 0.0
+        if q_norms.size and k_norms.size:
+            bound = abs(spec.scale) * float(q_norms.max()) * float(k_norms.max())
+        if spec.softcap is not None:
+            bound = min(bound, spec.softcap)
+        if slopes is not None and slopes.size:
+            omin, omax = spec.offset_bounds  # positions p lie in [omin, T - 1 + omax], keys in [0, S - 1]
+            reach = max(spec.q_len - 1 + omax, spec.kv_len - 1 - omin, 0)
+            bound += float(np.abs(slopes).max()) * reach
+        return LOG2E * bound
 
 
 #: Positions transposed at a time by :func:`_augmented_transposed`: a
@@ -405,18 +461,22 @@ class _Item:
     a range of query positions is a contiguous range of rows, and the mask,
     bias and dropout tiles restricted to them as ``(tq*G, tk)`` matrices."""
 
-    def __init__(self, spec: AttentionSpec, b: int, kv_head: int):
+    def __init__(self, spec: AttentionSpec, b: int, kv_head: int, mode: _Mode, distances: _AlibiDistances | None):
         self.spec, self.b, self.kv, self.G = spec, b, kv_head, spec.group_size
         self.heads = (kv_head * self.G, (kv_head + 1) * self.G)
         self.head_slice = slice(*self.heads)
+        self.mode, self.distances = mode, distances
 
     def _as_rows(self, tile: Any, tq: int, tk: int) -> Any:
         """``(G|1, tq|1, tk|1)`` or ``(tq|1, tk|1)`` -> ``(tq*G, tk)``."""
         return _position_major(np.broadcast_to(tile, (self.G, tq, tk)))  # (tq*G, tk)
 
     def add_bias(self, s: Any, p0: int, p1: int, c0: int, c1: int) -> None:
-        """Add the bias over positions ``[p0, p1)`` and keys ``[c0, c1)`` to ``s``."""
-        bias = additive_tile(self.spec, p0, p1, c0, c1, batch=self.b, heads=self.heads)
+        """Add step 3 (bias, ALiBi) over positions ``[p0, p1)`` and keys
+        ``[c0, c1)`` to ``s``, in the scores' base (base 2 means no bias, so
+        the base-scaled distance scales the ALiBi term alone)."""
+        distance = None if self.distances is None else self.distances.get(self.b, p0, p1, c0, c1)
+        bias = additive_tile(self.spec, p0, p1, c0, c1, batch=self.b, heads=self.heads, distance=distance)
         if bias is not None:
             s += self._as_rows(bias, p1 - p0, c1 - c0)
 
@@ -431,14 +491,34 @@ class _Item:
                 rows_hidden = ~self._as_rows(visible, p1 - p0, j1 - j0)  # (R, j1 - j0)
             np.copyto(s[:, j0 - c0 : j1 - c0], value, where=rows_hidden)
 
-    def scores(self, out: Any, qa: Any, kTa: Any, span: tuple, *, hide: bool = True) -> None:
-        """``out = qa @ kTa[:, c0:c1]``, then the bias and, with ``hide``, the
-        span's hidden entries set to -inf."""
+    def scores(self, out: Any, qa: Any, kTa: Any, span: tuple, *, hide: bool = True) -> Any | None:
+        """``out = qa @ kTa[:, c0:c1]``, then the softcap, the bias and ALiBi
+        and, with ``hide``, the span's hidden entries set to -inf. Returns the
+        capped products (before step 3, for the softcap's derivative), or None
+        without a softcap.
+
+        The softcap is the pipeline's own :func:`~npattn.scores.softcap.softcap_forward`,
+        in the scores' base: ``b c tanh(r / c) = (b c) tanh(b r / (b c))``, so
+        the base-``b`` products take the cap ``b c``.
+        """
         p0, p1, c0, c1, _ = span
         np.matmul(qa, kTa[:, c0:c1], out=out)  # (R, H+1) @ (H+1, tk) -> (R, tk)
+        capped = None
+        if self.spec.softcap is not None:
+            capped = softcap_forward(np, out, self.mode.cap)  # (R, tk)
+            np.copyto(out, capped)
         self.add_bias(out, p0, p1, c0, c1)
         if hide:
             self.fill_hidden(out, span, -np.inf)
+        return capped
+
+    def alibi_grad(self, ds: Any, p0: int, p1: int, c0: int, c1: int) -> Any:
+        """This span's share of the item's slope gradients, ``(G,)``, from
+        ``dS (tq*G, tk)``; times the base (the distances carry it)."""
+        assert self.distances is not None, "only with ALiBi"
+        distance = self.distances.get(self.b, p0, p1, c0, c1)
+        ds_heads = _head_major(ds, p1 - p0, self.G)  # (G, tq, tk)
+        return alibi_slopes_grad_tile(self.spec, ds_heads, p0, p1, c0, c1, batch=self.b, distance=distance)  # (G,)
 
     def dropout_scale(self, p0: int, p1: int, c0: int, c1: int) -> Any | None:
         """``keep_ij / (1 - p)`` as ``(tq*G, tk)``, or None without dropout."""
@@ -463,6 +543,36 @@ class _Item:
         target += sum_to_shape(np, _head_major(ds, p1 - p0, self.G), target.shape)
 
 
+class _AlibiDistances:
+    """The base-scaled ``b |p_i - j|`` of a span
+    (:func:`npattn.scores.alibi.alibi_distance` times the scores' base),
+    shared by every item of one call: building it from indices costs more
+    than a tile's GEMM. Memoized by what it depends on, the span's shape and
+    its first query position minus its first key (``|p_i - j|`` is a function
+    of ``p_i - j``), so at most one per diagonal of tiles and span shape is
+    kept, ``O((T + S) / block * block_q * block_k)`` entries, not ``T S``.
+    Threads may build the same entry twice; both are equal."""
+
+    def __init__(self, spec: AttentionSpec, base: float):
+        self.spec, self.base = spec, spec.compute_dtype.type(base)
+        offset = spec.q_offset
+        self.offsets = np.reshape(offset, (-1,)) if hasattr(offset, "shape") else None  # per batch element
+        self.offset = 0 if self.offsets is not None else int(offset)
+        self.memo: dict[tuple[int, int, int], Any] = {}
+
+    def get(self, b: int, p0: int, p1: int, c0: int, c1: int) -> Any:
+        """``(p1 - p0, c1 - c0)`` distances for batch element ``b``."""
+        offset = self.offset if self.offsets is None else int(self.offsets[b])
+        key = (p0 + offset - c0, p1 - p0, c1 - c0)
+        found = self.memo.get(key)
+        if found is None:
+            found = alibi_distance(self.spec, p0, p1, c0, c1, batch=b)  # (tq, tk)
+            if self.base != 1:
+                found = found * self.base
+            self.memo[key] = found
+        return found
+
+
 class _RangeMax:
     """``self[c0, c1]``: ``max(values[c0:c1])`` as a Python float, memoized
     (the same key ranges recur for every query tile)."""
@@ -479,7 +589,7 @@ class _RangeMax:
 
 
 class _Exp:
-    """The exponential of shifted scores, in the scores' base (2 when fused).
+    """The exponential of shifted scores, in the scores' base (2 when ``base2``).
 
     ``fast(s)`` is ``exp(s)`` in place. ``flushed(s)`` is
     ``exp(max(s, floor)) - exp(floor)`` in place: exact zeros for -inf (hidden
@@ -489,9 +599,9 @@ class _Exp:
     itself 25-80 times slower on -inf or underflowing inputs than on others.
     """
 
-    def __init__(self, fused: bool, dtype: Any):
-        self.fast = np.exp2 if fused else np.exp
-        self.floor = dtype.type(FLUSH_EXPONENT[np.dtype(dtype)] * (1.0 if fused else np.log(2.0)))
+    def __init__(self, base2: bool, dtype: Any):
+        self.fast = np.exp2 if base2 else np.exp
+        self.floor = dtype.type(FLUSH_EXPONENT[np.dtype(dtype)] * (1.0 if base2 else np.log(2.0)))
         self.tiny = self.fast(self.floor)
 
     def flushed(self, s: Any) -> None:
@@ -537,25 +647,27 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     v3 = np.reshape(v, (Bf, K, S, Hv))  # (B, K, S, Hv)
     kTa = _augmented_transposed(k3, dtype)  # (B, K, H+1, S)
     q_norms3, k_norms = _row_norms(q3), _row_norms(k3)  # (B, N, T), (B, K, S): for the bounds below
-    fused = _fuse_shifts(spec, q_norms3, k_norms)
+    mode = _Mode(spec, q_norms3, k_norms)
+    fused, upper, lower = mode.fused, mode.upper, mode.lower
     out = np.zeros((Bf, N, T, Hv), dtype=dtype)
     lse = np.full((Bf, N, T), -np.inf, dtype=dtype)
     block_q, block_k = _blocks(spec)
     q_tiles, k_tiles = tile_ranges(T, block_q), tile_ranges(S, block_k)
     plans = _plans(spec, q_tiles, k_tiles)
-    # Fused, scores are kept in base 2 (log2(e) folded into the scale, exp2
-    # for exp); unfused, in base e, exactly as the generic path.
-    base = LOG2E if fused else 1.0
-    exp = _Exp(fused, dtype)
+    # In base 2 (log2(e) folded into the scale, exp2 for exp) where the mode
+    # allows; otherwise in base e, exactly as the generic path.
+    base = mode.base
+    exp = _Exp(mode.base2, dtype)
     scale = dtype.type(spec.scale * base)
     threshold = RESCALE_THRESHOLD * base
     ones_k = np.ones(block_k, dtype=dtype)
-    k_norm_max = [[_RangeMax(k_norms[b, kv]) for kv in range(K)] for b in range(Bf)]  # read only when fused
+    k_norm_max = [[_RangeMax(k_norms[b, kv]) for kv in range(K)] for b in range(Bf)]  # read only when upper
+    distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, base)
 
     def work(job):
         b, kv, qi = job
         q0, q1 = q_tiles[qi]
-        item = _Item(spec, b, kv)
+        item = _Item(spec, b, kv, mode, distances)
         tq, rows = q1 - q0, G * (q1 - q0)
         m = np.zeros(rows, dtype=dtype)  # reference row maximum
         qa = _augmented_rows(q3[b, item.head_slice, q0:q1], 0, scale, dtype)  # (tq*G, H+1) = [base scale Q_i, -m]
@@ -568,23 +680,23 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
         acc = np.zeros((rows, Hv), dtype=dtype)  # unnormalized output
         # Python scalars for the cheap form of the bounds below: max_i |scale q_i|,
         # min_i and max_i of m, and whether any row is unset (refreshed when m moves).
-        q_norm_max = float(q_norms.max()) if fused and rows else 0.0
+        q_norm_max = float(q_norms.max()) if upper and rows else 0.0
         m_min, m_max, any_unset = 0.0, 0.0, True
         for plan in plans[qi]:
             for span in plan:
                 r, (c0, c1) = _rows(span, q0, G), span[2:4]
                 s = _buffer(s_flat, r.stop - r.start, c1 - c0)  # (R, tk)
                 m_r, unset_r = m[r], unset[r]  # views
-                if fused:  # Cauchy-Schwarz: |S_ij| <= |scale q_i| |k_j| <= bound (fused means no bias)
+                if upper:  # Cauchy-Schwarz: S_ij <= |scale q_i| |k_j| <= bound, and S_ij >= -bound if lower
                     k_max = k_norm_max[b][kv][c0, c1]
-                    bound = q_norm_max * k_max
+                    bound = min(q_norm_max * k_max, mode.cap)  # a softcap bounds |S_ij| too
                 else:
                     k_max = bound = np.inf
                 # A row's first visible keys set its reference m. When the bound keeps
                 # every score of a fully visible span within +-threshold, the unset rows
                 # keep m = 0 (their maxima are within the threshold of it, so no exp can
                 # overflow or lose the row), and no row-max pass is needed.
-                if fused and any_unset and not span[4] and bound <= threshold:
+                if lower and any_unset and not span[4] and bound <= threshold:
                     unset_r[...] = False
                     any_unset = bool(unset.any())
                     if not any_unset:
@@ -594,7 +706,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                 # first in scalars (no array operation, so no GIL hand-off between the
                 # pool's threads), then row by row.
                 settled = (
-                    fused
+                    upper
                     and not any_unset
                     and (bound - m_min <= threshold or np.max(q_norms[r] * k_max - m_r) <= threshold)
                 )
@@ -602,7 +714,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                 # floor, every entry, hidden or not, has a plain exp: the hidden ones are
                 # zeroed after it rather than set to -inf before (two passes fewer than
                 # the flushed exp, which -inf needs).
-                exp_then_hide = settled and bound + m_max < -exp.floor
+                exp_then_hide = settled and lower and bound + m_max < -exp.floor
                 item.scores(s, qa[r], kTa[b, kv], span, hide=not exp_then_hide)  # scale Q K^T [- m]
                 if settled:
                     grow = None
@@ -624,15 +736,16 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                     m_r[...] = m_new
                     unset_r &= ~grow
                     any_unset = bool(unset.any())
-                    if fused and not any_unset:
+                    if upper and not any_unset:
                         m_min, m_max = float(m.min()), float(m.max())
-                if not fused:  # m stays an exact score, so the backward's S - lse matches
+                # Unfused, m stays an exact score (or 0), so the backward's S - lse matches.
+                if not fused and not (upper and not any_unset and m_min == 0.0 == m_max):
                     s -= m_r[:, None]
                 # P~_ij, never subnormal: the plain exp where no entry can underflow
                 if exp_then_hide:
                     exp.fast(s, out=s)
                     item.fill_hidden(s, span, 0)
-                elif fused and not any_unset and not span[4] and bound + m_max < -exp.floor:  # after the row max
+                elif lower and not any_unset and not span[4] and bound + m_max < -exp.floor:  # after the row max
                     exp.fast(s, out=s)
                 else:
                     exp.flushed(s)
@@ -648,7 +761,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
         np.divide(
             _head_major(acc, tq, G), _head_major(l, tq, G)[..., None], out=out[b, item.head_slice, q0:q1]
         )  # (G, tq, Hv) / (G, tq, 1)
-        row_lse = (m + np.log(l) * base) / base if fused else m + np.log(l)  # lse = (m + log2 l) ln 2, fused
+        row_lse = (m + np.log(l) * base) / base if mode.base2 else m + np.log(l)  # lse = (m + log2 l) ln 2, base 2
         row_lse[empty] = -np.inf
         lse[b, item.head_slice, q0:q1] = _head_major(row_lse, tq, G)  # (G, tq)
 
@@ -686,7 +799,8 @@ def backward(
     k3 = np.reshape(k, (Bf, K, S, H))  # (B, K, S, H)
     v3 = np.reshape(v, (Bf, K, S, Hv))  # (B, K, S, Hv)
     q_norms3, k_norms = _row_norms(q3), _row_norms(k3)  # (B, N, T), (B, K, S): for the flush bound
-    fused = _fuse_shifts(spec, q_norms3, k_norms)
+    mode = _Mode(spec, q_norms3, k_norms)
+    fused = mode.fused
     do3 = np.reshape(dout, (Bf, N, T, Hv))  # (B, N, T, Hv)
     D = np.vecdot(do3, np.reshape(out, (Bf, N, T, Hv)))  # (B, N, T): rowsum(dO * O)
     if dlse is not None:
@@ -702,15 +816,18 @@ def backward(
     block_q, block_k = _blocks(spec)
     q_tiles, k_tiles = tile_ranges(T, block_q), tile_ranges(S, block_k)
     plans = _plans(spec, q_tiles, k_tiles)
-    base = LOG2E if fused else 1.0  # as in the forward
-    exp = _Exp(fused, dtype)
+    base = mode.base  # as in the forward
+    exp = _Exp(mode.base2, dtype)
     scale = dtype.type(spec.scale)
     one = dtype.type(1)
-    fold_D = fused and spec.dropout_p == 0
+    fold_D = mode.base2 and spec.dropout_p == 0
+    distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, base)
+    # Each item writes the slope gradients of its own heads: summed in a fixed order.
+    alibi_grads = None if distances is None else np.zeros((Bf, N), dtype=dtype)
 
     def work(job):
         b, kv = job
-        item = _Item(spec, b, kv)
+        item = _Item(spec, b, kv, mode, distances)
         heads = item.head_slice
         # The item's query side, all T positions stacked position-major: row t*G + g.
         lse_b = _position_major(lse3[b, heads])  # (T*G,)
@@ -718,6 +835,8 @@ def backward(
         qa = _augmented_rows(q3[b, heads], -base * lse_b if fused else 0, scale * base, dtype)  # (T*G, H+1)
         doa = _augmented_rows(do3[b, heads], -D_b if fold_D else 0, one, dtype)  # (T*G, Hv+1)
         qs, do_b = qa[:, :H], doa[:, :Hv]  # (T*G, H), (T*G, Hv) views
+        lse_shift = lse_b * dtype.type(base) if base != 1.0 else lse_b  # (T*G,) lse in the scores' base
+        alibi_g = np.zeros(G, dtype=dtype)  # this item's slope gradients, base-scaled
         kTa = _augmented_transposed(k3[b, kv], dtype)  # (H+1, S), built here, in parallel
         vTa = _augmented_transposed(v3[b, kv], dtype)  # (Hv+1, S)
         dq_b = np.zeros((T * G, H), dtype=dtype)
@@ -725,13 +844,13 @@ def backward(
         q_norms = _position_major(q_norms3[b, heads]) * abs(scale * base)  # (T*G,) |base scale q_i|
         bounds = [
             (
-                float(q_norms[q0 * G : q1 * G].max()) if fused and q1 > q0 and G else 0.0,
+                float(q_norms[q0 * G : q1 * G].max()) if mode.lower and q1 > q0 and G else 0.0,
                 base * float(lse_b[q0 * G : q1 * G].min()) if q1 > q0 and G else 0.0,
                 base * float(lse_b[q0 * G : q1 * G].max()) if q1 > q0 and G else 0.0,
             )
             for q0, q1 in q_tiles
         ]
-        k_norm_max = _RangeMax(k_norms[b, kv])  # read only when fused
+        k_norm_max = _RangeMax(k_norms[b, kv])  # read only when lower
         s_flat = np.empty(G * block_q * block_k, dtype=dtype)  # scores, then P, of one span
         dp_flat = np.empty_like(s_flat)  # dP - D, then dS, of one span
         dk_j, dv_j = np.empty((block_k, H), dtype=dtype), np.empty((block_k, Hv), dtype=dtype)
@@ -751,11 +870,12 @@ def backward(
                     # the floor, and the hidden ones (which lse_i does not bound, as it
                     # does the visible ones) also below -floor, the plain exp runs on all
                     # of them and the hidden entries are zeroed after it.
-                    bound = q_norm_max * k_norm_max[c0, c1] if fused else np.inf
+                    # The lower bound is needed for every entry, the upper one for the hidden.
+                    bound = min(q_norm_max * k_norm_max[c0, c1], mode.cap) if mode.lower else np.inf
                     exp_then_hide = bound + lse_max < -exp.floor and (not span[4] or bound - lse_min < -exp.floor)
-                    item.scores(p, qa[r], kTa, span, hide=not exp_then_hide)  # S_ij [- lse_i]
+                    capped = item.scores(p, qa[r], kTa, span, hide=not exp_then_hide)  # S_ij [- lse_i]
                     if not fused:
-                        p -= lse_b[r, None]
+                        p -= lse_shift[r, None]
                     if exp_then_hide:
                         exp.fast(p, out=p)  # P_ij
                         item.fill_hidden(p, span, 0)
@@ -772,20 +892,28 @@ def backward(
                     if not fold_D:
                         ds -= D_b[r, None]
                     ds *= p  # dS_ij = P_ij * (dP_ij - D_i)
+                    if dbias is not None:
+                        item.add_dbias(dbias, ds, *span[:4])
+                    if alibi_grads is not None:
+                        alibi_g += item.alibi_grad(ds, *span[:4])
+                    if capped is not None:  # dR_ij: through the softcap (the pipeline's derivative)
+                        ds = softcap_backward(np, capped, mode.cap, ds)
                     np.matmul(ds, k3[b, kv, c0:c1], out=dq_tmp[:R])  # (R, tk) @ (tk, H) -> (R, H)
                     dq_b[r] += dq_tmp[:R]
                     np.matmul(ds.T, qs[r], out=dk_tmp[:tk])  # (tk, R) @ (R, H) -> (tk, H)
                     dk_j[cols] += dk_tmp[:tk]
-                    if dbias is not None:
-                        item.add_dbias(dbias, ds, *span[:4])
             if base != 1.0:
                 dk_j /= dtype.type(base)  # qs carried base * scale * Q
             dk[b, kv, k0:k1] = dk_j[: k1 - k0]
             dv[b, kv, k0:k1] = dv_j[: k1 - k0]
         dq_b *= scale
         dq[b, heads] = _head_major(dq_b, T, G)  # (G, T, H)
+        if alibi_grads is not None:
+            alibi_grads[b, heads] = alibi_g / dtype.type(base)  # the distances carried the base
 
     _run([(b, kv) for b in range(Bf) for kv in range(K)], work, parallel=dbias is None)
     bs = spec.batch_shape
     grads = dq.reshape(bs + (N, T, H)), dk.reshape(bs + (K, S, H)), dv.reshape(bs + (K, S, Hv))
-    return (*grads, None if dbias is None else dbias.reshape(spec.bias_shape), {})
+    alibi_total = None if alibi_grads is None else alibi_grads.reshape(bs + (N,))
+    params = param_grads_from_heads(spec, alibi_total)  # {"alibi_slopes": ...} or {}
+    return (*grads, None if dbias is None else dbias.reshape(spec.bias_shape), params)

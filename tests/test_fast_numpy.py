@@ -137,6 +137,9 @@ def test_fast_path_is_chosen_for_numpy_and_can_be_disabled(monkeypatch):
     x = np.ones((1, 2, 3))
     spec = make_spec(x, x, x, impl="chunked")
     assert fast_numpy.supports(spec)
+    variants = dict(softcap=5.0, alibi_slopes=np.array([0.5]), sinks=np.zeros(1))
+    segments = dict(q_segment_ids=np.array([0, 1]), kv_segment_ids=np.array([0, 1]))
+    assert fast_numpy.supports(make_spec(x, x, x, impl="chunked", **variants, **segments))
     monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")
     assert not fast_numpy.supports(spec)
     monkeypatch.delenv("NPATTN_FAST_NUMPY")
@@ -481,3 +484,371 @@ def test_default_tiles_and_spans_equal_the_generic_path(case):
     np.testing.assert_allclose(lse[finite], lse_g[finite], atol=1e-12, rtol=0)
     for got, want in zip((out, *grads), (out_g, *grads_g)):
         np.testing.assert_allclose(got, want, atol=1e-12, rtol=0)
+
+
+# --- score-pipeline variants: softcap, ALiBi, sinks, segment ids ----------------------------
+
+
+def _draw_variants(draw, case, *, sinks_and_segments=False):
+    """Variant options on top of an :func:`attention_cases` case: a softcap,
+    ALiBi slopes (per head or per batch element and head, sometimes negative),
+    and with ``sinks_and_segments`` sinks and packed-document ids."""
+    q, k, _ = case.arrays
+    batch, N, T, S = q.shape[:-3], q.shape[-3], q.shape[-2], k.shape[-2]
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    options = {}
+    if draw(st.booleans()):
+        options["softcap"] = draw(st.sampled_from([0.4, 1.0, 3.0]))
+    if draw(st.booleans()):
+        shape = draw(st.sampled_from([(N,), batch + (N,)]))
+        options["alibi_slopes"] = rng.uniform(-0.3 if draw(st.booleans()) else 0.0, 1.0, size=shape)
+        if T != S and "align" not in case.options:
+            options["align"] = draw(st.sampled_from(["top_left", "bottom_right"]))
+    if sinks_and_segments and draw(st.booleans()):
+        options["sinks"] = rng.standard_normal((N,))
+    if sinks_and_segments and draw(st.booleans()):
+        options["q_segment_ids"] = np.sort(rng.integers(0, 3, size=batch + (T,)), axis=-1)
+        options["kv_segment_ids"] = np.sort(rng.integers(0, 3, size=batch + (S,)), axis=-1)
+    return options
+
+
+def _assert_kernels_agree(fast, generic, atol=1e-12):
+    """``(out, lse, (dq, dk, dv, dbias, params))`` of two kernels, to ``atol``
+    (slope gradients, sums over whole rows of scores, relative to their size)."""
+    (out_f, lse_f, grads_f), (out_g, lse_g, grads_g) = fast, generic
+    np.testing.assert_allclose(out_f, out_g, atol=atol, rtol=0)
+    np.testing.assert_array_equal(np.isneginf(lse_f), np.isneginf(lse_g))
+    finite = np.isfinite(lse_g)
+    np.testing.assert_allclose(lse_f[finite], lse_g[finite], atol=atol, rtol=0)
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), grads_f[:4], grads_g[:4]):
+        if b is None:
+            assert a is None, name
+        else:
+            assert a.shape == b.shape, name
+            np.testing.assert_allclose(a, b, atol=10 * atol, rtol=0, err_msg=name)
+    assert grads_f[4].keys() == grads_g[4].keys()
+    for name in grads_g[4]:
+        a, b = grads_f[4][name], grads_g[4][name]
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        np.testing.assert_allclose(a, b, atol=10 * atol * max(1.0, float(np.abs(b).max())), rtol=0, err_msg=name)
+
+
+@settings(max_examples=80)
+@given(
+    data=st.data(),
+    block_q=st.sampled_from([1, 3, 5, 64]),
+    block_k=st.sampled_from([1, 4, 7, 64]),
+    split=st.sampled_from([1, 2, 3, fast_numpy.SPLIT_BLOCK]),
+)
+def test_variants_on_the_fast_path_equal_the_generic_path(data, block_q, block_k, split):
+    """Softcap and ALiBi (alone, together, with every mask feature, GQA/MQA,
+    dropout, dlse and fully masked rows) through both kernels, float64."""
+    case = data.draw(attention_cases(features=("mask", "bias", "causal", "window", "lengths", "dropout", "masked_row")))
+    variants = _draw_variants(data.draw, case)
+    blocks = dict(block_q=block_q, block_k=block_k, **variants)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fast_numpy, "SPLIT_BLOCK", split)
+        fast = _run(fast_numpy.forward, fast_numpy.backward, case, **blocks)
+    generic = _run(chunked.chunked_forward, chunked.chunked_backward, case, **blocks)
+    _assert_kernels_agree(fast, generic)
+
+
+def _public(case, options, dout_seed=1):
+    """out, lse and every gradient of the public API (``impl="chunked"``)."""
+    out, res = npattn.attention_forward(*case.arrays, impl="chunked", **case.options, **options)
+    rng = np.random.default_rng(dout_seed)
+    grads = npattn.attention_backward(rng.standard_normal(out.shape), res, dlse=rng.standard_normal(res.lse.shape))
+    return res.kernel, out, res.lse, grads
+
+
+@settings(max_examples=40)
+@given(data=st.data())
+def test_every_variant_through_the_public_api_equals_the_generic_path(data):
+    """Sinks (merged after the kernel) and segment ids (visibility, tile
+    classification) with softcap and ALiBi: the fast path against
+    ``NPATTN_FAST_NUMPY=0``, every field of AttentionGrads."""
+    case = data.draw(attention_cases(features=("mask", "causal", "window", "lengths", "dropout")))
+    variants = _draw_variants(data.draw, case, sinks_and_segments=True)
+    variants.update(block_q=data.draw(st.sampled_from([2, 5, 64])), block_k=data.draw(st.sampled_from([3, 64])))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("NPATTN_FAST_NUMPY", "1")
+        fast = _public(case, variants)
+        patch.setenv("NPATTN_FAST_NUMPY", "0")
+        generic = _public(case, variants)
+    assert (fast[0], generic[0]) == ("numpy", "generic")
+    for name, a, b in zip(("out", "lse"), fast[1:3], generic[1:3]):
+        np.testing.assert_allclose(a, b, atol=1e-12, rtol=0, err_msg=name)
+    for field in ("dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes"):
+        a, b = getattr(fast[3], field), getattr(generic[3], field)
+        if b is None:
+            assert a is None, field
+        else:
+            np.testing.assert_allclose(a, b, atol=1e-11 * max(1.0, float(np.abs(b).max())), rtol=0, err_msg=field)
+
+
+VARIANT_SIZE_CASES = {
+    "softcap, causal bottom_right, lengths": dict(
+        T=600, S=900, softcap=2.0, causal=True, align="bottom_right", kv_lengths=np.array([900, 401])
+    ),
+    "ALiBi, window, T != S": dict(T=700, S=1000, alibi=True, window=(150, 0), align="top_left"),
+    "softcap + ALiBi, causal, dropout": dict(T=640, S=640, softcap=1.0, alibi=True, causal=True, dropout_p=0.1, seed=3),
+    "ALiBi, causal bottom_right, q and kv lengths": dict(
+        T=600,
+        S=1100,
+        alibi=True,
+        causal=True,
+        align="bottom_right",
+        q_lengths=np.array([600, 300]),
+        kv_lengths=np.array([1000, 700]),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(VARIANT_SIZE_CASES), ids=list(VARIANT_SIZE_CASES))
+def test_variants_with_default_tiles_and_spans_equal_the_generic_path(case):
+    """512-tiles cut into 128-row spans, as shipped, float64; ALiBi slopes
+    from :func:`npattn.alibi_slopes` (per-batch offsets in the last case)."""
+    options = dict(VARIANT_SIZE_CASES[case])
+    T, S = options.pop("T"), options.pop("S")
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = npattn.alibi_slopes(4)
+    rng = np.random.default_rng(8)
+    q, k, v = rng.standard_normal((2, 4, T, 8)), rng.standard_normal((2, 2, S, 8)), rng.standard_normal((2, 2, S, 4))
+    spec = make_spec(q, k, v, impl="chunked", **options)
+    plans = fast_numpy._plans(spec, tile_ranges(T, 512), tile_ranges(S, 512))
+    assert any(len(plan) > 1 for row in plans for plan in row), "no tile was cut into spans"
+    out, lse = fast_numpy.forward(spec, q, k, v)
+    out_g, lse_g = chunked.chunked_forward(spec, q, k, v)
+    dout, dlse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
+    grads = fast_numpy.backward(spec, q, k, v, out, lse, dout, dlse)
+    grads_g = chunked.chunked_backward(spec, q, k, v, out_g, lse_g, dout, dlse)
+    _assert_kernels_agree((out, lse, grads), (out_g, lse_g, grads_g))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("variant", ["softcap", "alibi", "both"])
+def test_variants_in_the_compute_dtype_match_float64(dtype, variant):
+    """float32 (base 2, bounds, flushed exp) within the file's float32 tolerances."""
+    rng = np.random.default_rng(3)
+    q, k, v, dout = (rng.standard_normal((1, 4, 300, 16)) for _ in range(4))
+    options = dict(causal=True, block_q=128, block_k=64)
+    if variant in ("softcap", "both"):
+        options["softcap"] = 1.5
+    if variant in ("alibi", "both"):
+        options["alibi_slopes"] = npattn.alibi_slopes(4)
+    narrow = [a.astype(dtype) for a in (q, k, v, dout)]
+    spec = make_spec(*narrow[:3], impl="chunked", **options)
+    out, lse = fast_numpy.forward(spec, *narrow[:3])
+    grads = fast_numpy.backward(spec, *narrow[:3], out, lse, narrow[3], None)
+    wide = make_spec(q, k, v, impl="chunked", **options)
+    out_w, lse_w = chunked.chunked_forward(wide, q, k, v)
+    grads_w = chunked.chunked_backward(wide, q, k, v, out_w, lse_w, dout, None)
+    tol = dict(rtol=2e-3, atol=2e-3) if dtype == np.float32 else dict(rtol=1e-10, atol=1e-10)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads[:3]), (out_w, lse_w, *grads_w[:3])):
+        assert got.dtype == dtype, name
+        np.testing.assert_allclose(got, want, err_msg=name, **tol)
+    if "alibi_slopes" in options:
+        want = grads_w[4]["alibi_slopes"]
+        np.testing.assert_allclose(grads[4]["alibi_slopes"], want, rtol=0, atol=tol["atol"] * np.abs(want).max())
+
+
+def test_alibi_slope_gradients_are_bit_identical_whatever_the_thread_count(monkeypatch):
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 4, 300, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 2, 330, 32)).astype(np.float32) for _ in range(2))
+    slopes = npattn.alibi_slopes(4, dtype=np.float32)
+    spec = make_spec(
+        q, k, v, causal=True, align="bottom_right", softcap=3.0, alibi_slopes=slopes, block_q=128, block_k=64
+    )
+    dout = rng.standard_normal((2, 4, 300, 32)).astype(np.float32)
+    results = []
+    for threads in ("1", "2"):
+        monkeypatch.setenv("NPATTN_NUM_THREADS", threads)
+        out, lse = fast_numpy.forward(spec, q, k, v)
+        dq, dk, dv, _, params = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)
+        results.append((out, lse, dq, dk, dv, params["alibi_slopes"]))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(softcap=0.8),
+        dict(alibi_slopes=np.array([0.7, 0.2]), align="bottom_right"),
+        dict(softcap=1.2, alibi_slopes=np.array([[0.3, 0.9], [0.5, 0.1]]), causal=True, align="top_left"),
+    ],
+    ids=["softcap", "ALiBi", "softcap + per-batch ALiBi, causal"],
+)
+def test_fast_path_gradients_match_central_differences(options):
+    """npattn.check_gradients on the fast path itself (``impl="chunked"`` on
+    NumPy, asserted), slopes included, with blocks that do not divide."""
+    rng = np.random.default_rng(12)
+    q, k, v = rng.standard_normal((2, 2, 5, 3)), rng.standard_normal((2, 2, 7, 3)), rng.standard_normal((2, 2, 7, 2))
+    options = dict(options, impl="chunked", block_q=2, block_k=3)
+    slopes = options.pop("alibi_slopes", None)
+    inputs, names = [q, k, v], ["q", "k", "v"]
+    if slopes is not None:
+        inputs, names = inputs + [slopes], names + ["alibi_slopes"]
+
+    def forward(q, k, v, slopes=None):
+        extra = {} if slopes is None else {"alibi_slopes": slopes}
+        out, res = npattn.attention_forward(q, k, v, **options, **extra)
+        assert res.kernel == "numpy"
+        return (out, res.lse), res
+
+    def backward(cotangents, res):
+        g = npattn.attention_backward(cotangents[0], res, dlse=cotangents[1])
+        return (g.dq, g.dk, g.dv) + ((g.dalibi_slopes,) if slopes is not None else ())
+
+    assert npattn.check_gradients(forward, backward, inputs, names=names).ok
+
+
+def test_modes_of_each_variant():
+    """Which tricks each variant keeps (see the module docstring): a softcap
+    keeps base 2 and both bounds but not the fused shifts; ALiBi keeps the
+    fused shifts and the upper bound (slopes >= 0) but not the lower one; a
+    bias keeps none."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, 8, 4))
+
+    def mode(**options):
+        spec = make_spec(q, q, q, impl="chunked", **options)
+        m = fast_numpy._Mode(spec, fast_numpy._row_norms(q), fast_numpy._row_norms(q))
+        return m.base2, m.fused, m.upper, m.lower
+
+    assert mode() == (True, True, True, True)
+    assert mode(softcap=2.0) == (True, False, True, True)
+    assert mode(alibi_slopes=np.array([0.5, 0.0])) == (True, True, True, False)
+    assert mode(alibi_slopes=np.array([0.5, -0.1])) == (True, True, False, False)
+    assert mode(bias=np.zeros((8, 8))) == (False, False, False, False)
+    # Slopes large enough that |m| * |p - j| could reach the fused-shift limit: base e, no fused shifts.
+    limit = fast_numpy._fused_shift_limit(np.float64)
+    assert mode(alibi_slopes=np.array([limit, 0.0]))[:2] == (False, False)
+
+
+def test_softcap_with_scores_that_move_the_row_maximum_equals_the_generic_path():
+    """Raw products up to ~60 with a cap of 100: rows rescale, so a shift
+    fused into the GEMM would enter tanh (why a softcap unfuses them)."""
+    rng = np.random.default_rng(1)
+    q = _unit_rows(rng.standard_normal((1, 2, 64, 8))) * 8.0
+    k = _unit_rows(rng.standard_normal((1, 2, 64, 8))) * np.sqrt(8) * np.linspace(0.1, 8.0, 64)[:, None]
+    v = rng.standard_normal((1, 2, 64, 4))
+    case = type("Case", (), {"arrays": (q, k, v), "options": {}})()
+    blocks = dict(softcap=100.0, block_q=16, block_k=16)
+    _assert_kernels_agree(
+        _run(fast_numpy.forward, fast_numpy.backward, case, **blocks),
+        _run(chunked.chunked_forward, chunked.chunked_backward, case, **blocks),
+    )
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_alibi_rows_that_see_only_far_keys_keep_their_weight(dtype):
+    """top_left, T=200 queries against S=64 keys: rows past ~70 see only keys
+    at distance > 70, whose ALiBi scores lie far below the flush floor. Small
+    |q_i| |k_j| bound the raw products within the threshold, but ALiBi has no
+    lower bound, so these rows must not start at the reference maximum 0 (they
+    would be flushed to nothing)."""
+    rng = np.random.default_rng(2)
+    q = _unit_rows(rng.standard_normal((1, 1, 200, 8)))
+    k = _unit_rows(rng.standard_normal((1, 1, 64, 8)))
+    v = rng.standard_normal((1, 1, 64, 4))
+    slopes = np.array([1.0 if dtype == np.float32 else 8.0])
+    options = dict(alibi_slopes=slopes, align="top_left", block_q=256, block_k=64)
+    narrow = [a.astype(dtype) for a in (q, k, v)]
+    spec = make_spec(*narrow, impl="chunked", **options)
+    out, lse = fast_numpy.forward(spec, *narrow)
+    wide = make_spec(q, k, v, impl="chunked", **options)
+    out_w, lse_w = chunked.chunked_forward(wide, q, k, v)
+    assert np.all(np.isfinite(lse))
+    np.testing.assert_allclose(lse, lse_w, rtol=1e-5)
+    np.testing.assert_allclose(out, out_w, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_negative_alibi_slopes_lose_the_upper_bound(dtype):
+    """Slopes < 0 make far keys score up to |m| * 63 above the raw products
+    (float32: past exp's range), which the Cauchy-Schwarz bound alone does
+    not see: rows must still rescale."""
+    rng = np.random.default_rng(3)
+    q, k = (_unit_rows(rng.standard_normal((1, 2, 64, 8))) for _ in range(2))
+    v = rng.standard_normal((1, 2, 64, 4))
+    slopes = np.array([-3.0, -0.5]) * (1.0 if dtype == np.float32 else 20.0)
+    options = dict(alibi_slopes=slopes, block_q=16, block_k=16)
+    narrow = [a.astype(dtype) for a in (q, k, v)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an overflow in exp is a RuntimeWarning
+        spec = make_spec(*narrow, impl="chunked", **options)
+        out, lse = fast_numpy.forward(spec, *narrow)
+        grads = fast_numpy.backward(spec, *narrow, out, lse, np.ones_like(out), None)
+    wide = make_spec(q, k, v, impl="chunked", **options)
+    out_w, lse_w = chunked.chunked_forward(wide, q, k, v)
+    grads_w = chunked.chunked_backward(wide, q, k, v, out_w, lse_w, np.ones_like(out_w), None)
+    np.testing.assert_allclose(lse, lse_w, rtol=1e-5)
+    np.testing.assert_allclose(out, out_w, rtol=2e-3, atol=2e-3)
+    for got, want in zip(grads[:3], grads_w[:3]):
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+
+
+def test_alibi_scores_below_the_flush_floor_send_no_subnormal_into_a_matrix_product(monkeypatch):
+    """Unit q and k (the bound allows a plain exp without ALiBi), slope 1 over
+    96 keys: scores reach -95 nats, where float32 exp is subnormal. ALiBi has
+    no lower bound, so the flushed exp must run."""
+    rng = np.random.default_rng(4)
+    q, k = (_unit_rows(rng.standard_normal((1, 2, 96, 16))).astype(np.float32) for _ in range(2))
+    v, dout = (rng.standard_normal((1, 2, 96, 16)).astype(np.float32) for _ in range(2))
+    subnormal_operands = []
+    real_matmul = np.matmul
+
+    def checking_matmul(a, b, *args, **kwargs):
+        subnormal_operands.append(_subnormal_count(a) + _subnormal_count(b))
+        return real_matmul(a, b, *args, **kwargs)
+
+    class NumpyWithCheckedMatmul:
+        def __getattr__(self, name):
+            return checking_matmul if name == "matmul" else getattr(np, name)
+
+    monkeypatch.setattr(fast_numpy, "np", NumpyWithCheckedMatmul())
+    spec = make_spec(q, k, v, impl="chunked", alibi_slopes=np.array([1.0, 1.0]), block_q=32, block_k=32)
+    out, lse = fast_numpy.forward(spec, q, k, v)
+    fast_numpy.backward(spec, q, k, v, out, lse, dout, None)
+    monkeypatch.undo()
+    assert subnormal_operands and max(subnormal_operands) == 0
+
+
+def _computed_tile_pairs(spec, block):
+    """(query tile, key tile) pairs the fast path runs, and the score entries
+    it computes per item, from its plans."""
+    plans = fast_numpy._plans(spec, tile_ranges(spec.q_len, block), tile_ranges(spec.kv_len, block))
+    pairs = sum(1 for row in plans for plan in row if plan)
+    area = sum((p1 - p0) * (c1 - c0) for row in plans for plan in row for p0, p1, c0, c1, _ in plan)
+    return pairs, area
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_packed_documents_skip_the_cross_document_tiles(monkeypatch, causal):
+    """4 documents of 1024 in T = S = 4096 with 512-tiles: each document
+    covers 2 x 2 tiles, so 16 of the 64 pairs run (causal: 12 of 36), and the
+    forward computes exactly the plans' entries."""
+    T, block = 4096, 512
+    x = np.zeros((1, 1, T, 4), dtype=np.float32)
+    ids = np.repeat(np.arange(4), 1024)[None]  # (B, T), B = 1
+    plain = make_spec(x, x, x, impl="chunked", causal=causal)
+    packed = make_spec(x, x, x, impl="chunked", causal=causal, q_segment_ids=ids, kv_segment_ids=ids)
+    plain_pairs, plain_area = _computed_tile_pairs(plain, block)
+    pairs, area = _computed_tile_pairs(packed, block)
+    assert (plain_pairs, pairs) == ((36, 12) if causal else (64, 16))
+    # Causal: per document two diagonal tiles (10/16 of their area, see above) and one whole.
+    tile = block * block
+    assert area == (4 * (tile * 20 // 16 + tile) if causal else 4 * 4 * tile)
+    assert plain_area == (tile * 80 // 16 + 28 * tile if causal else 64 * tile)  # area: 9/33 (causal), 1/4
+    computed = []
+    real_scores = fast_numpy._Item.scores
+
+    def counting_scores(self, out, qa, kTa, span, **kwargs):
+        computed.append(out.size)
+        return real_scores(self, out, qa, kTa, span, **kwargs)
+
+    monkeypatch.setattr(fast_numpy._Item, "scores", counting_scores)
+    fast_numpy.forward(packed, x, x, x)
+    assert sum(computed) == area

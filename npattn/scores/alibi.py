@@ -21,7 +21,7 @@ import array_api_compat.numpy as numpy_namespace
 from ..options import AttentionSpec, check_int
 from .tiles import key_positions, query_positions, select_item
 
-__all__ = ["alibi_slopes", "alibi_tile", "alibi_slopes_grad_tile"]
+__all__ = ["alibi_slopes", "alibi_distance", "alibi_tile", "alibi_slopes_grad_tile"]
 
 
 def _geometric(n: int) -> list[float]:
@@ -89,9 +89,16 @@ def alibi_tile(
     k1: int,
     batch: int | None = None,
     heads: tuple[int, int] | None = None,
+    distance: Any | None = None,
 ) -> Any:
-    """``-m_n |p_i - j|`` over the tile, broadcastable to ``(..., N, tq, tk)``."""
-    return -_slopes(spec, batch, heads) * alibi_distance(spec, q0, q1, k0, k1, batch)  # (..., N|1, tq, tk)
+    """``-m_n |p_i - j|`` over the tile, broadcastable to ``(..., N, tq, tk)``.
+
+    ``distance``: the tile's :func:`alibi_distance`, when the caller already
+    has it (the NumPy fast path reuses one per tile position); a multiple
+    ``c |p_i - j|`` gives ``c`` times the term."""
+    if distance is None:
+        distance = alibi_distance(spec, q0, q1, k0, k1, batch)
+    return -_slopes(spec, batch, heads) * distance  # (..., N|1, tq, tk)
 
 
 def alibi_slopes_grad_tile(
@@ -102,10 +109,13 @@ def alibi_slopes_grad_tile(
     k0: int,
     k1: int,
     batch: int | None = None,
+    distance: Any | None = None,
 ) -> Any:
     """This tile's share of ``dL/dm_n = -sum_ij dS_nij |p_i - j|``: ``ds`` is
     ``(..., N', tq, tk)`` in the canonical layout (``N'`` the selected heads),
-    the result ``(..., N')``."""
+    the result ``(..., N')``. ``distance`` as in :func:`alibi_tile`."""
     xp = spec.xp
-    weighted = ds * alibi_distance(spec, q0, q1, k0, k1, batch)  # (..., N', tq, tk)
+    if distance is None:
+        distance = alibi_distance(spec, q0, q1, k0, k1, batch)
+    weighted = ds * distance  # (..., N', tq, tk)
     return -xp.sum(weighted, axis=(-2, -1))  # (..., N')
