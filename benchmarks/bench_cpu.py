@@ -14,6 +14,24 @@ same run, and npattn's peak traced memory.
 FLOPs are counted as the issue fixes them: forward ``4 B N T S H`` (halved
 for causal, whose hidden half is skipped), backward 2.5x the forward.
 Times are the best of ``--repeats`` runs after one warm-up.
+
+A second table times the variants of the score pipeline at the same shape
+(``--no-variants`` skips it), each beside plain attention of that shape in
+npattn and beside torch, all interleaved in one process: npattn ms, torch
+ms, their ratio and npattn's time ÷ its plain attention ("÷ plain"). Torch
+has no softcap or sinks in SDPA, so the torch side is:
+
+- softcap (c = 50, Gemma 2's): explicit math, ``c tanh(s / c)`` on
+  ``scale q k^T``, softmax, ``@ v`` (autograd through every step);
+- sinks: SDPA with one extra key column (key and value rows 0) whose float
+  mask entry is ``sinks_n``, so its score is the sink's;
+- ALiBi (:func:`npattn.alibi_slopes`): SDPA with the float bias
+  ``-m_n |i - j|``, ``(N, T, S)``;
+- packed documents (4 of T/4, causal; T = S): SDPA with the equivalent bool
+  mask, causal and same document; npattn takes segment ids and is compared
+  with its causal attention without them.
+
+The other three compare with full (non-causal) attention.
 """
 
 from __future__ import annotations
@@ -77,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="T=S=512, one repeat")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch columns")
+    parser.add_argument("--no-variants", action="store_true", help="skip the table of score-pipeline variants")
     args = parser.parse_args(argv)
     for name in ("batch", "heads", "head_dim", "length", "repeats"):
         if getattr(args, name) < 1:
@@ -160,7 +179,94 @@ def main(argv: list[str] | None = None) -> int:
                 f"{label:<26} {name:<8} {'chunked':<8} {ms:10.1f} {torch_col} {ratio} "
                 f"{gflops:8.1f} {100 * gflops / sgemm:7.1f}% {peaks[name]:9.1f}"
             )
+    if not args.no_variants:
+        variant_table(torch, (q, k, v, dout), args.repeats)
     return 0
+
+
+def _variants(torch, q, k, v):
+    """``{name: (npattn options, plain npattn options, torch forward or None)}``
+    for the variant rows; torch's forward takes torch tensors ``(q, k, v)``."""
+    N, T, S = q.shape[-3], q.shape[-2], k.shape[-2]
+    cap = 50.0
+    rng = np.random.default_rng(1)
+    sinks = rng.standard_normal(N).astype(np.float32)
+    slopes = npattn.alibi_slopes(N, dtype=np.float32)
+    ids = np.repeat(np.arange(4), -(-T // 4))[:T][None].repeat(q.shape[0], axis=0)  # (B, T): 4 documents
+    rows = {
+        "softcap": ({"softcap": cap}, {}),
+        "sinks": ({"sinks": sinks}, {}),
+        "ALiBi": ({"alibi_slopes": slopes}, {}),
+        "packed docs": ({"causal": True, "q_segment_ids": ids, "kv_segment_ids": ids}, {"causal": True}),
+    }
+    if torch is None:
+        return {name: (ours, plain, None) for name, (ours, plain) in rows.items()}
+    F = torch.nn.functional
+    scale = q.shape[-1] ** -0.5
+    position = np.arange(T)[:, None] - np.arange(S)[None, :]  # (T, S)
+    alibi_bias = torch.from_numpy((-slopes[:, None, None] * np.abs(position)).astype(np.float32))  # (N, T, S)
+    same_doc = torch.from_numpy((ids[0][:, None] == ids[0][None, :]) & (position >= 0))  # (T, S) bool
+    sink_mask = torch.zeros((N, 1, S + 1))
+    sink_mask[:, 0, S] = torch.from_numpy(sinks)  # (N, 1, S + 1): the extra column scores sinks_n
+
+    def t_softcap(tq, tk, tv):
+        s = (tq @ tk.transpose(-1, -2)) * scale  # (B, N, T, S)
+        return torch.softmax(cap * torch.tanh(s / cap), dim=-1) @ tv
+
+    def t_sinks(tq, tk, tv):
+        zero = tk.new_zeros(tk.shape[:-2] + (1, tk.shape[-1]))
+        tk1, tv1 = torch.cat([tk, zero], dim=-2), torch.cat([tv, zero], dim=-2)  # (B, N, S + 1, H)
+        return F.scaled_dot_product_attention(tq, tk1, tv1, attn_mask=sink_mask)
+
+    def t_alibi(tq, tk, tv):
+        return F.scaled_dot_product_attention(tq, tk, tv, attn_mask=alibi_bias)
+
+    def t_packed(tq, tk, tv):
+        return F.scaled_dot_product_attention(tq, tk, tv, attn_mask=same_doc)
+
+    torch_fns = {"softcap": t_softcap, "sinks": t_sinks, "ALiBi": t_alibi, "packed docs": t_packed}
+    return {name: (ours, plain, torch_fns[name]) for name, (ours, plain) in rows.items()}
+
+
+def variant_table(torch, arrays, repeats: int) -> None:
+    """One row per variant and pass: npattn, torch, ratio, npattn ÷ plain."""
+    q, k, v, dout = arrays
+    B, N, T, H = q.shape
+    print()
+    print(f"score-pipeline variants, B={B}, N={N}, H={H}, T=S={T} (torch side: see the module docstring)")
+    header = f"{'variant':<12} {'pass':<8} {'npattn ms':>10} {'torch ms':>9} {'ratio':>6} {'÷ plain':>8}"
+    print(header)
+    print("-" * len(header))
+    for name, (ours, plain, torch_fn) in _variants(torch, q, k, v).items():
+        fns = {}
+        for label, options in (("", ours), ("plain ", plain)):
+
+            def fwd(options=options):
+                return npattn.attention_forward(q, k, v, impl="chunked", **options)
+
+            def fwd_bwd(fwd=fwd):
+                return npattn.attention_backward(dout, fwd()[1])
+
+            fns.update({f"{label}forward": fwd, f"{label}fwd+bwd": fwd_bwd})
+        if torch_fn is not None:
+            tq, tk, tv = (torch.from_numpy(a.copy()).requires_grad_() for a in (q, k, v))
+            tdout = torch.from_numpy(dout)
+
+            def t_fwd(tq=tq, tk=tk, tv=tv, torch_fn=torch_fn):
+                with torch.no_grad():
+                    return torch_fn(tq, tk, tv)
+
+            def t_fwd_bwd(tq=tq, tk=tk, tv=tv, tdout=tdout, torch_fn=torch_fn):
+                torch_fn(tq, tk, tv).backward(tdout)
+
+            fns.update({"torch forward": t_fwd, "torch fwd+bwd": t_fwd_bwd})
+        best = _best_side_by_side(fns, repeats)
+        for pass_name in ("forward", "fwd+bwd"):
+            ms, plain_ms = best[pass_name] * 1e3, best[f"plain {pass_name}"] * 1e3
+            t_ms = best.get(f"torch {pass_name}")
+            torch_col = f"{t_ms * 1e3:9.1f}" if t_ms else f"{'-':>9}"
+            ratio = f"{best[pass_name] / t_ms:6.2f}" if t_ms else f"{'-':>6}"
+            print(f"{name:<12} {pass_name:<8} {ms:10.1f} {torch_col} {ratio} {ms / plain_ms:7.2f}x")
 
 
 if __name__ == "__main__":
