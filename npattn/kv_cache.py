@@ -6,7 +6,15 @@ positions to keys and values, appends them to the cache, and lets the new
 queries attend over everything cached so far with ``align="bottom_right"``
 (query ``i`` of ``t`` new ones sits at position ``L + i``, ``L`` the length
 before the call). With ``causal=True`` this gives the same outputs as one
-causal forward over the whole sequence.
+causal forward over the whole sequence, with every variant of the score
+pipeline: softcap and sinks need no state, ALiBi reads the same positions
+(bottom-right), and segment ids (packed documents) are remembered here.
+
+Segment ids: a cache either holds no ids, or one id per cached position,
+``(B, L)`` int64, decided by its first append (``mha_forward(...,
+q_segment_ids=ids, cache=cache)`` appends the new tokens' ids as key ids
+too). Appending with ids to a cache without them, or without ids to a cache
+with them, is a ``ValueError``: the mask of the cached keys would be unknown.
 
 Two storage modes::
 
@@ -80,6 +88,9 @@ class KVCache:
         L, positions cached so far.
     keys, values : arrays, (B, K, L, H)
         The cached keys and values (views of the buffer when preallocated).
+    segment_ids : int64 array (B, L), or None
+        The cached positions' segment ids, when the cache was filled with
+        them (see the module docstring).
 
     See Also
     --------
@@ -181,6 +192,12 @@ class KVCache:
         """Cached values, ``(B, K, L, H)``."""
         return self._values[:, :, : self._length, :]  # (B, K, L, H)
 
+    @property
+    def segment_ids(self) -> Any | None:
+        """Cached positions' segment ids, int64 ``(B, L)``, or None for a
+        cache filled without them."""
+        return None if self._segment_ids is None else self._segment_ids[:, : self._length]  # (B, L)
+
     def __repr__(self) -> str:
         capacity = "growing" if self._max_length is None else f"max_length={self._max_length}"
         return (
@@ -200,6 +217,7 @@ class KVCache:
         if self._device is None:
             self._device = array_device(self._keys)
         self._dtype = self._keys.dtype  # normalized (np.float32 -> dtype('float32'))
+        self._segment_ids: Any = None  # (B, M) int64 once the first append brings ids
         self._length = 0
 
     def check_new(self, batch_size: int, new_positions: int, *, what: str = "x") -> None:
@@ -216,10 +234,54 @@ class KVCache:
                 f"and cannot take {new_positions} more"
             )
 
-    def _stage(self, k: Any, v: Any) -> tuple[Any, Any, tuple]:
-        """Validate ``k``, ``v`` ``(B, K, t, H)`` and return ``(keys, values,
-        state)``: the cache contents with the new positions appended, without
-        committing them yet (``_commit(state)`` does)."""
+    def _check_segment_ids(self, given: bool, *, what: str = "segment_ids") -> None:
+        """Raise ``ValueError`` unless an append with (``given``) or without
+        segment ids fits what the cache holds: an empty cache takes either,
+        a filled one only what it was filled with."""
+        if self._length == 0 or given == (self._segment_ids is not None):
+            return
+        if given:
+            raise ValueError(
+                f"{what} given, but the cache holds {self._length} positions without segment ids: "
+                "pass ids from the first token on (cache.reset() to start over)"
+            )
+        raise ValueError(
+            f"the cache holds segment ids for its {self._length} positions: pass {what} (B, t) "
+            "for the new positions too"
+        )
+
+    def _stage_segment_ids(self, ids: Any, t: int) -> tuple[Any, Any]:
+        """``(ids of all L + t positions (B, L + t), the id buffer to commit)``
+        for the new positions' ``ids`` (B, t), or ``(None, None)``."""
+        self._check_segment_ids(ids is not None)
+        if ids is None:
+            return None, None
+        xp, B, L = self._xp, self._batch_size, self._length
+        if not hasattr(ids, "shape") or not hasattr(ids, "dtype"):
+            raise TypeError(
+                f"segment_ids must be an integer array of shape (B, t) = ({B}, {t}), got {type(ids).__name__}"
+            )
+        resolve_namespace({"cache": self._keys, "segment_ids": ids})
+        if not xp.isdtype(ids.dtype, "integral"):
+            raise TypeError(f"segment_ids must have an integer dtype, got {ids.dtype}")
+        if tuple(ids.shape) != (B, t):
+            raise ValueError(f"segment_ids must have shape (B, t) = ({B}, {t}), got {tuple(ids.shape)}")
+        ids = xp.astype(ids, xp.int64)  # (B, t), a copy: the caller's array is never stored
+        if self._max_length is None:
+            old = self._segment_ids  # (B, L), or None when L = 0
+            buffer = ids if old is None else xp.concat((old, ids), axis=1)  # (B, L + t)
+            return buffer, buffer
+        buffer = self._segment_ids
+        if buffer is None:  # the first append with ids allocates (B, M) once
+            buffer = xp.zeros((B, self._max_length), dtype=xp.int64, device=self._device)
+        buffer[:, L : L + t] = ids  # positions >= L belong to no array handed out
+        return buffer[:, : L + t], buffer
+
+    def _stage(self, k: Any, v: Any, segment_ids: Any = None) -> tuple[Any, Any, Any, tuple]:
+        """Validate ``k``, ``v`` ``(B, K, t, H)`` and the new positions'
+        ``segment_ids`` (B, t) or None, and return ``(keys, values, ids,
+        state)``: the cache contents (and ids, or None) with the new positions
+        appended, without committing them yet (``_commit(state)`` does)."""
         xp = self._xp
         for name, a in (("k", k), ("v", v)):
             if a is None:
@@ -239,29 +301,33 @@ class KVCache:
                 f"cache holds num_kv_heads={self._num_kv_heads}, head_dim={self._head_dim}; "
                 f"got k with {K} heads of dim {H}"
             )
+        ids, id_buffer = self._stage_segment_ids(segment_ids, t)  # (B, L + t) or None
         L = self._length
         if self._max_length is None:
             keys = xp.concat((self._keys, k), axis=2)  # (B, K, L + t, H)
             values = xp.concat((self._values, v), axis=2)  # (B, K, L + t, H)
-            return keys, values, (keys, values, L + t)
+            return keys, values, ids, (keys, values, id_buffer, L + t)
         # Positions >= L belong to no array handed out, so writing them is safe
         # even if the caller's forward then fails (the length is not advanced).
         self._keys[:, :, L : L + t, :] = k  # (B, K, t, H) into (B, K, M, H)
         self._values[:, :, L : L + t, :] = v
         keys = self._keys[:, :, : L + t, :]  # (B, K, L + t, H)
         values = self._values[:, :, : L + t, :]  # (B, K, L + t, H)
-        return keys, values, (self._keys, self._values, L + t)
+        return keys, values, ids, (self._keys, self._values, id_buffer, L + t)
 
     def _commit(self, state: tuple) -> None:
-        self._keys, self._values, self._length = state
+        self._keys, self._values, self._segment_ids, self._length = state
 
-    def append(self, k, v, /) -> tuple[Any, Any]:
+    def append(self, k, v, /, *, segment_ids=None) -> tuple[Any, Any]:
         """Append ``t`` positions and return all cached ``(keys, values)``.
 
         Parameters
         ----------
         k, v : arrays, (B, K, t, H)
             New keys and values in the cache's dtype, namespace and device.
+        segment_ids : int array (B, t), optional
+            The new positions' segment ids; then :attr:`segment_ids` holds
+            all ``(B, L + t)``. Every append of a cache brings ids, or none.
 
         Returns
         -------
@@ -272,9 +338,11 @@ class KVCache:
         ValueError
             Another batch size, heads or head dim, or a preallocated cache
             without room for ``t`` more positions.
+            Segment ids of another shape, or given to a cache filled without
+            them (or missing from one filled with them).
         TypeError
-            Another dtype or array library.
+            Another dtype or array library, non-integer segment ids.
         """
-        keys, values, state = self._stage(k, v)
+        keys, values, _, state = self._stage(k, v, segment_ids)
         self._commit(state)
         return keys, values

@@ -16,7 +16,7 @@ Backward, each linear ``Y = A W^T + b`` giving ``dA = dY W``,
 ``dW = dY^T A`` (summed over batch and positions) and ``db = sum(dY)``::
 
     dO  = dy Wo               dWo = dy^T O          dbo = sum(dy)
-    dQ, dK, dV, dbias = attention_backward(dO)      (heads split / merged)
+    dQ, dK, dV, dbias, dsinks, dslopes = attention_backward(dO)   (heads split / merged)
     dx  = dQ Wq  [+ dK Wk + dV Wv for self-attention]
     dWq = dQ^T x    dWk = dK^T xk    dWv = dV^T xv  dbq, dbk, dbv = sums
     dcontext = dK Wk + dV Wv   (one context)   or   (dK Wk, dV Wv)   (a pair)
@@ -89,6 +89,7 @@ def mha_init(
     device=None,
     xp=None,
     seed=0,
+    sinks=False,
 ):
     r"""Parameters of a multi-head attention layer, initialized as PyTorch's
     ``nn.MultiheadAttention``.
@@ -106,6 +107,13 @@ def mha_init(
     ``a = sqrt(5)``, i.e. the bound ``1/sqrt(E)``); every bias is zero.
     Values are drawn on the host with ``numpy.random.default_rng(seed)`` in
     the order q, k, v, out, so a seed gives the same weights on every backend.
+
+    ``sinks=True`` adds learnable attention sinks (gpt-oss): ``"sinks"`` of
+    shape (N,), one logit per query head, initialized to zeros. A zero sink
+    adds ``exp(0) = 1`` to every softmax denominator (the "softmax + 1" of
+    "Attention is off by one"), draws nothing from the generator (a seed
+    gives the same weights with or without sinks) and is within noise of the
+    ``N(0, 0.02)`` that Hugging Face's gpt-oss draws (``initializer_range``).
 
     Dimension legend: E embed_dim, N num_heads, K num_kv_heads, H = E // N.
 
@@ -129,6 +137,11 @@ def mha_init(
         Array API namespace; NumPy (through ``array_api_compat``) by default.
     seed : int
         Seeds the host random generator.
+    sinks : bool
+        Whether the layer has learnable attention sinks, ``params["sinks"]``
+        (N,), zeros (see above); :func:`mha_forward` passes them to the core
+        and :func:`mha_backward` returns their gradient in
+        ``dparams["sinks"]``.
 
     Returns
     -------
@@ -136,7 +149,8 @@ def mha_init(
         ``"q_weight"`` (E, E), ``"k_weight"`` (K*H, kdim), ``"v_weight"``
         (K*H, vdim), ``"out_weight"`` (E, E), each ``(out, in)`` so that a
         projection is ``x @ W^T + b``; with ``bias=True`` also ``"q_bias"``
-        (E,), ``"k_bias"`` (K*H,), ``"v_bias"`` (K*H,), ``"out_bias"`` (E,).
+        (E,), ``"k_bias"`` (K*H,), ``"v_bias"`` (K*H,), ``"out_bias"`` (E,);
+        with ``sinks=True`` also ``"sinks"`` (N,).
 
     Raises
     ------
@@ -155,8 +169,9 @@ def mha_init(
     N, K = _check_heads(E, num_heads, num_kv_heads)
     kdim = E if kdim is None else check_int("kdim", kdim, minimum=1)
     vdim = E if vdim is None else check_int("vdim", vdim, minimum=1)
-    if not isinstance(bias, bool):
-        raise TypeError(f"bias must be a bool, got {bias!r}")
+    for name, flag in (("bias", bias), ("sinks", sinks)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
     check_int("seed", seed, minimum=0)
     if xp is None:
         import array_api_compat.numpy as xp
@@ -179,6 +194,8 @@ def mha_init(
     if bias:
         for name, size in (("q_bias", E), ("k_bias", Kd), ("v_bias", Kd), ("out_bias", E)):
             params[name] = xp.zeros((size,), dtype=dtype, device=device)
+    if sinks:
+        params["sinks"] = xp.zeros((N,), dtype=dtype, device=device)  # one logit per query head
     return params
 
 
@@ -229,9 +246,12 @@ def _check_source(name: str, a: Any, width: int, width_name: str, batch: int | N
 
 
 def _recompute_weights(attn: AttentionResiduals) -> Any:
-    """``P = exp(scale Q K^T + bias - lse)`` on visible keys, 0 elsewhere and
-    on fully masked rows: the chunked path's probabilities, rebuilt from its
-    saved ``lse`` (materializes ``(B, N, T, S)``)."""
+    """``P = exp(s - lse)`` on visible keys, 0 elsewhere and on fully masked
+    rows: the chunked path's probabilities, rebuilt from its saved ``lse``
+    (materializes ``(B, N, T, S)``). ``s`` is the score pipeline's (softcap,
+    bias, ALiBi) and visibility includes segment ids; the saved ``lse``
+    already holds the sinks, so each row sums to ``1 - exp(sinks_n - lse)``
+    as on the dense path."""
     spec = attn.spec
     xp = spec.xp
     s = dense_scores(spec, attn.q, attn.k)  # (B, N, T, S)
@@ -321,6 +341,42 @@ def _check_layer_dtypes(
     return compute_dtype(xp, x.dtype)
 
 
+def _segment_ids(xp: Any, kind: str, cache: Any, q_ids: Any, kv_ids: Any, B: int, T: int) -> tuple[Any, Any]:
+    """``(q_segment_ids, kv_segment_ids)`` for the core, or two Nones.
+
+    Self-attention's keys are its queries' tokens, so ``kv_segment_ids``
+    defaults to ``q_segment_ids`` there; with a cache the kv ids are the
+    cache's business (the new tokens' ids are appended to the cached ones by
+    ``cache._stage``), so passing them is an error. Cross-attention needs both.
+    """
+    if cache is not None:
+        cache._check_segment_ids(q_ids is not None, what="q_segment_ids")
+    if q_ids is None:
+        if kv_ids is not None:
+            raise ValueError("kv_segment_ids was given without q_segment_ids (B, T): pass both, or neither")
+        return None, None
+    if not hasattr(q_ids, "shape") or not hasattr(q_ids, "dtype"):
+        raise TypeError(
+            f"q_segment_ids must be an integer array of shape (B, T) = ({B}, {T}), got {type(q_ids).__name__}"
+        )
+    if not xp.isdtype(q_ids.dtype, "integral"):
+        raise TypeError(f"q_segment_ids must have an integer dtype, got {q_ids.dtype}")
+    if tuple(q_ids.shape) != (B, T):
+        raise ValueError(
+            f"q_segment_ids must have shape (B, T) = ({B}, {T}) (batch first, like x), got {tuple(q_ids.shape)}"
+        )
+    if kind == "self" and cache is not None and kv_ids is not None:
+        raise ValueError(
+            "with cache= pass only q_segment_ids, the new tokens' ids: the cache keeps the cached tokens' "
+            "ids and appends these, so kv_segment_ids must be None"
+        )
+    if kind != "self" and kv_ids is None:
+        raise ValueError(
+            "cross-attention needs kv_segment_ids (B, S) beside q_segment_ids: the keys are the context's tokens"
+        )
+    return q_ids, q_ids if kv_ids is None else kv_ids
+
+
 def _check_cache(
     cache: Any, kind: str, dropout_p: Any, align: Any, dims: LayerDims, cdtype: Any, B: int, T: int
 ) -> str:
@@ -362,12 +418,27 @@ def _in_compute_dtype(
     return P, xc, ks, vs
 
 
-def _project_heads(xp: Any, P: Mapping, xc: Any, ks: Any, vs: Any, dims: LayerDims) -> tuple[Any, Any, Any]:
-    """The in-projections, heads split: ``q (B, N, T, H)``, ``k``, ``v`` ``(B, K, S, H)``."""
+def _project_heads(
+    xp: Any, P: Mapping, xc: Any, ks: Any, vs: Any, dims: LayerDims, cache: Any, kv_ids: Any
+) -> tuple[Any, Any, Any, Any, Any]:
+    """The in-projections, heads split: ``(q, k, v, kv_ids, state)`` with
+    ``q (B, N, T, H)``, ``k``, ``v`` ``(B, K, S, H)`` and ``kv_ids`` the
+    keys' segment ids (B, S) or None. With a cache, ``k``, ``v`` and
+    ``kv_ids`` are the cached ones with the new positions appended (S = L + T)
+    and ``state`` is what ``cache._commit`` takes once the forward succeeded;
+    without one ``state`` is None."""
     q = _split_heads(xp, _linear(xp, xc, P["q_weight"], P.get("q_bias")), dims.num_heads)  # (B, N, T, H)
     k = _split_heads(xp, _linear(xp, ks, P["k_weight"], P.get("k_bias")), dims.num_kv_heads)  # (B, K, S, H)
     v = _split_heads(xp, _linear(xp, vs, P["v_weight"], P.get("v_bias")), dims.num_kv_heads)  # (B, K, S, H)
-    return q, k, v
+    if cache is None:
+        return q, k, v, kv_ids, None
+    k, v, kv_ids, state = cache._stage(k, v, segment_ids=kv_ids)  # (B, K, L + T, H) x 2, (B, L + T) or None
+    return q, k, v, kv_ids, state
+
+
+def _dtypes(params: Mapping) -> dict[str, Any]:
+    """The caller's dtype of each parameter, in which its gradient returns."""
+    return {name: a.dtype for name, a in params.items()}
 
 
 def _attention_weights(attn: AttentionResiduals) -> Any:
@@ -387,15 +458,21 @@ class MHAGrads(NamedTuple):
     dcontext : None (self-attention), an array (B, S, kdim) (one context),
         or a pair ``(dkey_source, dvalue_source)`` (a pair context).
     dparams : dict
-        Same keys as ``params``.
+        Same keys as ``params`` (``"sinks"`` included when the layer has
+        sinks).
     dbias : array or None
         Gradient of the additive attention ``bias``, in its own shape.
+    dalibi_slopes : array or None
+        Gradient of the ``alibi_slopes`` argument, in its own shape and
+        dtype; None without ALiBi. (A named tuple of five: read the fields by
+        name; unpacking takes five names.)
     """
 
     dx: Any
     dcontext: Any
     dparams: dict
     dbias: Any
+    dalibi_slopes: Any = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -471,6 +548,10 @@ def mha_forward(
     impl="auto",
     block_q=None,
     block_k=None,
+    softcap=None,
+    alibi_slopes=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
     need_weights=False,
     cache=None,
     xp=None,
@@ -484,7 +565,9 @@ def mha_forward(
 
     with ``g(n) = n // (N / K)`` the key/value head that query head ``n``
     reads, and ``attention`` :func:`npattn.attention_forward` (scaled,
-    masked, biased softmax, seeded dropout on the probabilities).
+    masked, biased softmax, seeded dropout on the probabilities; softcap,
+    ALiBi, segment ids, and the layer's sinks ``params["sinks"]`` when
+    present).
 
     Dimension legend: B batch, T query length, S key length, E embed_dim,
     N num_heads, K num_kv_heads, H = E // N, kdim/vdim source widths.
@@ -512,20 +595,40 @@ def mha_forward(
         :func:`npattn.mha_masks_from_torch`), additive float ``bias``,
         ``q_lengths``/``kv_lengths`` of shape (B,), ``dropout_p`` with a
         ``seed`` on the probabilities.
+    softcap, alibi_slopes
+        Passed to :func:`npattn.attention_forward`: ``softcap * tanh(s /
+        softcap)`` on the raw scores; ALiBi slopes (N,) (e.g.
+        :func:`npattn.alibi_slopes`), which need ``align`` when T != S
+        (a cache implies ``"bottom_right"``). Their gradient is
+        :attr:`MHAGrads.dalibi_slopes`. The sinks are not an argument: they
+        are the layer's parameter ``params["sinks"]`` (``mha_init(...,
+        sinks=True)``).
+    q_segment_ids, kv_segment_ids : int arrays (B, T) and (B, S), optional
+        Packed documents: key j is visible to query i only where the ids are
+        equal. For self-attention ``kv_segment_ids`` defaults to
+        ``q_segment_ids`` (the keys are the same tokens); cross-attention
+        needs both. With ``cache``, pass only ``q_segment_ids``, the new
+        tokens' ids: the cache remembers the ids of the tokens it holds and
+        appends these (a cache is used with ids from its first token, or
+        never).
     need_weights : bool
         Keep the per-head attention probabilities (softmax before dropout) as
         ``residuals.weights``, (B, N, T, S). The dense path has them already.
         On the chunked path (``impl="chunked"``, or ``"auto"`` choosing it)
-        they are recomputed after the forward as
-        ``P = exp(scale Q K^T + bias - lse)`` on visible keys from the saved
-        ``lse``; this materializes the (B, N, T, S) tensor the chunked path
-        otherwise avoids, but leaves its output and backward unchanged.
+        they are recomputed after the forward as ``P = exp(s - lse)`` on
+        visible keys from the saved ``lse``, ``s`` the scores after softcap,
+        bias and ALiBi; this materializes the (B, N, T, S) tensor the chunked
+        path otherwise avoids, but leaves its output and backward unchanged.
+        With sinks the sink's share is not a key: each row sums to
+        ``1 - exp(sinks_n - lse)``.
     cache : KVCache, optional
         Incremental decoding, forward only (self-attention): the new
         positions' keys and values are appended to ``cache`` and the queries
         attend over all cached positions with ``align="bottom_right"``
         (``align`` must be None or ``"bottom_right"``); with ``causal=True``
-        the outputs equal one causal forward over the whole sequence. ``mask``,
+        the outputs equal one causal forward over the whole sequence, with
+        every variant (softcap, sinks, ALiBi at those positions, segment
+        ids). ``mask``,
         ``bias`` and lengths then refer to the (T new, S cached) scores. The
         cache is only advanced when the forward succeeds.
     xp : namespace, optional
@@ -563,18 +666,18 @@ def mha_forward(
     """
     kind, key_source, value_source, names = _sources(x, context)
     arrays = {"x": x, names[0]: key_source, names[1]: value_source, "mask": mask, "bias": bias}
+    arrays.update(alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     xp = _layer_namespace(arrays, params, cache, xp)
     dims = layer_dims(params, num_heads=num_heads, num_kv_heads=num_kv_heads)
     B, T = _check_source_shapes(kind, names, x, key_source, value_source, dims)
     cdtype = _check_layer_dtypes(xp, names, x, key_source, value_source, params)
     if not isinstance(need_weights, bool):
         raise TypeError(f"need_weights must be a bool, got {need_weights!r}")
-    if cache is not None:
-        align = _check_cache(cache, kind, dropout_p, align, dims, cdtype, B, T)
+    align = align if cache is None else _check_cache(cache, kind, dropout_p, align, dims, cdtype, B, T)
+    q_ids, kv_ids = _segment_ids(xp, kind, cache, q_segment_ids, kv_segment_ids, B, T)  # (B, T), (B, S) or None
 
     P, xc, ks, vs = _in_compute_dtype(xp, kind, params, x, key_source, value_source, cdtype)
-    q, k, v = _project_heads(xp, P, xc, ks, vs, dims)  # (B, N, T, H), (B, K, S, H), (B, K, S, H)
-    k, v, state = (k, v, None) if cache is None else cache._stage(k, v)  # with a cache: (B, K, L + T, H) each
+    q, k, v, kv_ids, state = _project_heads(xp, P, xc, ks, vs, dims, cache, kv_ids)  # (B, N, T, H), (B, K, S, H) x 2
     o, attn = attention_forward(
         q,
         k,
@@ -592,26 +695,21 @@ def mha_forward(
         impl=impl,
         block_q=block_q,
         block_k=block_k,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=P.get("sinks"),
+        q_segment_ids=q_ids,
+        kv_segment_ids=kv_ids,
         xp=xp,
     )  # o: (B, N, T, H)
     merged = _merge_heads(xp, o)  # (B, T, E)
     y = _linear(xp, merged, P["out_weight"], P.get("out_bias"))  # (B, T, E)
     weights = _attention_weights(attn) if need_weights else None  # (B, N, T, S)
-    if state is not None:
+    if cache is not None:
         cache._commit(state)
+        ks = vs = None  # forward only: no sources kept
     residuals = MHAResiduals(
-        attention=attn,
-        x=xc,
-        key_source=None if cache is not None else ks,
-        value_source=None if cache is not None else vs,
-        context_kind=kind,
-        merged=merged,
-        params=P,
-        dims=dims,
-        dtype=x.dtype,
-        param_dtypes={name: a.dtype for name, a in params.items()},
-        weights=weights,
-        cached=cache is not None,
+        attn, xc, ks, vs, kind, merged, P, dims, x.dtype, _dtypes(params), weights, cached=cache is not None
     )
     return xp.astype(y, x.dtype, copy=False), residuals
 
@@ -622,7 +720,7 @@ def mha_backward(dy, residuals, /) -> MHAGrads:
     .. math::
 
         dO = dy\,W_o,\quad dW_o = dy^\top O,\quad db_o = \textstyle\sum dy,\qquad
-        (dQ, dK, dV, d\mathrm{bias}) = \mathrm{attention\_backward}(dO)
+        (dQ, dK, dV, d\mathrm{bias}, d\mathrm{sinks}, d\mathrm{slopes}) = \mathrm{attention\_backward}(dO)
 
         dx = dQ\,W_q\ [+\,dK\,W_k + dV\,W_v],\quad dW_q = dQ^\top x,\quad
         dW_k = dK^\top x_k,\quad dW_v = dV^\top x_v
@@ -639,10 +737,12 @@ def mha_backward(dy, residuals, /) -> MHAGrads:
     Returns
     -------
     MHAGrads
-        ``(dx, dcontext, dparams, dbias)``: ``dcontext`` is None for
-        self-attention, an array for one context, a pair for a pair;
-        ``dparams`` has the keys of ``params``; ``dbias`` is the attention
-        bias's gradient in its own shape, or None.
+        ``(dx, dcontext, dparams, dbias, dalibi_slopes)``: ``dcontext`` is
+        None for self-attention, an array for one context, a pair for a pair;
+        ``dparams`` has the keys of ``params`` (``dparams["sinks"]`` the
+        sinks' gradient when the layer has them); ``dbias`` and
+        ``dalibi_slopes`` are the gradients of the ``bias`` and
+        ``alibi_slopes`` arguments in their own shapes, or None.
 
     Raises
     ------
@@ -709,6 +809,7 @@ def mha_backward(dy, residuals, /) -> MHAGrads:
         "v_bias": d_v_bias,
         "out_weight": d_out_weight,
         "out_bias": d_out_bias,
+        "sinks": g.dsinks,  # (N,) when params have sinks
     }
     dparams = {name: xp.astype(by_name[name], dtype, copy=False) for name, dtype in residuals.param_dtypes.items()}
     kind = residuals.context_kind
@@ -722,10 +823,21 @@ def mha_backward(dy, residuals, /) -> MHAGrads:
             xp.astype(d_key_source, residuals.dtype, copy=False),
             xp.astype(d_value_source, residuals.dtype, copy=False),
         )
-    return MHAGrads(xp.astype(dx, residuals.dtype, copy=False), dcontext, dparams, g.dbias)
+    return MHAGrads(xp.astype(dx, residuals.dtype, copy=False), dcontext, dparams, g.dbias, g.dalibi_slopes)
 
 
 # --- a thin object wrapper --------------------------------------------------
+
+
+def _check_adopted_sinks(params: Any, sinks: Any) -> None:
+    """``MultiheadAttention(params=..., sinks=True/False)``: the dict must agree."""
+    if not isinstance(sinks, bool):
+        raise TypeError(f"sinks must be a bool or None, got {sinks!r}")
+    if isinstance(params, Mapping) and sinks != ("sinks" in params):
+        if sinks:
+            hint = "make them with mha_init(..., sinks=True), or add params['sinks'] of shape (num_heads,)"
+            raise ValueError(f"sinks=True, but params has no 'sinks' key: {hint}")
+        raise ValueError("sinks=False, but params has 'sinks'; pass sinks=None to adopt the dict as it is")
 
 
 class MultiheadAttention:
@@ -733,7 +845,10 @@ class MultiheadAttention:
     and :func:`mha_backward`; the functions remain the API.
 
     Parameters are those of :func:`mha_init`; ``params=`` adopts an existing
-    dict instead of initializing one.
+    dict instead of initializing one. ``sinks=None`` (the default) means
+    ``False`` when initializing and "whatever the dict has" when adopting;
+    ``True`` or ``False`` with ``params=`` must agree with the dict (a
+    ``ValueError`` otherwise, rather than silently ignoring the request).
 
     Examples
     --------
@@ -762,6 +877,7 @@ class MultiheadAttention:
         device=None,
         xp=None,
         seed=0,
+        sinks=None,
         params=None,
     ):
         if num_heads is None:
@@ -780,7 +896,10 @@ class MultiheadAttention:
                 device=device,
                 xp=xp,
                 seed=seed,
+                sinks=False if sinks is None else sinks,
             )
+        elif sinks is not None:
+            _check_adopted_sinks(params, sinks)
         self.dims = layer_dims(params, num_heads=num_heads, num_kv_heads=num_kv_heads)
         if embed_dim is not None and embed_dim != self.dims.embed_dim:
             raise ValueError(f"embed_dim={embed_dim}, but params have embed_dim={self.dims.embed_dim}")
@@ -798,6 +917,11 @@ class MultiheadAttention:
     def dtype(self) -> Any:
         """The params' dtype, which inputs must share (``x``, ``context``)."""
         return self.params["q_weight"].dtype
+
+    @property
+    def has_sinks(self) -> bool:
+        """Whether the layer has learnable attention sinks, ``params["sinks"]``."""
+        return "sinks" in self.params
 
     def forward(self, x, context=None, /, **options):
         """``mha_forward(self.params, x, context, num_heads=..., **options)``."""
@@ -819,5 +943,5 @@ class MultiheadAttention:
         E, N, K, _H, kdim, vdim = self.dims
         return (
             f"MultiheadAttention(embed_dim={E}, num_heads={N}, num_kv_heads={K}, kdim={kdim}, vdim={vdim}, "
-            f"dtype={dtype_name(self.dtype)})"
+            f"sinks={self.has_sinks}, dtype={dtype_name(self.dtype)})"
         )

@@ -20,8 +20,10 @@ from .options import check_int
 __all__ = ["PARAM_KEYS", "WEIGHT_KEYS", "LayerDims", "layer_dims"]
 
 #: Every key a params dict may hold; the ``*_weight`` keys are required, a
-#: missing ``*_bias`` key means that projection has no bias.
-PARAM_KEYS = ("q_weight", "q_bias", "k_weight", "k_bias", "v_weight", "v_bias", "out_weight", "out_bias")
+#: missing ``*_bias`` key means that projection has no bias, and a missing
+#: ``"sinks"`` key (shape (N,), :func:`npattn.mha_init` with ``sinks=True``)
+#: means the layer has no attention sinks.
+PARAM_KEYS = ("q_weight", "q_bias", "k_weight", "k_bias", "v_weight", "v_bias", "out_weight", "out_bias", "sinks")
 WEIGHT_KEYS = ("q_weight", "k_weight", "v_weight", "out_weight")
 
 
@@ -92,4 +94,8 @@ def layer_dims(params, /, *, num_heads, num_kv_heads=None) -> LayerDims:
     for name, want in expected.items():
         if name in params and shape(name) != want:
             raise ValueError(f"params[{name!r}] must have shape {want}, got {shape(name)}")
+    if "sinks" in params and shape("sinks") != (N,):
+        raise ValueError(
+            f"params['sinks'] must have shape (num_heads,) = ({N},), one sink per query head, got {shape('sinks')}"
+        )
     return LayerDims(E, N, K, H, kdim, vdim)

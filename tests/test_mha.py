@@ -6,6 +6,7 @@ initialization, bad input, and the backend matrix."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 
 import numpy as np
@@ -22,9 +23,10 @@ IMPLS = ["dense", pytest.param("chunked", marks=NO_CHUNKED)]
 CHUNKED_BLOCKS = {"block_q": 2, "block_k": 3}  # tiles that do not divide T or S
 
 
-def random_params(rng, E, N, *, K=None, kdim=None, vdim=None, bias=True, dtype=np.float64):
+def random_params(rng, E, N, *, K=None, kdim=None, vdim=None, bias=True, sinks=False, dtype=np.float64):
     """mha_init's params with every entry random (zero biases test nothing)."""
-    params = mha_init(E, N, num_kv_heads=K, kdim=kdim, vdim=vdim, bias=bias, seed=int(rng.integers(1 << 30)))
+    seed = int(rng.integers(1 << 30))
+    params = mha_init(E, N, num_kv_heads=K, kdim=kdim, vdim=vdim, bias=bias, sinks=sinks, seed=seed)
     return {name: rng.standard_normal(a.shape).astype(dtype) * 0.5 for name, a in params.items()}
 
 
@@ -60,30 +62,36 @@ def reference_mha(params, x, key_source, value_source, *, num_heads, mask=None, 
     return y, weights
 
 
+#: Options of mha_forward that are differentiable inputs, and their MHAGrads field.
+DIFFERENTIABLE_OPTIONS = {"bias": "dbias", "alibi_slopes": "dalibi_slopes"}
+
+
 def mha_pair(param_names, kind, options):
-    """``forward(x, [context...], *params[, bias])`` and its backward, for
-    check_gradients; the attention bias is the last input when given."""
-    with_bias = "bias" in options
-    options = {k: v for k, v in options.items() if k != "bias"}
+    """``forward(x, [context...], *params, *extras)`` and its backward, for
+    check_gradients; ``extras`` are the differentiable options given (the
+    attention bias, the ALiBi slopes), in DIFFERENTIABLE_OPTIONS' order."""
+    extras = [name for name in DIFFERENTIABLE_OPTIONS if name in options]
+    options = {k: v for k, v in options.items() if k not in extras}
     n_ctx = {"self": 0, "single": 1, "pair": 2}[kind]
 
     def split(inputs):
         x, rest = inputs[0], inputs[1:]
         ctx, rest = rest[:n_ctx], rest[n_ctx:]
         params = dict(zip(param_names, rest[: len(param_names)]))
-        bias = rest[len(param_names)] if with_bias else None
+        given = dict(zip(extras, rest[len(param_names) :]))
         context = None if kind == "self" else (ctx[0] if kind == "single" else tuple(ctx))
-        return x, context, params, bias
+        return x, context, params, given
 
     def forward(*inputs):
-        x, context, params, bias = split(inputs)
-        extra = {"bias": bias} if with_bias else {}
-        return mha_forward(params, x, context, **options, **extra)
+        x, context, params, given = split(inputs)
+        return mha_forward(params, x, context, **options, **given)
 
     def backward(dy, res):
         g = mha_backward(dy, res)
         ctx = () if g.dcontext is None else (g.dcontext,) if kind == "single" else tuple(g.dcontext)
-        return (g.dx, *ctx, *(g.dparams[name] for name in param_names)) + ((g.dbias,) if with_bias else ())
+        return (g.dx, *ctx, *(g.dparams[name] for name in param_names)) + tuple(
+            getattr(g, DIFFERENTIABLE_OPTIONS[name]) for name in extras
+        )
 
     return forward, backward
 
@@ -93,8 +101,9 @@ def gradcheck_mha(params, x, context, options, **check):
     ctx = [] if context is None else list(context) if kind == "pair" else [context]
     names = list(params)
     forward, backward = mha_pair(names, kind, options)
-    inputs = [x, *ctx, *(params[n] for n in names)] + ([options["bias"]] if "bias" in options else [])
-    labels = ["x", *[f"context{i}" for i in range(len(ctx))], *names] + (["bias"] if "bias" in options else [])
+    extras = [name for name in DIFFERENTIABLE_OPTIONS if name in options]
+    inputs = [x, *ctx, *(params[n] for n in names), *(options[name] for name in extras)]
+    labels = ["x", *[f"context{i}" for i in range(len(ctx))], *names, *extras]
     return npattn.check_gradients(forward, backward, inputs, names=labels, **check)
 
 
@@ -650,3 +659,403 @@ def test_property_gradients_and_paths(
         np.testing.assert_allclose(g_c.dx, g_d.dx, rtol=0, atol=1e-11)
         for name in params:
             np.testing.assert_allclose(g_c.dparams[name], g_d.dparams[name], rtol=0, atol=1e-11, err_msg=name)
+
+
+# --- variants: sinks, softcap, ALiBi, segment ids (issue 14) ------------------
+
+
+def reference_mha_variants(params, x, key_source, value_source, *, num_heads, causal=False, **variants):
+    """Plain float64 NumPy MHA with the score pipeline's variants, one
+    (batch, head, query) at a time; no code shared with npattn. ``variants``:
+    ``softcap``, ``bias`` (broadcastable to (B, N, T, S)), ``alibi_slopes``
+    (N,), ``q_segment_ids`` (B, T), ``kv_segment_ids`` (B, S), ``q_lengths``
+    (B,) (padded rows: out 0, no sink); sinks from ``params["sinks"]``. Query i sits at
+    position ``i + S - T`` (bottom-right; T == S is top-left). Returns
+    ``(y, weights)`` with the sink's share left out of the weights."""
+    p = {name: np.asarray(a, np.float64) for name, a in params.items()}
+    B, T, E = x.shape
+    S, N = key_source.shape[1], num_heads
+    H = E // N
+    K = p["k_weight"].shape[0] // H
+    q = x @ p["q_weight"].T + p.get("q_bias", 0.0)
+    k = key_source @ p["k_weight"].T + p.get("k_bias", 0.0)
+    v = value_source @ p["v_weight"].T + p.get("v_bias", 0.0)
+    cap, slopes = variants.get("softcap"), variants.get("alibi_slopes")
+    q_ids, kv_ids = variants.get("q_segment_ids"), variants.get("kv_segment_ids")
+    bias = np.broadcast_to(variants.get("bias", 0.0), (B, N, T, S))
+    q_lengths = variants.get("q_lengths", np.full(B, T))
+    merged, weights = np.zeros((B, T, E)), np.zeros((B, N, T, S))
+    for b, n, i in itertools.product(range(B), range(N), range(T)):
+        if i >= q_lengths[b]:
+            continue
+        g, position = n // (N // K), i + S - T
+        kh, vh = k[b, :, g * H : (g + 1) * H], v[b, :, g * H : (g + 1) * H]
+        scores = kh @ q[b, i, n * H : (n + 1) * H] / math.sqrt(H)  # (S,)
+        if cap is not None:
+            scores = cap * np.tanh(scores / cap)
+        scores = scores + bias[b, n, i]
+        if slopes is not None:
+            scores = scores - slopes[n] * np.abs(position - np.arange(S))
+        visible = np.arange(S) <= position if causal else np.ones(S, bool)
+        if q_ids is not None:
+            visible &= kv_ids[b] == q_ids[b, i]
+        logits = list(scores[visible]) + ([p["sinks"][n]] if "sinks" in p else [])
+        if not logits:
+            continue
+        m = max(logits)
+        denominator = sum(math.exp(s - m) for s in logits)
+        weights[b, n, i] = np.where(visible, np.exp(scores - m) / denominator, 0.0)
+        merged[b, i, n * H : (n + 1) * H] = weights[b, n, i] @ vh
+    return merged @ p["out_weight"].T + p.get("out_bias", 0.0), weights
+
+
+def _packed_ids(rng, B, L):
+    """Sorted segment ids (packed documents) of shape (B, L), 1-3 documents a row."""
+    return np.sort(rng.integers(0, 3, size=(B, L)), axis=1)
+
+
+# name: (kind, E, N, K, B, T, S, sinks, options builder(rng, B, N, T, S))
+VARIANT_CASES = {
+    "self-sinks": ("self", 8, 2, 2, 2, 4, 4, True, lambda rng, B, N, T, S: {"causal": True}),
+    "self-softcap-alibi-gqa": (
+        "self",
+        8,
+        4,
+        2,
+        2,
+        4,
+        4,
+        False,
+        lambda rng, B, N, T, S: {"softcap": 0.7, "alibi_slopes": rng.uniform(0.1, 1.0, N), "causal": True},
+    ),
+    "self-sinks-segments-lengths": (
+        "self",
+        8,
+        2,
+        1,
+        2,
+        5,
+        5,
+        True,
+        lambda rng, B, N, T, S: {"q_segment_ids": _packed_ids(rng, B, T), "q_lengths": np.array([5, 3])},
+    ),
+    "self-everything": (
+        "self",
+        8,
+        4,
+        2,
+        2,
+        4,
+        4,
+        True,
+        lambda rng, B, N, T, S: {
+            "softcap": 1.5,
+            "alibi_slopes": rng.uniform(0.1, 1.0, N),
+            "q_segment_ids": _packed_ids(rng, B, T),
+            "bias": rng.standard_normal((N, T, S)),
+            "causal": True,
+        },
+    ),
+    "pair-sinks-alibi-segments": (
+        "pair",
+        8,
+        2,
+        2,
+        2,
+        3,
+        5,
+        True,
+        lambda rng, B, N, T, S: {
+            "alibi_slopes": rng.uniform(0.1, 1.0, N),
+            "align": "bottom_right",
+            "q_segment_ids": _packed_ids(rng, B, T),
+            "kv_segment_ids": _packed_ids(rng, B, S),
+        },
+    ),
+}
+
+
+def _variant_problem(case, seed=0):
+    kind, E, N, K, B, T, S, sinks, make_options = VARIANT_CASES[case]
+    rng = np.random.default_rng(sum(map(ord, case)) + seed)
+    params = random_params(rng, E, N, K=K, kdim=5 if kind == "pair" else None, vdim=3 if kind == "pair" else None)
+    if sinks:
+        params["sinks"] = rng.standard_normal(N)
+    x = rng.standard_normal((B, T, E))
+    context = None if kind == "self" else (rng.standard_normal((B, S, 5)), rng.standard_normal((B, S, 3)))
+    return params, x, context, {"num_heads": N, "num_kv_heads": K, **make_options(rng, B, N, T, S)}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", list(VARIANT_CASES))
+def test_variant_gradients_central_differences(case, impl):
+    """Full Jacobians in float64 of x, the context, every parameter
+    (params["sinks"] included), the bias and the ALiBi slopes."""
+    params, x, context, options = _variant_problem(case)
+    options = {**options, "impl": impl, **(CHUNKED_BLOCKS if impl == "chunked" else {})}
+    result = gradcheck_mha(params, x, context, options)
+    assert result.ok and result.jacobian_checked
+    assert max(result.max_abs_error.values()) < 1e-7
+    if "sinks" in params:
+        assert "sinks" in result.max_abs_error
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", list(VARIANT_CASES))
+def test_variant_forward_and_weights_match_oracle(case, impl):
+    """Output and need_weights against the independent oracle; with sinks
+    each row of the weights sums to 1 - P_sink."""
+    params, x, context, options = _variant_problem(case, seed=1)
+    key_source, value_source = (x, x) if context is None else context
+    exact = {k: v for k, v in options.items() if k not in ("num_kv_heads", "align")}
+    if context is None and "q_segment_ids" in exact:
+        exact["kv_segment_ids"] = exact["q_segment_ids"]
+    y_ref, w_ref = reference_mha_variants(params, x, key_source, value_source, **exact)
+    y, res = mha_forward(params, x, context, impl=impl, need_weights=True, block_q=2, block_k=3, **options)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(res.weights, w_ref, rtol=1e-12, atol=1e-14)
+    if "sinks" in params:
+        rows = np.arange(x.shape[1]) < np.asarray(options.get("q_lengths", x.shape[1]))[..., None, None]  # (B|1, 1, T)
+        p_sink = np.where(rows, np.exp(params["sinks"][:, None] - res.lse), 0.0)  # (B, N, T); padded rows: none
+        np.testing.assert_allclose(res.weights.sum(-1), np.where(rows, 1.0 - p_sink, 0.0), rtol=1e-12, atol=1e-14)
+        assert (p_sink[np.broadcast_to(rows, p_sink.shape)] > 0).all() and (p_sink < 1).all()
+
+
+@NO_CHUNKED
+@pytest.mark.parametrize("case", list(VARIANT_CASES))
+def test_variant_chunked_equals_dense(case):
+    """Outputs, rebuilt weights (lengths, bias and fully hidden rows
+    included) and every gradient agree between the paths."""
+    params, x, context, options = _variant_problem(case, seed=2)
+    y_d, res_d = mha_forward(params, x, context, impl="dense", need_weights=True, **options)
+    y_c, res_c = mha_forward(params, x, context, impl="chunked", need_weights=True, **CHUNKED_BLOCKS, **options)
+    np.testing.assert_allclose(y_c, y_d, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(res_c.weights, res_d.weights, rtol=0, atol=1e-13)
+    dy = np.random.default_rng(3).standard_normal(y_d.shape)
+    g_d, g_c = mha_backward(dy, res_d), mha_backward(dy, res_c)
+    np.testing.assert_allclose(g_c.dx, g_d.dx, rtol=0, atol=1e-12)
+    for name in params:
+        np.testing.assert_allclose(g_c.dparams[name], g_d.dparams[name], rtol=0, atol=1e-11, err_msg=name)
+    for field in ("dbias", "dalibi_slopes"):
+        if getattr(g_d, field) is not None:
+            np.testing.assert_allclose(getattr(g_c, field), getattr(g_d, field), rtol=0, atol=1e-11, err_msg=field)
+
+
+def test_variants_pass_through_to_core():
+    """The layer's attention is attention_forward on the projected heads with
+    sinks=params["sinks"] and the variants as given; dsinks and dalibi_slopes
+    are the core's."""
+    params, x, context, options = _variant_problem("pair-sinks-alibi-segments", seed=4)
+    B, T, E = x.shape
+    N, K, S = options["num_heads"], options["num_kv_heads"], context[0].shape[1]
+    H = E // N
+    y, res = mha_forward(params, x, context, **options)
+    q = (x @ params["q_weight"].T + params["q_bias"]).reshape(B, T, N, H).transpose(0, 2, 1, 3)
+    k = (context[0] @ params["k_weight"].T + params["k_bias"]).reshape(B, S, K, H).transpose(0, 2, 1, 3)
+    v = (context[1] @ params["v_weight"].T + params["v_bias"]).reshape(B, S, K, H).transpose(0, 2, 1, 3)
+    core = {k_: v_ for k_, v_ in options.items() if k_ not in ("num_heads", "num_kv_heads")}
+    o, res_core = npattn.attention_forward(q, k, v, sinks=params["sinks"], **core)
+    y_ref = o.transpose(0, 2, 1, 3).reshape(B, T, E) @ params["out_weight"].T + params["out_bias"]
+    np.testing.assert_allclose(y, y_ref, rtol=1e-13, atol=1e-13)
+    dy = np.random.default_rng(5).standard_normal(y.shape)
+    g = mha_backward(dy, res)
+    do = (dy @ params["out_weight"]).reshape(B, T, N, H).transpose(0, 2, 1, 3)
+    g_core = npattn.attention_backward(do, res_core)
+    np.testing.assert_allclose(g.dparams["sinks"], g_core.dsinks, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(g.dalibi_slopes, g_core.dalibi_slopes, rtol=1e-12, atol=1e-13)
+    assert g.dparams["sinks"].shape == (N,) and g.dalibi_slopes.shape == (N,)
+
+
+def test_self_attention_kv_segment_ids_default_to_q_segment_ids():
+    params, x, _, options = _variant_problem("self-sinks-segments-lengths", seed=6)
+    ids = options.pop("q_segment_ids")
+    y1, _ = mha_forward(params, x, q_segment_ids=ids, **options)
+    y2, _ = mha_forward(params, x, q_segment_ids=ids, kv_segment_ids=ids, **options)
+    y3, _ = mha_forward(params, x, **options)
+    np.testing.assert_array_equal(y1, y2)
+    assert not np.allclose(y1, y3)  # the ids did hide keys
+
+
+def test_sinks_hidden_rows_and_dtypes():
+    """A row whose keys are all hidden gives the sink all its mass: out 0
+    before the out projection, weights 0, lse = sinks; float32 params keep
+    float32 dparams["sinks"]."""
+    rng = np.random.default_rng(7)
+    params = random_params(rng, 8, 2, sinks=True)
+    x = rng.standard_normal((1, 3, 8))
+    mask = np.ones((1, 1, 3, 3), bool)
+    mask[..., 1, :] = False  # query 1 sees no key
+    for impl in ("dense", "chunked"):
+        y, res = mha_forward(params, x, num_heads=2, mask=mask, need_weights=True, impl=impl)
+        np.testing.assert_array_equal(res.weights[0, :, 1], 0.0)
+        np.testing.assert_allclose(res.lse[0, :, 1], params["sinks"], rtol=1e-15)
+        np.testing.assert_allclose(y[0, 1], params["out_bias"], rtol=1e-15)
+    p32 = {n: a.astype(np.float32) for n, a in params.items()}
+    y, res = mha_forward(p32, x.astype(np.float32), num_heads=2, softcap=2.0, alibi_slopes=np.ones(2, np.float32))
+    g = mha_backward(np.ones_like(y), res)
+    assert g.dparams["sinks"].dtype == np.float32 and g.dalibi_slopes.dtype == np.float32
+
+
+def test_init_with_sinks():
+    p = mha_init(8, 4, num_kv_heads=2, sinks=True, dtype=np.float32, seed=3)
+    assert p["sinks"].shape == (4,) and p["sinks"].dtype == np.float32 and (p["sinks"] == 0).all()
+    plain = mha_init(8, 4, num_kv_heads=2, dtype=np.float32, seed=3)
+    assert set(p) - set(plain) == {"sinks"}
+    for name in plain:  # sinks draw nothing: the same seed gives the same weights
+        np.testing.assert_array_equal(p[name], plain[name])
+    with pytest.raises(TypeError, match=r"sinks must be a bool, got 1"):
+        mha_init(8, 4, sinks=1)
+    x = np.random.default_rng(0).standard_normal((1, 3, 8)).astype(np.float32)
+    y, _ = mha_forward(p, x, num_heads=4)  # zero sinks still act: every row loses some mass to the sink
+    y_plain, _ = mha_forward(plain, x, num_heads=4)
+    assert not np.allclose(y, y_plain)
+
+
+def test_class_with_sinks():
+    layer = MultiheadAttention(8, 2, sinks=True, seed=1)
+    assert layer.has_sinks and layer.params["sinks"].shape == (2,)
+    assert repr(layer) == (
+        "MultiheadAttention(embed_dim=8, num_heads=2, num_kv_heads=2, kdim=8, vdim=8, sinks=True, dtype=float64)"
+    )
+    assert "sinks=False" in repr(MultiheadAttention(8, 2))
+    x = np.random.default_rng(1).standard_normal((2, 4, 8))
+    y, res = layer(x, causal=True, softcap=5.0, alibi_slopes=npattn.alibi_slopes(2))
+    g = layer.backward(np.ones_like(y), res)
+    assert g.dparams["sinks"].shape == (2,) and g.dalibi_slopes.shape == (2,)
+    assert MultiheadAttention(num_heads=2, params=layer.params).has_sinks  # sinks=None adopts
+    assert MultiheadAttention(num_heads=2, params=layer.params, sinks=True).has_sinks
+    with pytest.raises(ValueError, match=r"sinks=True, but params has no 'sinks' key: make them with mha_init"):
+        MultiheadAttention(num_heads=2, params=mha_init(8, 2), sinks=True)
+    with pytest.raises(ValueError, match=r"sinks=False, but params has 'sinks'; pass sinks=None"):
+        MultiheadAttention(num_heads=2, params=layer.params, sinks=False)
+    with pytest.raises(TypeError, match=r"sinks must be a bool or None, got 'yes'"):
+        MultiheadAttention(num_heads=2, params=layer.params, sinks="yes")
+
+
+# name: (call(params, x), error, pattern); params = mha_init(8, 2, sinks=True), x (2, 3, 8)
+VARIANT_BAD_INPUTS = {
+    "sinks of another shape": (
+        lambda p, x: mha_forward({**p, "sinks": np.zeros(4)}, x, num_heads=2),
+        ValueError,
+        r"params\['sinks'\] must have shape \(num_heads,\) = \(2,\), one sink per query head, got \(4,\)",
+    ),
+    "sinks per batch": (
+        lambda p, x: mha_forward({**p, "sinks": np.zeros((2, 2))}, x, num_heads=2),
+        ValueError,
+        r"params\['sinks'\] must have shape \(num_heads,\)",
+    ),
+    "sinks of another dtype": (
+        lambda p, x: mha_forward({**p, "sinks": np.zeros(2, np.float32)}, x, num_heads=2),
+        TypeError,
+        r"params\['sinks'\] has dtype float32 but x has float64",
+    ),
+    "sinks not an array": (
+        lambda p, x: mha_forward({**p, "sinks": [0.0, 0.0]}, x, num_heads=2),
+        TypeError,
+        r"params\['sinks'\] must be an array",
+    ),
+    "sinks as an argument": (
+        lambda p, x: mha_forward(p, x, num_heads=2, sinks=np.zeros(2)),
+        TypeError,
+        r"unexpected keyword argument 'sinks'",
+    ),
+    "q_segment_ids of another shape": (
+        lambda p, x: mha_forward(p, x, num_heads=2, q_segment_ids=np.zeros((3, 2), int)),
+        ValueError,
+        r"q_segment_ids must have shape \(B, T\) = \(2, 3\) \(batch first, like x\), got \(3, 2\)",
+    ),
+    "q_segment_ids per head": (
+        lambda p, x: mha_forward(p, x, num_heads=2, q_segment_ids=np.zeros((2, 2, 3), int)),
+        ValueError,
+        r"q_segment_ids must have shape \(B, T\) = \(2, 3\)",
+    ),
+    "q_segment_ids float": (
+        lambda p, x: mha_forward(p, x, num_heads=2, q_segment_ids=np.zeros((2, 3))),
+        TypeError,
+        r"q_segment_ids must have an integer dtype, got float64",
+    ),
+    "q_segment_ids a list": (
+        lambda p, x: mha_forward(p, x, num_heads=2, q_segment_ids=[[0, 0, 0]] * 2),
+        TypeError,
+        r"q_segment_ids must be an array",
+    ),
+    "kv_segment_ids alone": (
+        lambda p, x: mha_forward(p, x, num_heads=2, kv_segment_ids=np.zeros((2, 3), int)),
+        ValueError,
+        r"kv_segment_ids was given without q_segment_ids",
+    ),
+    "kv_segment_ids of another shape": (
+        lambda p, x: mha_forward(
+            p, x, num_heads=2, q_segment_ids=np.zeros((2, 3), int), kv_segment_ids=np.zeros(3, int)
+        ),
+        ValueError,
+        r"kv_segment_ids must have shape \(2, 3\)",
+    ),
+    "cross-attention without kv_segment_ids": (
+        lambda p, x: mha_forward(p, x, np.zeros((2, 4, 8)), num_heads=2, q_segment_ids=np.zeros((2, 3), int)),
+        ValueError,
+        r"cross-attention needs kv_segment_ids \(B, S\)",
+    ),
+    "alibi with T != S and no align": (
+        lambda p, x: mha_forward(p, x, np.zeros((2, 4, 8)), num_heads=2, alibi_slopes=np.ones(2)),
+        ValueError,
+        r"align",
+    ),
+    "alibi slopes of another length": (
+        lambda p, x: mha_forward(p, x, num_heads=2, alibi_slopes=np.ones(3)),
+        ValueError,
+        r"alibi_slopes must have shape \(N,\) = \(2,\)",
+    ),
+    "softcap zero": (lambda p, x: mha_forward(p, x, num_heads=2, softcap=0.0), ValueError, r"softcap must be"),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANT_BAD_INPUTS))
+def test_variant_bad_input(name):
+    call, error, pattern = VARIANT_BAD_INPUTS[name]
+    with pytest.raises(error, match=pattern):
+        call(mha_init(8, 2, sinks=True), np.zeros((2, 3, 8)))
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    kind=st.sampled_from(["self", "pair"]),
+    heads=st.sampled_from([(1, 1), (2, 1), (4, 2)]),
+    B=st.integers(1, 2),
+    T=st.integers(1, 4),
+    S=st.integers(1, 5),
+    sinks=st.booleans(),
+    softcap=st.sampled_from([None, 0.5, 3.0]),
+    alibi=st.booleans(),
+    segments=st.booleans(),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_variant_gradients_and_paths(kind, heads, B, T, S, sinks, softcap, alibi, segments, causal, seed):
+    """Random variants: the random-VJP check of every input and parameter
+    passes on the dense path, and chunked equals dense (weights included)."""
+    N, K = heads
+    E = 2 * N
+    rng = np.random.default_rng(seed)
+    S = T if kind == "self" else S
+    params = random_params(rng, E, N, K=K, kdim=3 if kind == "pair" else None, vdim=2 if kind == "pair" else None)
+    if sinks:
+        params["sinks"] = rng.standard_normal(N)
+    x = rng.standard_normal((B, T, E))
+    context = None if kind == "self" else (rng.standard_normal((B, S, 3)), rng.standard_normal((B, S, 2)))
+    options = {"num_heads": N, "softcap": softcap, "causal": causal, "align": "bottom_right"}
+    if alibi:
+        options["alibi_slopes"] = rng.uniform(0.05, 1.0, N)
+    if segments:
+        options["q_segment_ids"] = _packed_ids(rng, B, T)
+        if kind == "pair":
+            options["kv_segment_ids"] = _packed_ids(rng, B, S)
+    assert gradcheck_mha(params, x, context, {**options, "impl": "dense"}, jacobian=False).ok
+    y_d, res_d = mha_forward(params, x, context, impl="dense", need_weights=True, **options)
+    y_c, res_c = mha_forward(params, x, context, impl="chunked", need_weights=True, block_q=2, block_k=3, **options)
+    np.testing.assert_allclose(y_c, y_d, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(res_c.weights, res_d.weights, rtol=0, atol=1e-12)
+    dy = rng.standard_normal(y_d.shape)
+    g_d, g_c = mha_backward(dy, res_d), mha_backward(dy, res_c)
+    for name in params:
+        np.testing.assert_allclose(g_c.dparams[name], g_d.dparams[name], rtol=0, atol=1e-11, err_msg=name)
