@@ -105,6 +105,131 @@ FORWARD_CASES = [
 ]
 
 
+# The variants of issue 14 (Q: N=4, T=3; K: S=6; batch (2,)). Every message names the argument.
+Q_IDS, KV_IDS = np.zeros((2, 3), np.int64), np.zeros((2, 6), np.int64)
+SQUARE = (Q_SQUARE, K, V)
+VARIANT_CASES = [
+    ("softcap zero", lambda: (SQUARE, {"softcap": 0.0}), ValueError, "softcap must be a finite float > 0"),
+    ("softcap negative", lambda: (SQUARE, {"softcap": -2.0}), ValueError, "softcap must be a finite float > 0"),
+    ("softcap nan", lambda: (SQUARE, {"softcap": float("nan")}), ValueError, "softcap must be a finite float > 0"),
+    ("softcap inf", lambda: (SQUARE, {"softcap": float("inf")}), ValueError, "softcap must be a finite float > 0"),
+    ("softcap string", lambda: (SQUARE, {"softcap": "30"}), TypeError, "softcap must be a positive finite float"),
+    ("softcap bool", lambda: (SQUARE, {"softcap": True}), TypeError, "softcap must be a positive finite float"),
+    ("softcap array", lambda: (SQUARE, {"softcap": np.array([1.0])}), TypeError, "softcap must be"),
+    ("slopes wrong length", lambda: (SQUARE, {"alibi_slopes": np.ones(3)}), ValueError, "alibi_slopes must have shape"),
+    ("slopes 0-d", lambda: (SQUARE, {"alibi_slopes": np.float64(0.5)}), ValueError, "alibi_slopes must have shape"),
+    (
+        "slopes batch axis wrong",
+        lambda: (SQUARE, {"alibi_slopes": np.ones((3, 4))}),
+        ValueError,
+        "alibi_slopes must have shape (N,) = (4,) or broadcast to (..., N) = (2, 4)",
+    ),
+    (
+        "slopes integer dtype",
+        lambda: (SQUARE, {"alibi_slopes": np.ones(4, np.int64)}),
+        TypeError,
+        "alibi_slopes must have a real floating dtype",
+    ),
+    ("slopes bool", lambda: (SQUARE, {"alibi_slopes": np.ones(4, bool)}), TypeError, "alibi_slopes must have a real"),
+    ("slopes list", lambda: (SQUARE, {"alibi_slopes": [0.5] * 4}), TypeError, "alibi_slopes must be a float array"),
+    (
+        "slopes nan",
+        lambda: (SQUARE, {"alibi_slopes": np.array([0.5, np.nan, 0.1, 0.2])}),
+        ValueError,
+        "alibi_slopes must be finite",
+    ),
+    ("slopes inf", lambda: (SQUARE, {"alibi_slopes": np.full(4, np.inf)}), ValueError, "alibi_slopes must be finite"),
+    ("sinks wrong length", lambda: (SQUARE, {"sinks": np.zeros(2)}), ValueError, "sinks must have shape (N,) = (4,)"),
+    ("sinks 0-d", lambda: (SQUARE, {"sinks": np.zeros(())}), ValueError, "sinks must have shape"),
+    ("sinks per position", lambda: (SQUARE, {"sinks": np.zeros((4, 6))}), ValueError, "sinks must have shape"),
+    ("sinks integer dtype", lambda: (SQUARE, {"sinks": np.zeros(4, np.int32)}), TypeError, "sinks must have a real"),
+    ("sinks nan", lambda: (SQUARE, {"sinks": np.array([0.0, np.nan, 0, 0])}), ValueError, "sinks must be finite"),
+    ("sinks -inf", lambda: (SQUARE, {"sinks": np.full(4, -np.inf)}), ValueError, "sinks must be finite"),
+    ("sinks a float", lambda: (SQUARE, {"sinks": 0.5}), TypeError, "sinks must be a float array"),
+    (
+        "sinks other library",
+        lambda: ((_strict(Q_SQUARE), _strict(K), _strict(V)), {"sinks": np.zeros(4)}),
+        TypeError,
+        "q and sinks come from different array libraries",
+    ),
+    (
+        "slopes other device",
+        lambda: ((_strict(Q_SQUARE), _strict(K), _strict(V)), {"alibi_slopes": _strict(np.ones(4), "device1")}),
+        ValueError,
+        "q and alibi_slopes are on different devices",
+    ),
+    (
+        "segment ids float",
+        lambda: ((Q, K, V), {"q_segment_ids": Q_IDS.astype(float), "kv_segment_ids": KV_IDS}),
+        TypeError,
+        "q_segment_ids must have an integer dtype",
+    ),
+    (
+        "segment ids bool",
+        lambda: ((Q, K, V), {"q_segment_ids": Q_IDS, "kv_segment_ids": KV_IDS.astype(bool)}),
+        TypeError,
+        "kv_segment_ids must have an integer dtype",
+    ),
+    (
+        "segment ids swapped lengths",
+        lambda: ((Q, K, V), {"q_segment_ids": KV_IDS, "kv_segment_ids": Q_IDS}),
+        ValueError,
+        "q_segment_ids must have shape (2, 3)",
+    ),
+    (
+        "segment ids without batch axis",
+        lambda: ((Q, K, V), {"q_segment_ids": Q_IDS, "kv_segment_ids": KV_IDS[0]}),
+        ValueError,
+        "kv_segment_ids must have shape (2, 6)",
+    ),
+    (
+        "segment ids a list",
+        lambda: ((Q, K, V), {"q_segment_ids": [[0, 0, 0]] * 2, "kv_segment_ids": KV_IDS}),
+        TypeError,
+        "q_segment_ids must be an integer array",
+    ),
+    (
+        "q segment ids alone",
+        lambda: ((Q, K, V), {"q_segment_ids": Q_IDS}),
+        ValueError,
+        "q_segment_ids was given without kv_segment_ids",
+    ),
+    (
+        "kv segment ids alone",
+        lambda: ((Q, K, V), {"kv_segment_ids": KV_IDS}),
+        ValueError,
+        "kv_segment_ids was given without q_segment_ids",
+    ),
+    (
+        "segment ids other library",
+        lambda: ((Q, K, V), {"q_segment_ids": _strict(Q_IDS), "kv_segment_ids": KV_IDS}),
+        TypeError,
+        "q and q_segment_ids come from different array libraries",
+    ),
+    (
+        "alibi T!=S no align",
+        lambda: ((Q, K, V), {"alibi_slopes": np.ones(4)}),
+        ValueError,
+        "alibi_slopes (ALiBi) with T=3 != S=6 needs an explicit alignment",
+    ),
+]
+
+
+@pytest.mark.parametrize("make, error, fragment", [c[1:] for c in VARIANT_CASES], ids=[c[0] for c in VARIANT_CASES])
+def test_forward_rejects_bad_variant_options(make, error, fragment):
+    args, kwargs = make()
+    with pytest.raises(error) as info:
+        npattn.attention_forward(*args, **kwargs)
+    assert fragment in str(info.value)
+
+
+def test_good_variant_options_pass_where_the_bad_ones_fail():
+    """The other side of VARIANT_CASES: the same arguments, made valid, run."""
+    npattn.attention(Q, K, V, softcap=1, alibi_slopes=np.ones((2, 1), np.float32), align="top_left")
+    npattn.attention(Q_SQUARE, K, V, sinks=np.zeros((2, 4)), alibi_slopes=np.ones(4))  # T == S: top_left
+    npattn.attention(Q, K, V, q_segment_ids=Q_IDS.astype(np.int8), kv_segment_ids=KV_IDS.astype(np.uint16))
+
+
 @pytest.mark.parametrize("make, error, fragment", [c[1:] for c in FORWARD_CASES], ids=[c[0] for c in FORWARD_CASES])
 def test_forward_rejects_bad_input(make, error, fragment):
     args, kwargs = make()
