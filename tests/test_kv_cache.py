@@ -171,3 +171,157 @@ def test_decode_on_backends(backend):
             np.concatenate([backend.to_numpy(o) for o in outs], axis=1), y_ref, rtol=1e-12, atol=1e-12
         )
     np.testing.assert_array_equal(backend.to_numpy(b_x), x)  # not mutated
+
+
+# --- variants: softcap, sinks, ALiBi, segment ids (issue 14) -------------------
+
+
+def decode_with_ids(params, x, cache, steps, ids=None, **options):
+    """Feed ``x (B, L, E)`` through ``cache`` in chunks of the sizes in
+    ``steps`` (cycled), passing each chunk's ``q_segment_ids`` when ``ids``
+    (B, L) is given; returns the concatenated outputs."""
+    outs, start, i = [], 0, 0
+    while start < x.shape[1]:
+        stop = min(start + steps[i % len(steps)], x.shape[1])
+        chunk_ids = {} if ids is None else {"q_segment_ids": ids[:, start:stop]}
+        outs.append(mha_forward(params, x[:, start:stop], cache=cache, **chunk_ids, **options)[0])
+        start, i = stop, i + 1
+    return np.concatenate(outs, axis=1)
+
+
+def _variant_options(rng, N, variant):
+    return {
+        "softcap": {"softcap": 0.8},
+        "alibi": {"alibi_slopes": rng.uniform(0.1, 1.0, N)},
+        "softcap-alibi-window": {"softcap": 2.0, "alibi_slopes": rng.uniform(0.1, 1.0, N), "window": (3, 0)},
+    }.get(variant, {})
+
+
+VARIANTS = ["sinks", "softcap", "alibi", "segments", "softcap-alibi-window", "sinks-alibi-segments"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("max_length", [None, 9], ids=["growing", "prealloc"])
+@pytest.mark.parametrize("steps", [(1,), (4, 1, 2)], ids=["token-by-token", "prompt-then-mixed"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_with_variants_equals_full_causal_forward(variant, steps, max_length, impl):
+    """Every variant decodes to the outputs of one causal forward: softcap
+    and sinks are stateless, ALiBi reads the bottom-right positions against
+    the cached keys, and the cache remembers the segment ids of its tokens."""
+    rng = np.random.default_rng(len(variant) * 10 + len(steps))
+    B, L, E, N, K = 2, 9, 8, 4, 2
+    params = random_params(rng, E, N, K)
+    if "sinks" in variant:
+        params["sinks"] = rng.standard_normal(N)
+    x = rng.standard_normal((B, L, E))
+    ids = np.array([[0, 0, 0, 1, 1, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1, 2, 2, 3]]) if "segments" in variant else None
+    options = {"num_heads": N, "causal": True, **_variant_options(rng, N, variant)}
+    y_full, _ = mha_forward(params, x, q_segment_ids=ids, **options)
+    cache = KVCache.for_mha(params, B, num_heads=N, max_length=max_length)
+    y_dec = decode_with_ids(params, x, cache, steps, ids, impl=impl, block_q=2, block_k=2, **options)
+    np.testing.assert_allclose(y_dec, y_full, rtol=1e-13, atol=1e-13)
+    assert cache.length == L
+    if ids is None:
+        assert cache.segment_ids is None
+    else:
+        np.testing.assert_array_equal(cache.segment_ids, ids)
+        assert cache.segment_ids.dtype == np.int64
+    plain = {name: a for name, a in params.items() if name != "sinks"}
+    assert not np.allclose(mha_forward(plain, x, num_heads=N, causal=True)[0], y_full)  # the variant acts
+
+
+def test_alibi_decoding_uses_bottom_right_positions():
+    """One new query over 5 cached keys sits at position 5: its ALiBi bias is
+    -m |5 - j|, which a top-left alignment (position 0) would get wrong."""
+    rng = np.random.default_rng(11)
+    B, L, E, N = 1, 6, 4, 2
+    params = random_params(rng, E, N)
+    x = rng.standard_normal((B, L, E))
+    slopes = np.array([0.5, 2.0])
+    cache = KVCache.for_mha(params, B, num_heads=N)
+    mha_forward(params, x[:, :5], cache=cache, num_heads=N, causal=True, alibi_slopes=slopes)
+    y_last, res = mha_forward(
+        params, x[:, 5:], cache=cache, num_heads=N, causal=True, alibi_slopes=slopes, need_weights=True
+    )
+    assert res.spec.align == "bottom_right"
+    y_full, res_full = mha_forward(params, x, num_heads=N, causal=True, alibi_slopes=slopes, need_weights=True)
+    np.testing.assert_allclose(y_last, y_full[:, 5:], rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(res.weights, res_full.weights[:, :, 5:], rtol=1e-13, atol=1e-15)
+    w = res.weights[0, 1, 0]  # steep head: the nearest key (j = 5) weighs most
+    assert w.argmax() == 5
+    with pytest.raises(ValueError, match=r"align must be None or 'bottom_right', got 'top_left'"):
+        mha_forward(params, x[:, 5:], cache=cache, num_heads=N, alibi_slopes=slopes, align="top_left")
+
+
+def test_segment_ids_hide_earlier_documents_while_decoding():
+    """A new document's first token sees only itself (and the sink): its
+    output equals that of the token decoded alone."""
+    rng = np.random.default_rng(12)
+    B, E, N = 1, 4, 2
+    params = random_params(rng, E, N)
+    params["sinks"] = rng.standard_normal(N)
+    x = rng.standard_normal((B, 4, E))
+    cache = KVCache.for_mha(params, B, num_heads=N, max_length=4)
+    mha_forward(params, x[:, :3], cache=cache, num_heads=N, causal=True, q_segment_ids=np.array([[0, 0, 0]]))
+    y_new, res = mha_forward(
+        params, x[:, 3:], cache=cache, num_heads=N, causal=True, q_segment_ids=np.array([[1]]), need_weights=True
+    )
+    alone, _ = mha_forward(params, x[:, 3:], num_heads=N, causal=True)
+    np.testing.assert_allclose(y_new, alone, rtol=1e-13, atol=1e-13)
+    np.testing.assert_array_equal(res.weights[..., :3], 0.0)
+    np.testing.assert_array_equal(cache.segment_ids, [[0, 0, 0, 1]])
+
+
+def test_cache_segment_ids_misuse_is_a_clear_error():
+    rng = np.random.default_rng(13)
+    params = random_params(rng, 8, 2)
+    x = rng.standard_normal((2, 3, 8))
+    ids = np.zeros((2, 3), dtype=np.int32)
+    plain = KVCache.for_mha(params, 2, num_heads=2)
+    mha_forward(params, x, cache=plain, num_heads=2, causal=True)
+    with pytest.raises(ValueError, match=r"q_segment_ids given, but the cache holds 3 positions without segment ids"):
+        mha_forward(params, x, cache=plain, num_heads=2, causal=True, q_segment_ids=ids)
+    with_ids = KVCache.for_mha(params, 2, num_heads=2, max_length=8)
+    mha_forward(params, x, cache=with_ids, num_heads=2, causal=True, q_segment_ids=ids)
+    with pytest.raises(ValueError, match=r"the cache holds segment ids for its 3 positions: pass q_segment_ids"):
+        mha_forward(params, x, cache=with_ids, num_heads=2, causal=True)
+    with pytest.raises(ValueError, match=r"with cache= pass only q_segment_ids, the new tokens' ids"):
+        mha_forward(params, x, cache=with_ids, num_heads=2, causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+    with pytest.raises(ValueError, match=r"q_segment_ids must have shape \(B, T\) = \(2, 3\)"):
+        mha_forward(params, x, cache=with_ids, num_heads=2, causal=True, q_segment_ids=np.zeros((2, 6), int))
+    with pytest.raises(TypeError, match=r"q_segment_ids must have an integer dtype"):
+        mha_forward(params, x, cache=with_ids, num_heads=2, causal=True, q_segment_ids=np.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"mask of shape"):  # fails in the core, after staging: nothing moves
+        mha_forward(params, x, cache=with_ids, num_heads=2, q_segment_ids=ids + 1, mask=np.ones((2, 5), bool))
+    assert with_ids.length == 3
+    np.testing.assert_array_equal(with_ids.segment_ids, np.zeros((2, 3)))
+    held = with_ids.segment_ids
+    with_ids.reset()
+    assert with_ids.segment_ids is None and with_ids.length == 0
+    mha_forward(params, x, cache=with_ids, num_heads=2, causal=True)  # after reset: either kind again
+    assert with_ids.segment_ids is None
+    np.testing.assert_array_equal(held, np.zeros((2, 3)))  # views handed out before reset keep their values
+    ids[:] = 7  # the caller's array is copied, never stored
+    fresh = KVCache.for_mha(params, 2, num_heads=2)
+    mha_forward(params, x, cache=fresh, num_heads=2, q_segment_ids=ids)
+    ids[:] = 0
+    np.testing.assert_array_equal(fresh.segment_ids, np.full((2, 3), 7))
+
+
+def test_kvcache_append_with_segment_ids():
+    for max_length in (None, 5):
+        cache = KVCache(2, 1, 3, max_length=max_length)
+        k = np.ones((2, 1, 2, 3))
+        cache.append(k, k, segment_ids=np.array([[0, 0], [0, 1]], dtype=np.int8))
+        cache.append(k[:, :, :1], k[:, :, :1], segment_ids=np.array([[1], [1]]))
+        np.testing.assert_array_equal(cache.segment_ids, [[0, 0, 1], [0, 1, 1]])
+        assert cache.segment_ids.dtype == np.int64
+        with pytest.raises(ValueError, match=r"segment_ids must have shape \(B, t\) = \(2, 1\), got \(2, 2\)"):
+            cache.append(k[:, :, :1], k[:, :, :1], segment_ids=np.zeros((2, 2), int))
+        with pytest.raises(TypeError, match=r"segment_ids must have an integer dtype, got float64"):
+            cache.append(k[:, :, :1], k[:, :, :1], segment_ids=np.zeros((2, 1)))
+        with pytest.raises(TypeError, match=r"segment_ids must be an integer array of shape \(B, t\) = \(2, 1\)"):
+            cache.append(k[:, :, :1], k[:, :, :1], segment_ids=[[0], [0]])
+        with pytest.raises(ValueError, match=r"pass segment_ids \(B, t\) for the new positions too"):
+            cache.append(k[:, :, :1], k[:, :, :1])
+        assert cache.length == 3
