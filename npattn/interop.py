@@ -17,6 +17,12 @@ as::
 Both use the ``(out_features, in_features)`` layout, so no transposes.
 ``bias_k``/``bias_v`` (``add_bias_kv=True``) have no npattn counterpart.
 
+Attention sinks (``params["sinks"]``, :func:`npattn.mha_init` with
+``sinks=True``) have no counterpart in ``nn.MultiheadAttention``: params read
+from PyTorch have none, and writing params with sinks is a ``ValueError``
+unless ``drop_sinks=True`` says to leave them out (the PyTorch layer then
+computes attention without them, which is another function).
+
 Masks: PyTorch's ``key_padding_mask`` (True = ignore this key) and boolean
 ``attn_mask`` (True = not allowed) have the *opposite* polarity of npattn's
 ``mask`` (True = may attend, as SDPA, JAX and FlexAttention);
@@ -72,7 +78,8 @@ def mha_params_from_torch(state_dict, num_heads):
     Returns
     -------
     params : dict of arrays
-        As made by :func:`npattn.mha_init`; biases present iff PyTorch's were.
+        As made by :func:`npattn.mha_init`; biases present iff PyTorch's
+        were; no ``"sinks"`` (PyTorch's layer has none).
 
     Raises
     ------
@@ -148,7 +155,7 @@ def mha_params_from_torch(state_dict, num_heads):
     return params
 
 
-def mha_params_to_torch(params):
+def mha_params_to_torch(params, *, drop_sinks=False):
     """The inverse of :func:`mha_params_from_torch`: a dict keyed like
     ``nn.MultiheadAttention.state_dict()``.
 
@@ -164,6 +171,10 @@ def mha_params_to_torch(params):
     params : dict of arrays
         As made by :func:`npattn.mha_init`, without GQA (PyTorch's layer
         has K = N) and with all four biases or none.
+    drop_sinks : bool
+        PyTorch's layer has no attention sinks: params with ``"sinks"`` are a
+        ``ValueError`` unless this is True, which leaves them out (the
+        PyTorch layer then computes attention without sinks).
 
     Returns
     -------
@@ -172,8 +183,29 @@ def mha_params_to_torch(params):
     Raises
     ------
     ValueError
-        GQA params, some but not all biases, params that fail the layer's checks.
+        GQA params, some but not all biases, sinks without ``drop_sinks=True``,
+        params that fail the layer's checks.
+
+    Examples
+    --------
+    >>> from npattn import mha_init
+    >>> from npattn.interop import mha_params_to_torch
+    >>> mha_params_to_torch(mha_init(4, 2, sinks=True))
+    Traceback (most recent call last):
+    ...
+    ValueError: params have 'sinks', but torch.nn.MultiheadAttention has no attention sinks: ...
+    >>> sorted(mha_params_to_torch(mha_init(4, 2, sinks=True), drop_sinks=True))
+    ['in_proj_bias', 'in_proj_weight', 'out_proj.bias', 'out_proj.weight']
     """
+    if not isinstance(drop_sinks, bool):
+        raise TypeError(f"drop_sinks must be a bool, got {drop_sinks!r}")
+    if isinstance(params, Mapping) and "sinks" in params:
+        if not drop_sinks:
+            raise ValueError(
+                "params have 'sinks', but torch.nn.MultiheadAttention has no attention sinks: the PyTorch layer "
+                "would compute another function. Pass drop_sinks=True to write the other weights without them"
+            )
+        params = {name: a for name, a in params.items() if name != "sinks"}
     if isinstance(params, Mapping) and all(hasattr(params.get(n), "shape") for n in ("q_weight", "k_weight")):
         E, Kd = params["q_weight"].shape[0], params["k_weight"].shape[0]
         if Kd != E:

@@ -96,6 +96,28 @@ def test_from_torch_heads_and_to_torch_limits():
         mha_params_to_torch({"k_weight": np.zeros((8, 8))})
 
 
+def test_sinks_have_no_torch_counterpart():
+    """from_torch gives no sinks; to_torch refuses params with sinks unless
+    drop_sinks=True, which writes the other weights and leaves params alone."""
+    params = random_params(np.random.default_rng(1), 8, 2, sinks=True)
+    with pytest.raises(
+        ValueError, match=r"params have 'sinks', but torch.nn.MultiheadAttention has no attention sinks"
+    ):
+        mha_params_to_torch(params)
+    with pytest.raises(ValueError, match=r"Pass drop_sinks=True"):
+        mha_params_to_torch(params)
+    with pytest.raises(TypeError, match=r"drop_sinks must be a bool, got 1"):
+        mha_params_to_torch(params, drop_sinks=1)
+    sd = mha_params_to_torch(params, drop_sinks=True)
+    assert set(sd) == {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"}
+    assert "sinks" in params  # not mutated
+    back = mha_params_from_torch(sd, 2)
+    assert set(back) == set(params) - {"sinks"}
+    for name in back:
+        np.testing.assert_array_equal(back[name], params[name])
+    assert set(mha_params_to_torch(mha_init(8, 2), drop_sinks=True)) == set(sd)  # no sinks: nothing to drop
+
+
 def test_masks_polarity_and_shapes():
     B, N, T, S = 2, 3, 4, 5
     rng = np.random.default_rng(1)
@@ -252,3 +274,18 @@ def test_torch_initialized_module_runs_in_npattn(kw):
     for name_t, name_o in (("out_proj.weight", "out_weight"),):
         bound = 1 / np.sqrt(8)
         assert np.abs(module.state_dict()[name_t].numpy()).max() <= bound and np.abs(ours[name_o]).max() <= bound
+
+
+def test_dropped_sinks_give_torch_the_sink_free_layer():
+    """With drop_sinks=True the torch module computes npattn's layer without
+    its sinks, which is another function than the layer with them."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    params = random_params(rng, 8, 2, sinks=True)
+    module = torch.nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+    module.load_state_dict({k: torch.from_numpy(a) for k, a in mha_params_to_torch(params, drop_sinks=True).items()})
+    x = rng.standard_normal((2, 3, 8))
+    ty, _ = module(*(torch.from_numpy(x),) * 3, need_weights=False)
+    without = {name: a for name, a in params.items() if name != "sinks"}
+    np.testing.assert_allclose(mha_forward(without, x, num_heads=2)[0], ty.detach().numpy(), rtol=1e-12, atol=1e-13)
+    assert not np.allclose(mha_forward(params, x, num_heads=2)[0], ty.detach().numpy())
