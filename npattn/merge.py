@@ -27,6 +27,21 @@ nothing to ``out`` and receive zero gradient. A row that is ``-inf`` in every
 part stays fully masked: ``out = 0``, ``lse = -inf`` and all its gradients 0,
 never NaN (CONVENTIONS §1). The ``out_i`` must be finite (attention returns 0
 on fully masked rows).
+
+Attention sinks (``sinks=`` of :func:`npattn.attention_forward`) are one more
+piece: a virtual key per head with score ``sinks_n`` and value 0, i.e. the
+piece ``(out 0, lse sinks_n)``. So the merge stays exact with sinks when the
+sink enters exactly once:
+
+* pass ``sinks=`` to exactly one piece's ``attention_forward`` (any one) and
+  none to the others; that piece's ``attention_backward`` (with the
+  ``dlse`` from :func:`merge_partials_backward`) returns ``dsinks``; or
+* merge the sink-free pieces, then one more piece ``out = 0``,
+  ``lse = sinks`` broadcast to ``(..., N, T)`` (``-inf`` on padded query
+  rows, where attention gives the sink no share); its ``dlse``, summed over
+  the batch axes and rows, is ``dsinks``.
+
+Passing ``sinks=`` to two pieces counts the sink twice.
 """
 
 from __future__ import annotations
@@ -108,7 +123,9 @@ def merge_partials(outs, lses, /, *, xp=None):
     Attention of queries ``Q`` over the keys ``[K_1, ..., K_P]`` (any split
     along the key axis) equals the merge of attention of ``Q`` over each
     ``K_i`` with its values ``V_i``, out and lse alike; gradients flow back
-    through :func:`merge_partials_backward`.
+    through :func:`merge_partials_backward`. With attention sinks, give
+    ``sinks=`` to exactly one piece (or merge one extra piece ``(0,
+    sinks)``; see the module docstring): a sink is a piece of its own.
 
     Dimension legend: ... leading axes (batch, heads), T rows (queries),
     Hv value dim.
@@ -150,6 +167,16 @@ def merge_partials(outs, lses, /, *, xp=None):
     >>> v = rng.standard_normal((2, 7, 5))        # (K, S, Hv)
     >>> full, res = npattn.attention_forward(q, k, v)
     >>> o1, r1 = npattn.attention_forward(q, k[:, :3], v[:, :3])
+    >>> o2, r2 = npattn.attention_forward(q, k[:, 3:], v[:, 3:])
+    >>> out, lse, _ = merge_partials([o1, o2], [r1.lse, r2.lse])
+    >>> bool(np.allclose(out, full)), bool(np.allclose(lse, res.lse))
+    (True, True)
+
+    With attention sinks: exactly one piece gets them.
+
+    >>> sinks = np.array([0.5, -1.0])             # (N,)
+    >>> full, res = npattn.attention_forward(q, k, v, sinks=sinks)
+    >>> o1, r1 = npattn.attention_forward(q, k[:, :3], v[:, :3], sinks=sinks)
     >>> o2, r2 = npattn.attention_forward(q, k[:, 3:], v[:, 3:])
     >>> out, lse, _ = merge_partials([o1, o2], [r1.lse, r2.lse])
     >>> bool(np.allclose(out, full)), bool(np.allclose(lse, res.lse))

@@ -8,6 +8,8 @@
 - central differences (npattn.check_gradients, full Jacobian) of
   merge_partials itself, with -inf parts and all -inf rows;
 - an independent float64 oracle (np.logaddexp) for the forward;
+- attention sinks: on exactly one piece, or as one extra piece (0, sinks),
+  out, lse and every gradient (dsinks too) equal single-call attention;
 - fully masked rows: 0 / -inf / zero gradients, no NaN, no warnings;
 - dtypes, bad input.
 """
@@ -97,6 +99,99 @@ def test_gradients_compose_with_piece_backward(problem, with_dlse):
     np.testing.assert_allclose(sum(g.dq for g in grads), expected.dq, **TOL)
     np.testing.assert_allclose(np.concatenate([g.dk for g in grads], axis=-2), expected.dk, **TOL)
     np.testing.assert_allclose(np.concatenate([g.dv for g in grads], axis=-2), expected.dv, **TOL)
+
+
+@st.composite
+def sink_problems(draw):
+    """A split problem with sinks ((N,) or per batch (2, N)), optional
+    q_lengths (padded rows get no sink) and the piece that gets the sinks."""
+    q, k, v, mask, edges = draw(split_problems())
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    N, T = q.shape[1], q.shape[2]
+    sinks = rng.standard_normal((N,) if draw(st.booleans()) else (2, N)) * 2
+    q_lengths = rng.integers(0, T + 1, size=2) if draw(st.booleans()) else None
+    holder = draw(st.integers(0, len(edges) - 2))
+    return q, k, v, mask, edges, sinks, q_lengths, holder
+
+
+def _sink_pieces(q, k, v, mask, edges, q_lengths, sinks_of):
+    """Attention of q over each key piece, piece ``i`` with ``sinks=sinks_of(i)``."""
+    pieces = []
+    for i, (k0, k1) in enumerate(itertools.pairwise(edges)):
+        piece_mask = None if mask is None else mask[..., k0:k1]
+        options = dict(mask=piece_mask, q_lengths=q_lengths, sinks=sinks_of(i), impl="dense")
+        pieces.append(npattn.attention_forward(q, k[..., k0:k1, :], v[..., k0:k1, :], **options))
+    return pieces
+
+
+def _check_sink_merge(pieces, full_out, full_res, expected, dout, dlse, extra=None):
+    """Merge the pieces (and the ``extra`` (out, lse) piece), compare out and
+    lse with single-call attention, then the merge backward and each piece's
+    attention backward with its gradients; returns the pieces' grads and the
+    extra piece's dlse."""
+    outs = [o for o, _ in pieces] + ([] if extra is None else [extra[0]])
+    lses = [r.lse for _, r in pieces] + ([] if extra is None else [extra[1]])
+    out, lse, merge_res = merge_partials(outs, lses)
+    np.testing.assert_allclose(out, full_out, **TOL)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(full_res.lse))
+    finite = np.isfinite(full_res.lse)
+    np.testing.assert_allclose(lse[finite], full_res.lse[finite], **TOL)
+    douts, dlses = merge_partials_backward(dout, dlse, merge_res)
+    grads = [npattn.attention_backward(do, r, dlse=dl) for do, dl, (_, r) in zip(douts, dlses, pieces)]
+    np.testing.assert_allclose(sum(g.dq for g in grads), expected.dq, **TOL)
+    np.testing.assert_allclose(np.concatenate([g.dk for g in grads], axis=-2), expected.dk, **TOL)
+    np.testing.assert_allclose(np.concatenate([g.dv for g in grads], axis=-2), expected.dv, **TOL)
+    return grads, None if extra is None else dlses[-1]
+
+
+@settings(max_examples=30, deadline=None)
+@given(problem=sink_problems(), with_dlse=st.booleans())
+def test_sinks_merge_exactly_through_one_piece(problem, with_dlse):
+    """Sinks on exactly one piece (any one), or as one extra piece (0, sinks):
+    out, lse and every gradient, dsinks included, equal single-call attention
+    with sinks to 1e-12 in float64; masks hiding whole pieces or rows, padded
+    query rows and per-batch sinks included."""
+    q, k, v, mask, edges, sinks, q_lengths, holder = problem
+    rng = np.random.default_rng(1)
+    full_out, full_res = npattn.attention_forward(q, k, v, mask=mask, q_lengths=q_lengths, sinks=sinks, impl="dense")
+    dout = rng.standard_normal(full_out.shape)
+    dlse = np.where(np.isfinite(full_res.lse), rng.standard_normal(full_res.lse.shape), 0.0) if with_dlse else None
+    expected = npattn.attention_backward(dout, full_res, dlse=dlse)
+
+    # 1. sinks= on piece `holder` only: its backward returns dsinks
+    pieces = _sink_pieces(q, k, v, mask, edges, q_lengths, lambda i: sinks if i == holder else None)
+    grads, _ = _check_sink_merge(pieces, full_out, full_res, expected, dout, dlse)
+    np.testing.assert_allclose(grads[holder].dsinks, expected.dsinks, **TOL)
+    assert grads[holder].dsinks.shape == sinks.shape
+    assert all(g.dsinks is None for i, g in enumerate(grads) if i != holder)
+
+    # 2. sink-free pieces, plus the piece (out 0, lse sinks); -inf on padded rows
+    pieces = _sink_pieces(q, k, v, mask, edges, q_lengths, lambda i: None)
+    sink_lse = np.broadcast_to(sinks[..., None], full_res.lse.shape)  # (N, 1) or (2, N, 1) -> (2, N, T)
+    if q_lengths is not None:
+        padded = np.arange(q.shape[2]) >= q_lengths[:, None, None]  # (2, 1, T)
+        sink_lse = np.where(padded, -np.inf, sink_lse)
+    extra = (np.zeros_like(full_out), sink_lse)
+    _, dlse_sink = _check_sink_merge(pieces, full_out, full_res, expected, dout, dlse, extra)
+    dsinks = dlse_sink.sum(axis=-1)  # (2, N): summed over rows
+    dsinks = dsinks.sum(axis=0) if sinks.ndim == 1 else dsinks  # and over the batch for (N,) sinks
+    np.testing.assert_allclose(dsinks, expected.dsinks, **TOL)
+
+
+def test_sinks_on_two_pieces_count_twice():
+    """The documented pitfall: a sink on every piece is not the sink once."""
+    rng = np.random.default_rng(2)
+    q, k, v = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 6, 4)), rng.standard_normal((2, 6, 4))
+    sinks = np.array([1.0, 2.0])
+    full, _ = npattn.attention_forward(q, k, v, sinks=sinks)
+    pieces = [npattn.attention_forward(q, k[:, a:b], v[:, a:b], sinks=sinks) for a, b in ((0, 3), (3, 6))]
+    out, _, _ = merge_partials([o for o, _ in pieces], [r.lse for _, r in pieces])
+    assert not np.allclose(out, full)
+    once = [
+        npattn.attention_forward(q, k[:, a:b], v[:, a:b], sinks=s) for (a, b), s in (((0, 3), sinks), ((3, 6), None))
+    ]
+    out, _, _ = merge_partials([o for o, _ in once], [r.lse for _, r in once])
+    np.testing.assert_allclose(out, full, **TOL)
 
 
 def _merge_pair(P):
