@@ -90,6 +90,28 @@ FEATURES = {
         mask=np.array([[True, False, True, True], [False] * 4, [True] * 4]), q_lengths=np.array([3, 1])
     ),
     "scale": dict(scale=1.7),
+    # The score-pipeline variants (issue 14); tests/test_variants.py has many more.
+    "softcap": dict(softcap=0.6),
+    "alibi bottom_right": dict(alibi_slopes=np.array([0.5, 0.25]), align="bottom_right"),
+    "sinks + fully masked row + padded row": dict(
+        sinks=np.array([0.4, -1.0]), mask=np.array([[False] * 4, [True] * 4, [True] * 4]), q_lengths=np.array([3, 2])
+    ),
+    "segments": dict(
+        q_segment_ids=np.array([[0, 0, 1], [0, 1, 1]]), kv_segment_ids=np.array([[0, 1, 1, 1], [0, 0, 1, 1]])
+    ),
+    "every variant + GQA + dropout": dict(
+        _N=4,
+        _K=2,
+        softcap=1.2,
+        alibi_slopes=RNG.uniform(0.1, 1.0, (2, 4)),
+        sinks=RNG.standard_normal(4),
+        q_segment_ids=np.array([[0, 0, 1], [0, 1, 1]]),
+        kv_segment_ids=np.array([[0, 1, 1, 1], [0, 0, 1, 1]]),
+        causal=True,
+        align="top_left",
+        dropout_p=0.3,
+        seed=2,
+    ),
 }
 
 
