@@ -325,3 +325,36 @@ def test_kvcache_append_with_segment_ids():
         with pytest.raises(ValueError, match=r"pass segment_ids \(B, t\) for the new positions too"):
             cache.append(k[:, :, :1], k[:, :, :1])
         assert cache.length == 3
+
+
+def test_decode_variants_on_backends(backend):
+    """Segment ids in growing and preallocated caches, with sinks and ALiBi,
+    on every backend match NumPy's full forward."""
+    rng = np.random.default_rng(14)
+    B, L, E, N = 2, 5, 8, 2
+    params = random_params(rng, E, N, K=1)
+    params["sinks"] = rng.standard_normal(N)
+    x = rng.standard_normal((B, L, E))
+    ids = np.array([[0, 0, 1, 1, 1], [0, 0, 0, 0, 2]])
+    slopes = np.array([0.25, 1.0])
+    y_ref, _ = mha_forward(params, x, num_heads=N, causal=True, alibi_slopes=slopes, q_segment_ids=ids)
+    to = backend.asarray
+    b_params, b_x, b_ids, b_slopes = {n: to(a) for n, a in params.items()}, to(x), to(ids), to(slopes)
+    for max_length in (None, L):
+        cache = KVCache.for_mha(b_params, B, num_heads=N, max_length=max_length)
+        outs = [
+            mha_forward(
+                b_params,
+                b_x[:, i : min(i + 2, L), :],
+                cache=cache,
+                num_heads=N,
+                causal=True,
+                alibi_slopes=b_slopes,
+                q_segment_ids=b_ids[:, i : min(i + 2, L)],
+            )[0]
+            for i in range(0, L, 2)
+        ]
+        got = np.concatenate([backend.to_numpy(o) for o in outs], axis=1)
+        np.testing.assert_allclose(got, y_ref, rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(backend.to_numpy(cache.segment_ids), ids)
+    np.testing.assert_array_equal(backend.to_numpy(b_ids), ids)  # not mutated

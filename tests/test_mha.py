@@ -1059,3 +1059,29 @@ def test_property_variant_gradients_and_paths(kind, heads, B, T, S, sinks, softc
     g_d, g_c = mha_backward(dy, res_d), mha_backward(dy, res_c)
     for name in params:
         np.testing.assert_allclose(g_c.dparams[name], g_d.dparams[name], rtol=0, atol=1e-11, err_msg=name)
+
+
+def test_variants_on_backends(backend):
+    """Sinks, softcap, ALiBi and segment ids on every backend equal NumPy's,
+    forward, weights and gradients; inputs unchanged."""
+    params, x, context, options = _variant_problem("pair-sinks-alibi-segments", seed=8)
+    options = {**options, "softcap": 2.0, "need_weights": True}
+    y_ref, res_ref = mha_forward(params, x, context, **options)
+    dy = np.random.default_rng(9).standard_normal(y_ref.shape)
+    g_ref = mha_backward(dy, res_ref)
+    to, back = backend.asarray, backend.to_numpy
+    arrays = {"alibi_slopes", "q_segment_ids", "kv_segment_ids"}
+    b_params = {n: to(a) for n, a in params.items()}
+    b_options = {k: to(v) if k in arrays else v for k, v in options.items()}
+    b_context = tuple(to(c) for c in context)
+    before = {n: back(a).copy() for n, a in b_params.items()}
+    for impl in ("dense", "chunked"):
+        y, res = mha_forward(b_params, to(x), b_context, impl=impl, block_q=2, block_k=3, **b_options)
+        g = mha_backward(to(dy), res)
+        np.testing.assert_allclose(back(y), y_ref, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(back(res.weights), res_ref.weights, rtol=1e-12, atol=1e-13)
+        for n in params:
+            np.testing.assert_allclose(back(g.dparams[n]), g_ref.dparams[n], rtol=1e-11, atol=1e-12, err_msg=n)
+        np.testing.assert_allclose(back(g.dalibi_slopes), g_ref.dalibi_slopes, rtol=1e-11, atol=1e-12)
+    for n in before:
+        np.testing.assert_array_equal(back(b_params[n]), before[n], err_msg=f"{n} was mutated")
