@@ -77,6 +77,7 @@ CPUs available, plus one spare in the forward, see :func:`_run`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -94,7 +95,7 @@ from .options import AttentionSpec
 from .scores.alibi import alibi_distance, alibi_slopes_grad_tile
 from .scores.pipeline import additive_tile, param_grads_from_heads
 from .scores.softcap import softcap_backward, softcap_forward
-from .scores.visibility import ALL, NONE, classify_tile, visible_tile
+from .scores.visibility import ALL, NONE, classify_tile, segments_hide_nothing, visible_tile
 
 __all__ = ["supports", "forward", "backward", "num_threads", "FAST_BLOCKS"]
 
@@ -431,11 +432,15 @@ def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list[list[
     made once per call and shared by every (batch element, kv head) item.
 
     Each hidden range becomes ``(j0, j1, hidden)``: when visibility is the
-    same for every item (only causal/window rules, no mask, no lengths),
+    same for every item (only causal/window rules, no mask, no lengths, no
+    segment ids or one id throughout the range),
     ``hidden`` is the ``(R, j1 - j0)`` boolean of entries to hide, built here
     once rather than per item; otherwise None, and each item builds its own.
     """
-    shared = spec.mask is None and spec.q_lengths is None and spec.kv_lengths is None and not spec.has_segments
+    index_rules_only = spec.mask is None and spec.q_lengths is None and spec.kv_lengths is None
+    # Where the segment ids are one and the same throughout a range (inside a
+    # packed document), the range's visibility is causal/window's alone.
+    positions_only = dataclasses.replace(spec, q_segment_ids=None, kv_segment_ids=None, segment_host=None)
     G = spec.group_size
 
     def with_masks(span):
@@ -443,8 +448,8 @@ def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list[list[
         masks = []
         for j0, j1 in hidden:
             rows_hidden = None
-            if shared:
-                visible = visible_tile(spec, p0, p1, j0, j1)  # (tq, tk)
+            if index_rules_only and segments_hide_nothing(spec, p0, p1, j0, j1):
+                visible = visible_tile(positions_only, p0, p1, j0, j1)  # (tq, tk)
                 assert visible is not None, "a hidden range comes from an index rule, so visibility is set"
                 rows_hidden = _position_major(np.broadcast_to(~visible, (G, p1 - p0, j1 - j0)))  # (tq*G, tk)
             masks.append((j0, j1, rows_hidden))
@@ -491,11 +496,12 @@ class _Item:
                 rows_hidden = ~self._as_rows(visible, p1 - p0, j1 - j0)  # (R, j1 - j0)
             np.copyto(s[:, j0 - c0 : j1 - c0], value, where=rows_hidden)
 
-    def scores(self, out: Any, qa: Any, kTa: Any, span: tuple, *, hide: bool = True) -> Any | None:
+    def scores(self, out: Any, qa: Any, kTa: Any, span: tuple, *, hide: bool = True, capped: Any = None) -> None:
         """``out = qa @ kTa[:, c0:c1]``, then the softcap, the bias and ALiBi
-        and, with ``hide``, the span's hidden entries set to -inf. Returns the
-        capped products (before step 3, for the softcap's derivative), or None
-        without a softcap.
+        and, with ``hide``, the span's hidden entries set to -inf. With a
+        softcap and a ``capped`` buffer of ``out``'s shape (the backward's),
+        the capped products (before step 3, for the softcap's derivative) are
+        kept there.
 
         The softcap is the pipeline's own :func:`~npattn.scores.softcap.softcap_forward`,
         in the scores' base: ``b c tanh(r / c) = (b c) tanh(b r / (b c))``, so
@@ -503,14 +509,13 @@ class _Item:
         """
         p0, p1, c0, c1, _ = span
         np.matmul(qa, kTa[:, c0:c1], out=out)  # (R, H+1) @ (H+1, tk) -> (R, tk)
-        capped = None
         if self.spec.softcap is not None:
-            capped = softcap_forward(np, out, self.mode.cap)  # (R, tk)
-            np.copyto(out, capped)
+            softcap_forward(np, out, self.mode.cap, out=out)  # (R, tk), in place
+            if capped is not None:
+                np.copyto(capped, out)
         self.add_bias(out, p0, p1, c0, c1)
         if hide:
             self.fill_hidden(out, span, -np.inf)
-        return capped
 
     def alibi_grad(self, ds: Any, p0: int, p1: int, c0: int, c1: int) -> Any:
         """This span's share of the item's slope gradients, ``(G,)``, from
@@ -853,6 +858,7 @@ def backward(
         k_norm_max = _RangeMax(k_norms[b, kv])  # read only when lower
         s_flat = np.empty(G * block_q * block_k, dtype=dtype)  # scores, then P, of one span
         dp_flat = np.empty_like(s_flat)  # dP - D, then dS, of one span
+        capped_flat = None if spec.softcap is None else np.empty_like(s_flat)  # softcapped products of one span
         dk_j, dv_j = np.empty((block_k, H), dtype=dtype), np.empty((block_k, Hv), dtype=dtype)
         dk_tmp, dv_tmp = np.empty_like(dk_j), np.empty_like(dv_j)
         dq_tmp = np.empty((G * block_q, H), dtype=dtype)
@@ -873,7 +879,8 @@ def backward(
                     # The lower bound is needed for every entry, the upper one for the hidden.
                     bound = min(q_norm_max * k_norm_max[c0, c1], mode.cap) if mode.lower else np.inf
                     exp_then_hide = bound + lse_max < -exp.floor and (not span[4] or bound - lse_min < -exp.floor)
-                    capped = item.scores(p, qa[r], kTa, span, hide=not exp_then_hide)  # S_ij [- lse_i]
+                    capped = None if capped_flat is None else _buffer(capped_flat, R, tk)
+                    item.scores(p, qa[r], kTa, span, hide=not exp_then_hide, capped=capped)  # S_ij [- lse_i]
                     if not fused:
                         p -= lse_shift[r, None]
                     if exp_then_hide:
@@ -897,7 +904,7 @@ def backward(
                     if alibi_grads is not None:
                         alibi_g += item.alibi_grad(ds, *span[:4])
                     if capped is not None:  # dR_ij: through the softcap (the pipeline's derivative)
-                        ds = softcap_backward(np, capped, mode.cap, ds)
+                        softcap_backward(np, capped, mode.cap, ds, out=ds)
                     np.matmul(ds, k3[b, kv, c0:c1], out=dq_tmp[:R])  # (R, tk) @ (tk, H) -> (R, H)
                     dq_b[r] += dq_tmp[:R]
                     np.matmul(ds.T, qs[r], out=dk_tmp[:tk])  # (tk, R) @ (R, H) -> (tk, H)

@@ -25,7 +25,7 @@ import numpy as np
 from ..options import AttentionSpec
 from .tiles import key_positions, per_batch, query_positions, row_indices, select_item, slice_tile
 
-__all__ = ["visible_tile", "classify_tile", "NONE", "ALL", "SOME"]
+__all__ = ["visible_tile", "classify_tile", "segments_hide_nothing", "NONE", "ALL", "SOME"]
 
 NONE, ALL, SOME = "none", "all", "some"
 
@@ -110,6 +110,13 @@ def classify_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> st
     if hidden:
         return NONE
     return SOME if partial else ALL
+
+
+def segments_hide_nothing(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> bool:
+    """Whether the segment-id rule leaves the whole tile visible in every
+    batch element (no ids given, or one id throughout each element's tile),
+    so that the tile's visibility is that of the other rules alone."""
+    return not spec.has_segments or _classify_segments(spec, q0, q1, k0, k1) == ALL
 
 
 def _same_segment(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int, batch: int | None) -> Any:
