@@ -615,6 +615,20 @@ class _Exp:
         s -= self.tiny
 
 
+def _key_order(spec: AttentionSpec, row: list, q0: int, k_tiles: list) -> list:
+    """The forward's order of the key tiles of one query tile: in index
+    order, except with ALiBi, nearest to the tile's query positions first.
+    ALiBi's scores fall with the distance, so a row's running maximum is
+    then set by its highest scores at once, and farther tiles need no
+    rescaling (in index order, every tile closer to the diagonal than the
+    last would raise the maximum again). A fixed order: deterministic."""
+    if spec.alibi_slopes is None:
+        return row
+    first_position = q0 + spec.offset_bounds[0]
+    distance = [max(k0 - first_position, first_position - (k1 - 1), 0) for k0, k1 in k_tiles]
+    return [row[j] for j in sorted(range(len(row)), key=lambda j: (distance[j], j))]
+
+
 def _rows(span: tuple, q0: int, G: int) -> slice:
     """The item rows of a span's query positions (position-major stacking)."""
     return slice((span[0] - q0) * G, (span[1] - q0) * G)
@@ -687,7 +701,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
         # min_i and max_i of m, and whether any row is unset (refreshed when m moves).
         q_norm_max = float(q_norms.max()) if upper and rows else 0.0
         m_min, m_max, any_unset = 0.0, 0.0, True
-        for plan in plans[qi]:
+        for plan in _key_order(spec, plans[qi], q0, k_tiles):
             for span in plan:
                 r, (c0, c1) = _rows(span, q0, G), span[2:4]
                 s = _buffer(s_flat, r.stop - r.start, c1 - c0)  # (R, tk)
