@@ -286,9 +286,12 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
     r"""Gradients of :func:`attention_forward`, following its residuals.
 
     With ``D = rowsum(dO * O) - dlse`` and ``P`` the pre-dropout
-    probabilities: ``dS = P * (dP - D)``, ``dQ = scale * dS K``,
-    ``dK = scale * dS^T Q``, ``dV = Pd^T dO``, ``dbias = dS`` (summed to the
-    bias's shape). Fully masked rows contribute nothing.
+    probabilities (the sink's share included in ``lse``): ``dS = P * (dP - D)``,
+    ``dbias = dS`` (summed to the bias's shape), ``dalibi_slopes_n =
+    -sum dS_nij |p_i - j|``, ``dsinks_n = -sum_i exp(sinks_n - lse_i) D_i``;
+    through the softcap ``dR = dS (1 - tanh^2(R / c))``, then
+    ``dQ = scale * dR K``, ``dK = scale * dR^T Q``, ``dV = Pd^T dO``. Fully
+    masked rows contribute nothing.
 
     Parameters
     ----------
@@ -302,8 +305,9 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
     Returns
     -------
     AttentionGrads
-        ``(dq, dk, dv, dbias)`` in the inputs' dtypes; ``dbias`` is None when
-        no bias was given.
+        ``(dq, dk, dv, dbias, dsinks, dalibi_slopes)``, each in its input's
+        shape and dtype; ``dbias``, ``dsinks`` and ``dalibi_slopes`` are None
+        where ``bias``, ``sinks`` and ``alibi_slopes`` were not given.
 
     Examples
     --------

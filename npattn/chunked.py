@@ -45,7 +45,7 @@ dim, tq/tk the rows/columns of one tile. Heads are kept in a grouped layout,
 copies keys or values G times; ``dK`` and ``dV`` are summed over the group.
 
 Tiles are classified first (:func:`npattn.scores.visibility.classify_tile`): tiles that
-causal/window/lengths hide completely are skipped in both passes (so causal
+causal/window/lengths/segment ids hide completely are skipped in both passes (so causal
 costs about half), fully visible tiles build no mask, and only mixed tiles
 build their visibility from indices. Dropout's keep mask is regenerated per
 tile from the seed (:func:`npattn.dropout.keep_tile`), bit-identical to the

@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from collections.abc import Sequence as _Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -285,14 +284,14 @@ def _check_arguments(
     for name, fn in (("forward", forward), ("backward", backward)):
         if not callable(fn):
             raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
-    if hasattr(inputs, "shape") or isinstance(inputs, (str, bytes)) or not isinstance(inputs, _Sequence):
+    if hasattr(inputs, "shape") or isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
         raise TypeError(
             f"inputs must be a list or tuple of arrays, one per argument of forward, got {type(inputs).__name__}"
         )
-    if names is not None and (isinstance(names, (str, bytes)) or not isinstance(names, _Sequence)):
+    if names is not None and (isinstance(names, (str, bytes)) or not isinstance(names, Sequence)):
         raise TypeError(f"names must be a list or tuple of str, got {type(names).__name__}")
     if wrt is not None:
-        if isinstance(wrt, (str, bytes)) or not isinstance(wrt, _Sequence):
+        if isinstance(wrt, (str, bytes)) or not isinstance(wrt, Sequence):
             raise TypeError(f"wrt must be a list or tuple of input indices, got {type(wrt).__name__}")
         for i in wrt:
             if isinstance(i, bool) or not isinstance(i, numbers.Integral):

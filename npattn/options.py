@@ -441,8 +441,9 @@ def _check_dropout(dropout_p, seed) -> tuple[float, int | None]:
     return p, checked
 
 
-def _check_softcap(softcap) -> float | None:
-    """``softcap``: None, or a finite real number > 0."""
+def _check_softcap(xp, softcap, cdtype) -> float | None:
+    """``softcap``: None, or a real number > 0 that stays finite and normal
+    in the compute dtype (else ``s / cap`` would be inf or NaN there)."""
     if softcap is None:
         return None
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
@@ -450,12 +451,19 @@ def _check_softcap(softcap) -> float | None:
     cap = float(softcap)
     if not math.isfinite(cap) or cap <= 0:
         raise ValueError(f"softcap must be a finite float > 0 (scores become cap * tanh(s / cap)), got {softcap!r}")
+    info = xp.finfo(cdtype)
+    if not float(info.smallest_normal) <= cap <= float(info.max):
+        raise ValueError(
+            f"softcap={softcap!r} is not a normal number of the compute dtype {cdtype} "
+            f"(it must lie in [{float(info.smallest_normal):g}, {float(info.max):g}])"
+        )
     return cap
 
 
-def _check_per_head(xp, name: str, a, batch_shape: tuple[int, ...], N: int, trailing: int):
+def _check_per_head(xp, name: str, a, batch_shape: tuple[int, ...], N: int, trailing: int, cdtype):
     """A float per-head parameter (``alibi_slopes``, ``sinks``) of shape (N,)
-    or broadcastable to (..., N), with finite values: ``(a viewed at rank
+    or broadcastable to (..., N), with values finite in the compute dtype
+    ``cdtype`` (they are cast to it): ``(a viewed at rank
     len(batch_shape) + 1 + trailing as (..., N|1, 1...), its shape, its dtype)``."""
     if a is None:
         return None, None, None
@@ -469,6 +477,8 @@ def _check_per_head(xp, name: str, a, batch_shape: tuple[int, ...], N: int, trai
         raise ValueError(f"{name} must have shape (N,) = ({N},) or broadcast to (..., N) = {target}, got {shape}")
     if math.prod(shape) and not bool(xp.all(xp.isfinite(a))):
         raise ValueError(f"{name} must be finite, got NaN or inf entries")
+    if math.prod(shape) and float(xp.max(xp.abs(a))) > float(xp.finfo(cdtype).max):
+        raise ValueError(f"{name} overflows the compute dtype {cdtype}: entries beyond {float(xp.finfo(cdtype).max):g}")
     rank = len(batch_shape) + 1
     view = xp.reshape(a, (1,) * (rank - a.ndim) + shape + (1,) * trailing)
     return view, shape, a.dtype
@@ -501,15 +511,18 @@ def _check_segment_ids(xp, q_segment_ids, kv_segment_ids, batch_shape: tuple[int
     return checked[0], checked[1], host
 
 
-def _check_variants(xp, batch_shape, sizes, softcap, alibi_slopes, sinks, q_segment_ids, kv_segment_ids) -> dict:
+def _check_variants(
+    xp, batch_shape, sizes, cdtype, softcap, alibi_slopes, sinks, q_segment_ids, kv_segment_ids
+) -> dict:
     """The score pipeline's options (softcap, ALiBi, sinks, segment ids) as
-    :class:`AttentionSpec` fields; ``sizes`` is ``(N, T, S)``."""
+    :class:`AttentionSpec` fields; ``sizes`` is ``(N, T, S)``, ``cdtype`` the
+    compute dtype."""
     N, T, S = sizes
-    slopes, alibi_shape, alibi_dtype = _check_per_head(xp, "alibi_slopes", alibi_slopes, batch_shape, N, 2)
-    sinks, sinks_shape, sinks_dtype = _check_per_head(xp, "sinks", sinks, batch_shape, N, 1)
+    slopes, alibi_shape, alibi_dtype = _check_per_head(xp, "alibi_slopes", alibi_slopes, batch_shape, N, 2, cdtype)
+    sinks, sinks_shape, sinks_dtype = _check_per_head(xp, "sinks", sinks, batch_shape, N, 1, cdtype)
     q_ids, kv_ids, host = _check_segment_ids(xp, q_segment_ids, kv_segment_ids, batch_shape, T, S)
     return {
-        "softcap": _check_softcap(softcap),
+        "softcap": _check_softcap(xp, softcap, cdtype),
         "alibi_slopes": slopes,
         "alibi_shape": alibi_shape,
         "alibi_dtype": alibi_dtype,
@@ -589,7 +602,9 @@ def make_spec(
     full = batch_shape + (N, T, S)  # (..., N, T, S): what mask and bias broadcast to
     mask = _check_mask(xp, mask, full)
     bias, bias_shape, bias_dtype = _check_bias(xp, bias, full)
-    variants = _check_variants(xp, batch_shape, (N, T, S), softcap, alibi_slopes, sinks, q_segment_ids, kv_segment_ids)
+    variants = _check_variants(
+        xp, batch_shape, (N, T, S), cdtype, softcap, alibi_slopes, sinks, q_segment_ids, kv_segment_ids
+    )
     positions = _check_positions(
         xp,
         device,

@@ -108,6 +108,7 @@ FORWARD_CASES = [
 # The variants of issue 14 (Q: N=4, T=3; K: S=6; batch (2,)). Every message names the argument.
 Q_IDS, KV_IDS = np.zeros((2, 3), np.int64), np.zeros((2, 6), np.int64)
 SQUARE = (Q_SQUARE, K, V)
+SQUARE32 = tuple(a.astype(np.float32) for a in SQUARE)
 VARIANT_CASES = [
     ("softcap zero", lambda: (SQUARE, {"softcap": 0.0}), ValueError, "softcap must be a finite float > 0"),
     ("softcap negative", lambda: (SQUARE, {"softcap": -2.0}), ValueError, "softcap must be a finite float > 0"),
@@ -116,6 +117,21 @@ VARIANT_CASES = [
     ("softcap string", lambda: (SQUARE, {"softcap": "30"}), TypeError, "softcap must be a positive finite float"),
     ("softcap bool", lambda: (SQUARE, {"softcap": True}), TypeError, "softcap must be a positive finite float"),
     ("softcap array", lambda: (SQUARE, {"softcap": np.array([1.0])}), TypeError, "softcap must be"),
+    # Finite in float64 but not in the float32 compute dtype: they would become inf or 0 there.
+    ("softcap beyond float32", lambda: (SQUARE32, {"softcap": 1e39}), ValueError, "softcap=1e+39 is not a normal"),
+    ("softcap below float32", lambda: (SQUARE32, {"softcap": 1e-50}), ValueError, "softcap=1e-50 is not a normal"),
+    (
+        "sinks beyond float32",
+        lambda: (SQUARE32, {"sinks": np.array([1e39, 0, 0, 0])}),
+        ValueError,
+        "sinks overflows the compute dtype float32",
+    ),
+    (
+        "slopes beyond float32",
+        lambda: (SQUARE32, {"alibi_slopes": np.array([1e39, 0, 0, 0])}),
+        ValueError,
+        "alibi_slopes overflows the compute dtype float32",
+    ),
     ("slopes wrong length", lambda: (SQUARE, {"alibi_slopes": np.ones(3)}), ValueError, "alibi_slopes must have shape"),
     ("slopes 0-d", lambda: (SQUARE, {"alibi_slopes": np.float64(0.5)}), ValueError, "alibi_slopes must have shape"),
     (
