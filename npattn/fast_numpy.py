@@ -60,7 +60,13 @@ tricks each variant keeps is decided per call (:class:`_Mode`):
   then <= 0), so settled spans still skip their row-max pass. Never the lower
   bound (the term is unbounded below): no row starts at the reference 0
   without its row max, every ``exp`` is the flushed one, hidden entries are
-  set to -inf before it.
+  set to -inf before it. Each query tile visits its nearest key tiles first,
+  so a row's reference is set by its highest scores; then a span where the
+  upper bound minus ``min m_n`` times its smallest distance
+  (:func:`~npattn.scores.alibi.alibi_min_distance`) stays below the flush
+  floor for every row, relative to the row's reference (``lse`` in the
+  backward), holds only exact zeros after the flushed ``exp`` and is skipped
+  in both passes: far from the diagonal, steep heads cost nothing.
 - **a bias**: no bound, no fused shifts, base e (as before).
 
 With an additive bias the backward's items would share ``dbias`` entries
@@ -92,9 +98,10 @@ from . import dropout as _dropout
 from .chunked import tile_ranges
 from .namespace import sum_to_shape
 from .options import AttentionSpec
-from .scores.alibi import alibi_distance, alibi_slopes_grad_tile
+from .scores.alibi import alibi_distance, alibi_min_distance, alibi_slopes_grad_tile
 from .scores.pipeline import additive_tile, param_grads_from_heads
 from .scores.softcap import softcap_backward, softcap_forward
+from .scores.tiles import select_item
 from .scores.visibility import ALL, NONE, classify_tile, segments_hide_nothing, visible_tile
 
 __all__ = ["supports", "forward", "backward", "num_threads", "FAST_BLOCKS"]
@@ -471,6 +478,10 @@ class _Item:
         self.heads = (kv_head * self.G, (kv_head + 1) * self.G)
         self.head_slice = slice(*self.heads)
         self.mode, self.distances = mode, distances
+        self.slope_min: float | None = None  # min_n m_n over this item's heads, in the scores' base
+        if spec.alibi_slopes is not None:
+            slopes = select_item(spec, spec.alibi_slopes, b, self.heads)  # (G|1, 1, 1)
+            self.slope_min = float(np.min(slopes)) * mode.base
 
     def _as_rows(self, tile: Any, tq: int, tk: int) -> Any:
         """``(G|1, tq|1, tk|1)`` or ``(tq|1, tk|1)`` -> ``(tq*G, tk)``."""
@@ -516,6 +527,19 @@ class _Item:
         self.add_bias(out, p0, p1, c0, c1)
         if hide:
             self.fill_hidden(out, span, -np.inf)
+
+    def below_floor(self, row_bounds: Any, span: tuple, floor: float) -> bool:
+        """Whether every score of the span, shifted by its row's reference, lies
+        below ``floor`` (the flushed exp's, so every probability there is an
+        exact 0): ``row_bounds`` bound ``S_ij - ref_i`` without ALiBi, per row,
+        in the scores' base, and ALiBi takes at least ``min_n m_n`` times
+        :func:`~npattn.scores.alibi.alibi_min_distance` off every entry (slopes
+        >= 0, which the caller's ``upper`` mode ensures). False without ALiBi."""
+        if self.slope_min is None:
+            return False
+        p0, p1, c0, c1, _ = span
+        reach = self.slope_min * alibi_min_distance(self.spec, p0, p1, c0, c1)
+        return reach > 0 and float(np.max(row_bounds)) - reach < floor
 
     def alibi_grad(self, ds: Any, p0: int, p1: int, c0: int, c1: int) -> Any:
         """This span's share of the item's slope gradients, ``(G,)``, from
@@ -711,6 +735,11 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                     bound = min(q_norm_max * k_max, mode.cap)  # a softcap bounds |S_ij| too
                 else:
                     k_max = bound = np.inf
+                # ALiBi far from the diagonal: when S_ij - m_i < floor for every entry, the
+                # flushed exp gives exactly 0 throughout, so the span adds nothing to l and
+                # acc and is skipped (the same numbers, no GEMMs).
+                if upper and not any_unset and item.below_floor(q_norms[r] * k_max - m_r, span, exp.floor):
+                    continue
                 # A row's first visible keys set its reference m. When the bound keeps
                 # every score of a fully visible span within +-threshold, the unset rows
                 # keep m = 0 (their maxima are within the threshold of it, so no exp can
@@ -885,6 +914,10 @@ def backward(
                 for span in plan:
                     r, (c0, c1) = _rows(span, 0, G), span[2:4]
                     R, tk, cols = r.stop - r.start, c1 - c0, slice(c0 - k0, c1 - k0)
+                    # As in the forward: where ALiBi takes every S_ij - lse_i of the span
+                    # below the floor, P_ij (flushed) and so dS_ij are 0 throughout: skip.
+                    if mode.upper and item.below_floor(q_norms[r] * k_norm_max[c0, c1] - lse_shift[r], span, exp.floor):
+                        continue
                     p = _buffer(s_flat, R, tk)  # (R, tk)
                     # As in the forward: when every S_ij - lse_i of the span lies above
                     # the floor, and the hidden ones (which lse_i does not bound, as it

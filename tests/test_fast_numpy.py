@@ -852,3 +852,44 @@ def test_packed_documents_skip_the_cross_document_tiles(monkeypatch, causal):
     monkeypatch.setattr(fast_numpy._Item, "scores", counting_scores)
     fast_numpy.forward(packed, x, x, x)
     assert sum(computed) == area
+
+
+@pytest.mark.parametrize(("dtype", "steep"), [(np.float64, 64.0), (np.float32, 4.0)])
+def test_steep_alibi_spans_below_the_flush_floor_are_skipped_with_the_same_numbers(monkeypatch, dtype, steep):
+    """Far from the diagonal a steep head's every probability is below the
+    flush floor (exactly 0 on the fast path), so those spans are skipped in
+    both passes: fewer score tiles, and the same numbers as the generic path
+    (which computes them) for out, lse and every gradient, dalibi_slopes too.
+    A zero slope skips nothing."""
+    rng = np.random.default_rng(5)
+    q, k, v, dout = (rng.standard_normal((1, 2, 256, 8)) for _ in range(4))
+    dlse = rng.standard_normal((1, 2, 256))
+    calls = []
+    real_scores = fast_numpy._Item.scores
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.kv)
+        return real_scores(self, *args, **kwargs)
+
+    def run(slopes):
+        options = dict(alibi_slopes=slopes, causal=True, block_q=32, block_k=32)
+        narrow = [a.astype(dtype) for a in (q, k, v)]
+        spec = make_spec(*narrow, impl="chunked", **options)
+        calls.clear()
+        monkeypatch.setattr(fast_numpy._Item, "scores", counted)
+        out, lse = fast_numpy.forward(spec, *narrow)
+        grads = fast_numpy.backward(spec, *narrow, out, lse, dout.astype(dtype), dlse.astype(dtype))
+        monkeypatch.undo()
+        wide = make_spec(q, k, v, impl="chunked", **options)
+        out_w, lse_w = chunked.chunked_forward(wide, q, k, v)
+        grads_w = chunked.chunked_backward(wide, q, k, v, out_w, lse_w, dout, dlse)
+        tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == np.float64 else dict(rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(out, out_w, **tolerance)
+        np.testing.assert_allclose(lse, lse_w, **tolerance)
+        for got, want in zip([*grads[:3], grads[4]["alibi_slopes"]], [*grads_w[:3], grads_w[4]["alibi_slopes"]]):
+            np.testing.assert_allclose(got, want, rtol=tolerance["rtol"], atol=tolerance["atol"] * np.abs(want).max())
+        return calls.count(0), calls.count(1)
+
+    steep_head, flat_head = run(np.array([steep, 0.0]))
+    assert steep_head < flat_head / 2  # the steep head's far spans were skipped, the flat head's not
+    assert run(np.array([0.0, 0.0]))[0] == flat_head

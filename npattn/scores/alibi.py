@@ -21,7 +21,7 @@ import array_api_compat.numpy as numpy_namespace
 from ..options import AttentionSpec, check_int
 from .tiles import key_positions, query_positions, select_item
 
-__all__ = ["alibi_slopes", "alibi_distance", "alibi_tile", "alibi_slopes_grad_tile"]
+__all__ = ["alibi_slopes", "alibi_distance", "alibi_min_distance", "alibi_tile", "alibi_slopes_grad_tile"]
 
 
 def _geometric(n: int) -> list[float]:
@@ -73,6 +73,24 @@ def alibi_distance(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int, batc
     xp = spec.xp
     distance = xp.abs(query_positions(spec, q0, q1, batch) - key_positions(spec, k0, k1))  # (..., tq, tk)
     return xp.astype(distance, spec.compute_dtype)
+
+
+def alibi_min_distance(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> int:
+    """The smallest ``|p_i - j|`` over the tile in any batch element, on the
+    host from the offsets' bounds: with slopes ``m_n >= 0`` every ALiBi term
+    of the tile is at most ``-m_n`` times this (whole-tile knowledge: far from
+    the diagonal a steep head's scores all fall below what a softmax can see).
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> x = np.zeros((1, 8, 2))
+    >>> spec = make_spec(x, x, x, alibi_slopes=np.ones(1))
+    >>> alibi_min_distance(spec, 6, 8, 0, 2), alibi_min_distance(spec, 0, 4, 2, 8)
+    (5, 0)
+    """
+    omin, omax = spec.offset_bounds
+    first, last = q0 + omin, q1 - 1 + omax  # extreme query positions of the tile
+    return max(0, k0 - last, first - (k1 - 1))
 
 
 def _slopes(spec: AttentionSpec, batch: int | None, heads: tuple[int, int] | None) -> Any:
