@@ -323,6 +323,25 @@ def test_flushed_exp_gives_zeros_for_hidden_and_tiny_entries_and_no_subnormals(d
         np.testing.assert_allclose(got, expected, rtol=4 * np.finfo(dtype).eps, atol=2 * float(exp.tiny))
 
 
+def _count_subnormal_matmul_operands(monkeypatch) -> list[int]:
+    """Make the fast path's ``np.matmul`` record how many subnormal entries
+    its operands hold, one count per call, in the list returned (undo with
+    ``monkeypatch.undo()``)."""
+    counts: list[int] = []
+    real_matmul = np.matmul
+
+    def checking_matmul(a, b, *args, **kwargs):
+        counts.append(_subnormal_count(a) + _subnormal_count(b))
+        return real_matmul(a, b, *args, **kwargs)
+
+    class NumpyWithCheckedMatmul:
+        def __getattr__(self, name):
+            return checking_matmul if name == "matmul" else getattr(np, name)
+
+    monkeypatch.setattr(fast_numpy, "np", NumpyWithCheckedMatmul())
+    return counts
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("options", [{}, {"causal": True}, {"bias": "random"}], ids=["plain", "causal", "bias"])
 def test_large_logits_send_no_subnormal_into_a_matrix_product(monkeypatch, dtype, options):
@@ -336,18 +355,7 @@ def test_large_logits_send_no_subnormal_into_a_matrix_product(monkeypatch, dtype
     k, v, dout = (rng.standard_normal((1, 2, 96, 16)).astype(dtype) for _ in range(3))
     if options.get("bias") == "random":
         options = {"bias": rng.standard_normal((2, 96, 96)).astype(dtype)}
-    subnormal_operands = []
-    real_matmul = np.matmul
-
-    def checking_matmul(a, b, *args, **kwargs):
-        subnormal_operands.append(_subnormal_count(a) + _subnormal_count(b))
-        return real_matmul(a, b, *args, **kwargs)
-
-    class NumpyWithCheckedMatmul:
-        def __getattr__(self, name):
-            return checking_matmul if name == "matmul" else getattr(np, name)
-
-    monkeypatch.setattr(fast_numpy, "np", NumpyWithCheckedMatmul())
+    subnormal_operands = _count_subnormal_matmul_operands(monkeypatch)
     spec = make_spec(q, k, v, impl="chunked", block_q=32, block_k=32, **options)
     out, lse = fast_numpy.forward(spec, q, k, v)
     dq, dk, dv, *_ = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)
@@ -797,18 +805,7 @@ def test_alibi_scores_below_the_flush_floor_send_no_subnormal_into_a_matrix_prod
     rng = np.random.default_rng(4)
     q, k = (_unit_rows(rng.standard_normal((1, 2, 96, 16))).astype(np.float32) for _ in range(2))
     v, dout = (rng.standard_normal((1, 2, 96, 16)).astype(np.float32) for _ in range(2))
-    subnormal_operands = []
-    real_matmul = np.matmul
-
-    def checking_matmul(a, b, *args, **kwargs):
-        subnormal_operands.append(_subnormal_count(a) + _subnormal_count(b))
-        return real_matmul(a, b, *args, **kwargs)
-
-    class NumpyWithCheckedMatmul:
-        def __getattr__(self, name):
-            return checking_matmul if name == "matmul" else getattr(np, name)
-
-    monkeypatch.setattr(fast_numpy, "np", NumpyWithCheckedMatmul())
+    subnormal_operands = _count_subnormal_matmul_operands(monkeypatch)
     spec = make_spec(q, k, v, impl="chunked", alibi_slopes=np.array([1.0, 1.0]), block_q=32, block_k=32)
     out, lse = fast_numpy.forward(spec, q, k, v)
     fast_numpy.backward(spec, q, k, v, out, lse, dout, None)
