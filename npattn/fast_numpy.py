@@ -722,7 +722,8 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
         l = np.zeros(rows, dtype=dtype)  # running row sum
         acc = np.zeros((rows, Hv), dtype=dtype)  # unnormalized output
         # Python scalars for the cheap form of the bounds below: max_i |scale q_i|,
-        # min_i and max_i of m, and whether any row is unset (refreshed when m moves).
+        # min_i and max_i of m over all rows (unset rows keep m = 0, which only
+        # widens them), and whether any row is unset (refreshed when m moves).
         q_norm_max = float(q_norms.max()) if upper and rows else 0.0
         m_min, m_max, any_unset = 0.0, 0.0, True
         for plan in _key_order(spec, plans[qi], q0, k_tiles):
@@ -730,6 +731,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                 r, (c0, c1) = _rows(span, q0, G), span[2:4]
                 s = _buffer(s_flat, r.stop - r.start, c1 - c0)  # (R, tk)
                 m_r, unset_r = m[r], unset[r]  # views
+                span_unset = any_unset and bool(unset_r.any())
                 if upper:  # Cauchy-Schwarz: S_ij <= |scale q_i| |k_j| <= bound, and S_ij >= -bound if lower
                     k_max = k_norm_max[b][kv][c0, c1]
                     bound = min(q_norm_max * k_max, mode.cap)  # a softcap bounds |S_ij| too
@@ -741,21 +743,23 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                 if upper and not any_unset and item.below_floor(q_norms[r] * k_max - m_r, span, exp.floor):
                     continue
                 # A row's first visible keys set its reference m. When the bound keeps
-                # every score of a fully visible span within +-threshold, the unset rows
-                # keep m = 0 (their maxima are within the threshold of it, so no exp can
-                # overflow or lose the row), and no row-max pass is needed.
-                if lower and any_unset and not span[4] and bound <= threshold:
+                # every score of the span within +-threshold, the unset rows take m = 0
+                # (their visible scores are within the threshold of it, so no exp can
+                # overflow or lose the row), and no row-max pass is needed. The rows
+                # that see no key here (hidden, as on a causal diagonal) are unset
+                # again after it: their l stayed 0.
+                provisional = None
+                if lower and span_unset and bound <= threshold:
+                    provisional = unset_r.copy()
                     unset_r[...] = False
-                    any_unset = bool(unset.any())
-                    if not any_unset:
-                        m_min, m_max = float(m.min()), float(m.max())
+                    span_unset = False
                 # Settled: S_ij - m_i <= bound - m_i stays under the threshold for every
-                # row, so no row can need a rescale and the row-max pass is skipped. Tried
-                # first in scalars (no array operation, so no GIL hand-off between the
-                # pool's threads), then row by row.
+                # row of the span, so no row can need a rescale and the row-max pass is
+                # skipped. Tried first in scalars (no array operation, so no GIL hand-off
+                # between the pool's threads), then row by row.
                 settled = (
                     upper
-                    and not any_unset
+                    and not span_unset
                     and (bound - m_min <= threshold or np.max(q_norms[r] * k_max - m_r) <= threshold)
                 )
                 # In a settled span where also S_ij - m_i >= -bound - m_max stays above the
@@ -783,22 +787,24 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                         qa[r, H] = -m_new
                     m_r[...] = m_new
                     unset_r &= ~grow
-                    any_unset = bool(unset.any())
-                    if upper and not any_unset:
-                        m_min, m_max = float(m.min()), float(m.max())
+                    span_unset = bool(unset_r.any())
+                    m_min, m_max = float(m.min()), float(m.max())
                 # Unfused, m stays an exact score (or 0), so the backward's S - lse matches.
-                if not fused and not (upper and not any_unset and m_min == 0.0 == m_max):
+                if not fused and not (m_min == 0.0 == m_max):
                     s -= m_r[:, None]
                 # P~_ij, never subnormal: the plain exp where no entry can underflow
                 if exp_then_hide:
                     exp.fast(s, out=s)
                     item.fill_hidden(s, span, 0)
-                elif lower and not any_unset and not span[4] and bound + m_max < -exp.floor:  # after the row max
+                elif lower and not span_unset and not span[4] and bound + m_max < -exp.floor:  # after the row max
                     exp.fast(s, out=s)
                 else:
                     exp.flushed(s)
                 np.matmul(s, ones_k[: c1 - c0], out=row_sum[r])  # (R, tk) @ (tk,): a GEMV, 4x faster than s.sum(axis=1)
                 l[r] += row_sum[r]
+                if provisional is not None:
+                    unset_r |= provisional & (l[r] == 0)
+                any_unset = any_unset and bool(unset.any())
                 drop = item.dropout_scale(*span[:4])
                 if drop is not None:
                     s *= drop

@@ -428,6 +428,28 @@ def test_rows_whose_first_keys_all_score_far_below_zero_keep_their_weight():
     _fast_against_float64_dense(q, k, v, False, block_q=16, block_k=16)
 
 
+def test_rows_that_see_no_key_of_a_bounded_first_span_stay_unset():
+    """The first key tile scores within the threshold of 0, so its rows take
+    the reference 0 without a row-max pass; but rows 8-15 see none of its keys
+    (another document) and only keys 16-31, which score -80. They must stay
+    unset and take their reference from those keys: left at 0, the flushed
+    ``exp`` would zero every one of their probabilities and empty the rows."""
+    q, k, v = (a.astype(np.float32) for a in _scores_split_by_key(16, [0] * 16 + [-80] * 16, heads=2))
+    q_ids = np.repeat([0, 1], 8)[None]  # (1, 16)
+    kv_ids = np.repeat([0, 1], 16)[None]  # (1, 32)
+    options = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    dout = np.random.default_rng(6).standard_normal(q.shape[:-1] + v.shape[-1:]).astype(q.dtype)
+    spec = make_spec(q, k, v, impl="chunked", block_q=16, block_k=16, **options)
+    out, lse = fast_numpy.forward(spec, q, k, v)
+    dq, dk, dv, *_ = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)
+    wide = [a.astype(np.float64) for a in (q, k, v)]
+    ref_out, ref_res = npattn.attention_forward(*wide, impl="dense", **options)
+    ref = npattn.attention_backward(dout.astype(np.float64), ref_res)
+    assert np.all(np.abs(out[..., 8:, :]) > 0)  # the rows behind the far keys are not empty
+    for got, want in ((out, ref_out), (lse, ref_res.lse), (dq, ref.dq), (dk, ref.dk), (dv, ref.dv)):
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+
+
 HIDDEN_ABOVE_VISIBLE = {
     # Causal: rows 0-7 see keys 0-7 only (-60); keys 8-15 (+60) are hidden from them. Hidden
     # scores that reached the row max would move m to +60 and flush the visible ones.
