@@ -12,6 +12,8 @@ merge_partials, merge_partials_backward
     Combine attention over disjoint key sets through lse (split-KV, ring attention).
 npattn.distributed (extra "mpi"; import it explicitly)
     ring_attention_forward, ring_attention_backward: exact sequence-parallel attention over MPI.
+ScoreMod, block_mask, softcap_mod, alibi_mod, relative_position_bias, head_temperature
+    User score and mask modifications with hand-written derivatives (FlexAttention's idea).
 check_gradients
     Central-difference gradient checker for any forward/backward pair.
 diagnostics
@@ -42,6 +44,9 @@ from .kv_cache import KVCache
 from .merge import MergeResiduals, merge_partials, merge_partials_backward
 from .mha import MHAGrads, MHAResiduals, MultiheadAttention, mha_backward, mha_forward, mha_init
 from .scores import alibi_slopes
+from .scores.block_mask import BlockMask, block_mask
+from .scores.library import alibi_mod, head_temperature, relative_position_bias, softcap_mod, t5_buckets
+from .scores.mods import ScoreMod, TileIndex
 
 __version__ = "0.1.0"
 
@@ -50,6 +55,15 @@ __all__ = [
     "attention_forward",
     "attention_backward",
     "alibi_slopes",
+    "ScoreMod",
+    "TileIndex",
+    "block_mask",
+    "BlockMask",
+    "softcap_mod",
+    "alibi_mod",
+    "relative_position_bias",
+    "t5_buckets",
+    "head_temperature",
     "AttentionGrads",
     "AttentionResiduals",
     "DenseResiduals",

@@ -38,8 +38,10 @@ class AttentionGrads(NamedTuple):
     ``dq (..., N, T, H)``, ``dk (..., K, S, H)``, ``dv (..., K, S, Hv)``;
     ``dbias``, ``dsinks`` and ``dalibi_slopes`` have the shape and dtype of
     ``bias``, ``sinks`` and ``alibi_slopes``, or are None where that option
-    was not given. A named tuple of six: read the fields by name
-    (``grads.dq``); unpacking takes six names.
+    was not given; ``dmods`` maps each parameter name of the score
+    modifications (``score_mods``) to its gradient, in the parameter's shape
+    and dtype, or is None without them. A named tuple of seven: read the fields
+    by name (``grads.dq``); unpacking takes seven names.
     """
 
     dq: Any
@@ -48,6 +50,7 @@ class AttentionGrads(NamedTuple):
     dbias: Any = None
     dsinks: Any = None
     dalibi_slopes: Any = None
+    dmods: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,23 +129,27 @@ def attention_forward(
     sinks=None,
     q_segment_ids=None,
     kv_segment_ids=None,
+    score_mods=None,
+    mask_mod=None,
+    block_mask=None,
     xp=None,
 ):
     r"""Masked scaled dot-product attention, keeping residuals for the backward.
 
     .. math::
 
-        s_{ij} = c\tanh\big(\mathrm{scale}\; q_i\cdot k_j / c\big) + \mathrm{bias}_{ij}
-        - m_n |p_i - j|,\qquad
+        s_{ij} = f\Big(c\tanh\big(\mathrm{scale}\; q_i\cdot k_j / c\big) + \mathrm{bias}_{ij}
+        - m_n |p_i - j|\Big),\qquad
         \mathrm{lse}_i = \log\Big(e^{\mathrm{sinks}_n} + \sum_{j\ \mathrm{visible}} e^{s_{ij}}\Big)
 
     .. math::
 
         \mathrm{out}_i = \sum_j \mathrm{dropout}\big(e^{s_{ij} - \mathrm{lse}_i}\big)\, v_j
 
-    where the softcap ``c``, the bias, the ALiBi slopes ``m_n`` and the sinks
-    each apply only when given (the score pipeline of :mod:`npattn.scores`, in
-    this order: softcap, bias and ALiBi, visibility, sinks).
+    where the softcap ``c``, the bias, the ALiBi slopes ``m_n``, the user
+    score modifications ``f`` and the sinks each apply only when given (the
+    score pipeline of :mod:`npattn.scores`, in this order: softcap, bias and
+    ALiBi, score modifications, visibility, sinks).
 
     Dimension legend: B... batch axes, N query heads, K kv heads (N % K == 0;
     K < N is GQA/MQA), T query length, S key length, H head dim, Hv value dim.
@@ -212,6 +219,20 @@ def attention_forward(
         Packed documents: key j is visible to query i only where their ids
         are equal (JAX, FlexAttention document masking). Both or neither.
         Tiles whose id ranges cannot meet are skipped.
+    score_mods : ScoreMod or list of ScoreMod, optional
+        User score modifications (:class:`npattn.ScoreMod`), applied in order
+        after the bias and ALiBi, each on tiles ``(B', n, tq, tk)`` with their
+        indices; their parameters' gradients come back in ``grads.dmods``.
+        On the NumPy fast path they turn off the score bounds and base-2
+        scores (see :doc:`/score_mods`). Query positions need ``align`` when
+        T != S.
+    mask_mod : callable ``(idx) -> bool array``, optional
+        A user mask modification, True = may attend, ANDed with the other
+        rules. Correct alone; pass a :func:`npattn.block_mask` instead to skip
+        the tiles it hides.
+    block_mask : BlockMask, optional
+        From :func:`npattn.block_mask`, for this call's T, S, heads, batch
+        and query positions: its mask_mod, with its tile classification.
     xp : namespace, optional
         Array API namespace; inferred from the inputs by default.
 
@@ -263,6 +284,9 @@ def attention_forward(
         sinks=sinks,
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
+        score_mods=score_mods,
+        mask_mod=mask_mod,
+        block_mask=block_mask,
         xp=xp,
     )
     spec = choose_impl(spec)
@@ -290,8 +314,10 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
     ``dbias = dS`` (summed to the bias's shape), ``dalibi_slopes_n =
     -sum dS_nij |p_i - j|``, ``dsinks_n = -sum_i exp(sinks_n - lse_i) D_i``;
     through the softcap ``dR = dS (1 - tanh^2(R / c))``, then
-    ``dQ = scale * dR K``, ``dK = scale * dR^T Q``, ``dV = Pd^T dO``. Fully
-    masked rows contribute nothing.
+    ``dQ = scale * dR K``, ``dK = scale * dR^T Q``, ``dV = Pd^T dO``; score
+    modifications pass ``dS`` through their backward (in reverse order)
+    before the bias's and ALiBi's share is taken. Fully masked rows
+    contribute nothing.
 
     Parameters
     ----------
@@ -305,9 +331,11 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
     Returns
     -------
     AttentionGrads
-        ``(dq, dk, dv, dbias, dsinks, dalibi_slopes)``, each in its input's
-        shape and dtype; ``dbias``, ``dsinks`` and ``dalibi_slopes`` are None
-        where ``bias``, ``sinks`` and ``alibi_slopes`` were not given.
+        ``(dq, dk, dv, dbias, dsinks, dalibi_slopes, dmods)``, each in its
+        input's shape and dtype; ``dbias``, ``dsinks`` and ``dalibi_slopes``
+        are None where ``bias``, ``sinks`` and ``alibi_slopes`` were not
+        given; ``dmods`` maps the score modifications' parameter names to
+        their gradients (None without ``score_mods``).
 
     Examples
     --------
@@ -343,7 +371,14 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
         dbias=_in_dtype(xp, dbias, spec.bias_dtype),
         dsinks=_in_dtype(xp, dsinks, spec.sinks_dtype),
         dalibi_slopes=_in_dtype(xp, params.get("alibi_slopes"), spec.alibi_dtype),
+        dmods=_mod_grads(spec, params["mods"]) if spec.score_mods else None,
     )
+
+
+def _mod_grads(spec: AttentionSpec, grads: dict[str, Any]) -> dict[str, Any]:
+    """The score modifications' parameter gradients, each in its parameter's dtype."""
+    dtypes = {name: param.dtype for mod in spec.score_mods for name, param in mod.params.items()}
+    return {name: spec.xp.astype(grad, dtypes[name], copy=False) for name, grad in grads.items()}
 
 
 def _in_dtype(xp: Any, grad: Any | None, dtype: Any) -> Any | None:

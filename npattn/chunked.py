@@ -210,10 +210,11 @@ def _ungrouped(spec: AttentionSpec, x: Any) -> Any:
 
 def _tile_scores(
     spec: AttentionSpec, qs_i: Any, kT_j: Any, q0: int, q1: int, k0: int, k1: int, kind: str
-) -> tuple[Any, Any]:
-    """``(S_ij, R_ij)``: the raw products ``R_ij = (scale * Q_i) K_j^T`` and
+) -> tuple[Any, Any, Any]:
+    """``(S_ij, R_ij, A_ij)``: the raw products ``R_ij = (scale * Q_i) K_j^T``,
     the scores ``S_ij`` after the pipeline (:mod:`npattn.scores.pipeline`:
-    softcap, bias, ALiBi), hidden entries set to ``-inf``.
+    softcap, bias, ALiBi, user modifications), hidden entries set to
+    ``-inf``, and step 3's additive term (grouped, or None) for the backward.
 
     ``qs_i`` is the pre-scaled query tile ``(..., K, G, tq, H)``, ``kT_j`` the
     transposed key tile ``(..., K, 1, H, tk)``. A fully visible tile
@@ -222,12 +223,13 @@ def _tile_scores(
     xp = spec.xp
     raw = qs_i @ kT_j  # (..., K, G, tq, tk)
     additive = additive_tile(spec, q0, q1, k0, k1)  # (..., N|1, tq|1, tk|1) or None
-    s = transform(spec, raw, None if additive is None else _grouped(spec, additive))  # (..., K, G, tq, tk)
+    additive = None if additive is None else _grouped(spec, additive)  # (..., K|1, G|1, tq|1, tk|1)
+    s = transform(spec, raw, additive, (q0, q1, k0, k1))  # (..., K, G, tq, tk)
     if kind != ALL:
         visible = visible_tile(spec, q0, q1, k0, k1)  # broadcastable to (..., N, tq, tk)
         if visible is not None:
             s = xp.where(_grouped(spec, visible), s, -xp.inf)  # (..., K, G, tq, tk)
-    return s, raw
+    return s, raw, additive
 
 
 def _dropout_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> Any | None:
@@ -299,7 +301,7 @@ def chunked_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, A
             kind = classify_tile(spec, q0, q1, k0, k1)
             if kind == NONE:
                 continue
-            s, _ = _tile_scores(spec, qs_i, kT[..., k0:k1], q0, q1, k0, k1, kind)  # (..., K, G, tq, tk)
+            s, _, _ = _tile_scores(spec, qs_i, kT[..., k0:k1], q0, q1, k0, k1, kind)  # (..., K, G, tq, tk)
             m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))  # (..., K, G, tq, 1)
             m_safe = xp.where(m_new == -xp.inf, xp.zeros_like(m_new), m_new)  # no exp(-inf - -inf)
             a = xp.exp(m - m_safe)  # (..., K, G, tq, 1)
@@ -347,7 +349,7 @@ def chunked_backward(
     dbias : array in ``spec.bias_shape``, or None without a bias
         Summed over the bias's broadcast axes; in the compute dtype.
     param_grads : dict
-        The score pipeline's parameter gradients (``"alibi_slopes"``), see
+        The score pipeline's parameter gradients (``"alibi_slopes"``, ``"mods"``), see
         :class:`npattn.scores.pipeline.ScoreParamGrads`.
     """
     xp = spec.xp
@@ -384,7 +386,7 @@ def chunked_backward(
             if kind == NONE:
                 continue
             qs_i, do_i = qs[..., q0:q1, :], do[..., q0:q1, :]  # (..., K, G, tq, H), (..., K, G, tq, Hv)
-            s, raw = _tile_scores(spec, qs_i, kT_j, q0, q1, k0, k1, kind)  # (..., K, G, tq, tk)
+            s, raw, additive = _tile_scores(spec, qs_i, kT_j, q0, q1, k0, k1, kind)  # (..., K, G, tq, tk)
             p = xp.exp(s - lse[..., q0:q1, :])  # P_ij (..., K, G, tq, tk)
             drop = _dropout_tile(spec, q0, q1, k0, k1)
             p_dropped = p if drop is None else p * drop  # Pd_ij
@@ -394,10 +396,9 @@ def chunked_backward(
             if drop is not None:
                 dp = dp * drop
             ds = p * (dp - D[..., q0:q1, :])  # dS_ij (..., K, G, tq, tk)
-            dbias_acc.add(i, j, ds)
-            if params.needed:
-                params.add(_ungrouped(spec, ds), q0, q1, k0, k1)
-            ds = transform_backward(spec, ds, raw)  # dR_ij: through the softcap
+            # dS3_ij through the modifications, then dR_ij through the softcap
+            ds3, ds = transform_backward(spec, ds, raw, additive, (q0, q1, k0, k1), params)
+            dbias_acc.add(i, j, ds3)
             dq_ij = ds @ k_j  # (..., K, G, tq, tk) @ (..., K, 1, tk, H) -> (..., K, G, tq, H)
             dq_tiles[i] = dq_ij if dq_tiles[i] is None else dq_tiles[i] + dq_ij
             # (..., K, G, tk, tq) @ (..., K, G, tq, H) -> (..., K, G, tk, H), summed over G

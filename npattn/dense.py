@@ -3,7 +3,7 @@
 Forward (per batch element and query head ``n``, kv head ``n // G``)::
 
     R   = scale * Q K^T                      (..., N, T, S), the raw products
-    S   = pipeline(R)                        softcap, + bias - ALiBi (npattn.scores)
+    S   = pipeline(R)                        mods(softcap, + bias - ALiBi) (npattn.scores)
     P   = masked_softmax(S)                  hidden -> 0, fully masked row -> 0
     lse = logsumexp(S over visible keys)     (..., N, T), -inf if none visible
     Pd  = P * keep / (1 - p)                 dropout (keep = 1 when p = 0)
@@ -15,8 +15,9 @@ Backward, given ``dO`` and optionally ``dlse``::
     dPd = dO V^T
     dP  = dPd * keep / (1 - p)
     D   = rowsum(P * dP) - dlse              (= rowsum(dO * O) - dlse)
-    dS  = P * (dP - D)                       also dbias (summed to bias's shape), d slopes
-    dR  = pipeline'(dS)                      softcap's chain rule
+    dS  = P * (dP - D)
+    dS3 = mods'(dS)                          user score mods' chain rules, d params
+    dR  = softcap'(dS3)                      dS3 also gives dbias (summed to bias's shape), d slopes
     dQ  = scale * dR K
     dK  = scale * dR^T Q                     summed over the G heads sharing it
 
@@ -85,7 +86,8 @@ def dense_scores(spec: AttentionSpec, q: Any, k: Any) -> Any:
     transforms (softcap, bias, ALiBi), before masking: the one definition of
     the dense scores (the multi-head layer rebuilds the chunked path's
     probabilities from it)."""
-    return transform(spec, raw_scores(spec, q, k), additive_tile(spec, 0, spec.q_len, 0, spec.kv_len))
+    whole = (0, spec.q_len, 0, spec.kv_len)
+    return transform(spec, raw_scores(spec, q, k), additive_tile(spec, *whole), whole)
 
 
 def dense_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
@@ -119,11 +121,15 @@ def dense_backward(
     if dlse is not None:
         D = D - dlse[..., None]
     ds = p * (dp - D)  # (..., N, T, S)
-    dbias = None if spec.bias_shape is None else sum_to_shape(xp, ds, spec.bias_shape)
     params = ScoreParamGrads(spec)
-    params.add(ds, 0, spec.q_len, 0, spec.kv_len)
-    if spec.softcap is not None:
-        ds = transform_backward(spec, ds, raw_scores(spec, q, k))  # dR (..., N, T, S)
+    whole = (0, spec.q_len, 0, spec.kv_len)
+    if spec.softcap is not None or spec.score_mods:  # their chain rules read the raw products
+        raw, additive = raw_scores(spec, q, k), additive_tile(spec, *whole)
+        ds, ds_raw = transform_backward(spec, ds, raw, additive, whole, params)  # dS3, dR (..., N, T, S)
+    else:
+        ds, ds_raw = transform_backward(spec, ds, None, None, whole, params)  # both dS: step 3 is a sum
+    dbias = None if spec.bias_shape is None else sum_to_shape(xp, ds, spec.bias_shape)
+    ds = ds_raw
     dq = spec.scale * (ds @ expand_kv_heads(xp, k, G))  # (..., N, T, H)
     dk = reduce_kv_heads(xp, spec.scale * (xp.matrix_transpose(ds) @ q), K)  # (..., K, S, H)
     return dq, dk, dv, dbias, params.result()

@@ -67,7 +67,12 @@ tricks each variant keeps is decided per call (:class:`_Mode`):
   floor for every row, relative to the row's reference (``lse`` in the
   backward), holds only exact zeros after the flushed ``exp`` and is skipped
   in both passes: far from the diagonal, steep heads cost nothing.
-- **a bias**: no bound, no fused shifts, base e (as before).
+- **a bias or user score modifications**: no bound, no fused shifts, base e
+  (the modifications' functions see the scores in nats, as on every path).
+  Each span's scores are handed to them head-major, ``(1, G, tq, tk)``
+  (:func:`npattn.scores.mods.tile_index` for the item's batch element and
+  heads), and their parameter cotangents summed per item, then over items
+  in a fixed order. A mask modification keeps every trick: it only hides.
 
 With an additive bias the backward's items would share ``dbias`` entries
 wherever the bias broadcasts, so they then run one after another, in the same
@@ -99,6 +104,7 @@ from .chunked import tile_ranges
 from .namespace import sum_to_shape
 from .options import AttentionSpec
 from .scores.alibi import alibi_distance, alibi_min_distance, alibi_slopes_grad_tile
+from .scores.mods import mods_backward, mods_forward, tile_index
 from .scores.pipeline import additive_tile, param_grads_from_heads
 from .scores.softcap import softcap_backward, softcap_forward
 from .scores.tiles import select_item
@@ -305,14 +311,17 @@ class _Mode:
     Cauchy-Schwarz bound ``|scale q_i| |k_j|`` (a softcap lowers it to
     ``min(bound, c)``): both need no bias; ALiBi keeps the upper one when
     every slope is >= 0 (its term is then <= 0) and loses the lower one.
-    ``cap``: the softcap in the scores' base (inf without one).
+    ``cap``: the softcap in the scores' base (inf without one). User score
+    modifications turn off all four, as a bias does: they may move any score
+    anywhere, and they read scores in nats.
     """
 
     def __init__(self, spec: AttentionSpec, q_norms: Any, k_norms: Any):
         slopes = None if spec.alibi_slopes is None else np.asarray(spec.alibi_slopes)
-        self.upper = spec.bias is None and (slopes is None or bool(np.all(slopes >= 0)))
-        self.lower = spec.bias is None and slopes is None
-        self.base2 = spec.bias is None and self._score_bound(spec, q_norms, k_norms, slopes) < _fused_shift_limit(
+        plain = spec.bias is None and not spec.score_mods  # a user modification may move any score anywhere
+        self.upper = plain and (slopes is None or bool(np.all(slopes >= 0)))
+        self.lower = plain and slopes is None
+        self.base2 = plain and self._score_bound(spec, q_norms, k_norms, slopes) < _fused_shift_limit(
             spec.compute_dtype
         )
         self.fused = self.base2 and spec.softcap is None
@@ -444,7 +453,7 @@ def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list[list[
     ``hidden`` is the ``(R, j1 - j0)`` boolean of entries to hide, built here
     once rather than per item; otherwise None, and each item builds its own.
     """
-    index_rules_only = spec.mask is None and spec.q_lengths is None and spec.kv_lengths is None
+    index_rules_only = not spec.has_user_mask and spec.q_lengths is None and spec.kv_lengths is None
     # Where the segment ids are one and the same throughout a range (inside a
     # packed document), the range's visibility is causal/window's alone.
     positions_only = dataclasses.replace(spec, q_segment_ids=None, kv_segment_ids=None, segment_host=None)
@@ -478,6 +487,7 @@ class _Item:
         self.heads = (kv_head * self.G, (kv_head + 1) * self.G)
         self.head_slice = slice(*self.heads)
         self.mode, self.distances = mode, distances
+        self.mod_grads: dict[str, Any] = {}  # the score modifications' parameter cotangents, summed over spans
         self.slope_min: float | None = None  # min_n m_n over this item's heads, in the scores' base
         if spec.alibi_slopes is not None:
             slopes = select_item(spec, spec.alibi_slopes, b, self.heads)  # (G|1, 1, 1)
@@ -507,12 +517,15 @@ class _Item:
                 rows_hidden = ~self._as_rows(visible, p1 - p0, j1 - j0)  # (R, j1 - j0)
             np.copyto(s[:, j0 - c0 : j1 - c0], value, where=rows_hidden)
 
-    def scores(self, out: Any, qa: Any, kTa: Any, span: tuple, *, hide: bool = True, capped: Any = None) -> None:
-        """``out = qa @ kTa[:, c0:c1]``, then the softcap, the bias and ALiBi
-        and, with ``hide``, the span's hidden entries set to -inf. With a
-        softcap and a ``capped`` buffer of ``out``'s shape (the backward's),
-        the capped products (before step 3, for the softcap's derivative) are
-        kept there.
+    def scores(
+        self, out: Any, qa: Any, kTa: Any, span: tuple, *, hide: bool = True, capped: Any = None
+    ) -> list[Any] | None:
+        """``out = qa @ kTa[:, c0:c1]``, then the softcap, the bias and ALiBi,
+        the user score modifications and, with ``hide``, the span's hidden
+        entries set to -inf. With a softcap and a ``capped`` buffer of
+        ``out``'s shape (the backward's), the capped products (before step 3,
+        for the softcap's derivative) are kept there. With modifications,
+        returns what each received (for their backward), else None.
 
         The softcap is the pipeline's own :func:`~npattn.scores.softcap.softcap_forward`,
         in the scores' base: ``b c tanh(r / c) = (b c) tanh(b r / (b c))``, so
@@ -525,8 +538,32 @@ class _Item:
             if capped is not None:
                 np.copyto(capped, out)
         self.add_bias(out, p0, p1, c0, c1)
+        inputs = self.modify(out, p0, p1, c0, c1) if self.spec.score_mods else None
         if hide:
             self.fill_hidden(out, span, -np.inf)
+        return inputs
+
+    def modify(self, s: Any, p0: int, p1: int, c0: int, c1: int) -> list[Any]:
+        """Step 4 in place on the span's ``(tq*G, tk)`` scores, seen head-major
+        as the rank-4 tile ``(1, G, tq, tk)``; returns what each modification
+        received (copies: ``s`` is overwritten)."""
+        s4 = _head_major(s, p1 - p0, self.G)[None]  # (1, G, tq, tk), a view
+        result, inputs = mods_forward(self.spec, s4.copy(), self.index(p0, p1, c0, c1))
+        np.copyto(s4, result)
+        return inputs
+
+    def modify_backward(self, ds: Any, inputs: list[Any], p0: int, p1: int, c0: int, c1: int) -> None:
+        """Step 4's chain rule in place on the span's ``dS (tq*G, tk)``; adds
+        the parameter shares to :attr:`mod_grads`, in the span order."""
+        ds4 = _head_major(ds, p1 - p0, self.G)[None]  # (1, G, tq, tk), a view
+        ds_in, shares = mods_backward(self.spec, ds4.copy(), inputs, self.index(p0, p1, c0, c1))
+        np.copyto(ds4, ds_in)
+        for name, share in shares.items():
+            self.mod_grads[name] = share if name not in self.mod_grads else self.mod_grads[name] + share
+
+    def index(self, p0: int, p1: int, c0: int, c1: int) -> Any:
+        """The :class:`~npattn.scores.mods.TileIndex` of this item's span."""
+        return tile_index(self.spec, p0, p1, c0, c1, batch=self.b, heads=self.heads)
 
     def below_floor(self, row_bounds: Any, span: tuple, floor: float) -> bool:
         """Whether every score of the span, shifted by its row's reference, lies
@@ -878,6 +915,7 @@ def backward(
     distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, base)
     # Each item writes the slope gradients of its own heads: summed in a fixed order.
     alibi_grads = None if distances is None else np.zeros((Bf, N), dtype=dtype)
+    mod_grads: list[dict[str, Any]] = [{} for _ in range(Bf * K)]  # per item, summed in item order below
 
     def work(job):
         b, kv = job
@@ -933,7 +971,7 @@ def backward(
                     bound = min(q_norm_max * k_norm_max[c0, c1], mode.cap) if mode.lower else np.inf
                     exp_then_hide = bound + lse_max < -exp.floor and (not span[4] or bound - lse_min < -exp.floor)
                     capped = None if capped_flat is None else _buffer(capped_flat, R, tk)
-                    item.scores(p, qa[r], kTa, span, hide=not exp_then_hide, capped=capped)  # S_ij [- lse_i]
+                    inputs = item.scores(p, qa[r], kTa, span, hide=not exp_then_hide, capped=capped)  # S_ij [- lse_i]
                     if not fused:
                         p -= lse_shift[r, None]
                     if exp_then_hide:
@@ -952,6 +990,8 @@ def backward(
                     if not fold_D:
                         ds -= D_b[r, None]
                     ds *= p  # dS_ij = P_ij * (dP_ij - D_i)
+                    if inputs is not None:  # dS3_ij: through the score modifications
+                        item.modify_backward(ds, inputs, *span[:4])
                     if dbias is not None:
                         item.add_dbias(dbias, ds, *span[:4])
                     if alibi_grads is not None:
@@ -970,10 +1010,15 @@ def backward(
         dq[b, heads] = _head_major(dq_b, T, G)  # (G, T, H)
         if alibi_grads is not None:
             alibi_grads[b, heads] = alibi_g / dtype.type(base)  # the distances carried the base
+        mod_grads[b * K + kv] = item.mod_grads
 
     _run([(b, kv) for b in range(Bf) for kv in range(K)], work, parallel=dbias is None)
     bs = spec.batch_shape
     grads = dq.reshape(bs + (N, T, H)), dk.reshape(bs + (K, S, H)), dv.reshape(bs + (K, S, Hv))
     alibi_total = None if alibi_grads is None else alibi_grads.reshape(bs + (N,))
-    params = param_grads_from_heads(spec, alibi_total)  # {"alibi_slopes": ...} or {}
+    mods_total: dict[str, Any] = {}
+    for shares in mod_grads:  # a fixed order, whatever the thread count
+        for name, share in shares.items():
+            mods_total[name] = share if name not in mods_total else mods_total[name] + share
+    params = param_grads_from_heads(spec, alibi_total, mods_total)  # {"alibi_slopes": ..., "mods": ...} or {}
     return (*grads, None if dbias is None else dbias.reshape(spec.bias_shape), params)

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, overload
+
+import numpy as np
 
 from .namespace import array_device, check_floating, compute_dtype, resolve_namespace, to_numpy
 
@@ -88,7 +90,12 @@ class AttentionSpec:
     ``kv_segment_ids`` int64 of shapes ``batch_shape + (T,)`` and
     ``batch_shape + (S,)``, with host (NumPy) copies flattened to
     ``(B, T)``/``(B, S)`` in ``segment_host`` for classifying tiles.
-    ``q_offset`` is set whenever positions matter: causal/window or ALiBi.
+    ``q_offset`` is set whenever positions matter: causal/window, ALiBi or
+    user modifications (:mod:`npattn.scores.mods`): ``score_mods`` a tuple of
+    :class:`~npattn.scores.mods.ScoreMod`, their parameters by name in the
+    compute dtype in ``mod_params``, ``mask_mod`` the user's callable (from
+    ``block_mask`` when one is given) and ``block_mask`` a
+    :class:`~npattn.scores.block_mask.BlockMask` or None.
     """
 
     xp: Any
@@ -131,6 +138,10 @@ class AttentionSpec:
     q_segment_ids: Any = None
     kv_segment_ids: Any = None
     segment_host: tuple[Any, Any] | None = None
+    score_mods: tuple[Any, ...] = ()
+    mod_params: dict[str, Any] = field(default_factory=dict)
+    mask_mod: Any = None
+    block_mask: Any = None
 
     @property
     def group_size(self) -> int:
@@ -155,8 +166,14 @@ class AttentionSpec:
     @property
     def has_index_rules(self) -> bool:
         """Whether a rule decided by indices alone (causal/window, lengths,
-        segment ids) hides some keys: such tiles can be classified and cut."""
-        return self.has_positional_mask or self.has_segments
+        segment ids, a block mask's mask_mod) hides some keys: such tiles can
+        be classified and cut."""
+        return self.has_positional_mask or self.has_segments or self.block_mask is not None
+
+    @property
+    def has_user_mask(self) -> bool:
+        """Whether a user mask or mask modification restricts visibility."""
+        return self.mask is not None or self.mask_mod is not None
 
     @property
     def num_batch(self) -> int:
@@ -535,21 +552,83 @@ def _check_variants(
     }
 
 
-def _check_positions(xp, device, band, lengths, batch_shape, sizes, alibi: bool) -> dict:
+def _normalize_score_mods(score_mods) -> tuple[Any, ...]:
+    """``score_mods`` as a tuple: None, one :class:`~npattn.scores.mods.ScoreMod`
+    or a sequence of them (checked by their attributes: options imports no
+    pipeline module)."""
+    if score_mods is None:
+        return ()
+    mods = (score_mods,) if hasattr(score_mods, "forward") else score_mods
+    if not isinstance(mods, (list, tuple)):
+        raise TypeError(f"score_mods must be a ScoreMod or a list of them, got {type(score_mods).__name__}")
+    seen: set[str] = set()
+    for mod in mods:
+        if not all(hasattr(mod, role) for role in ("forward", "backward", "params")):
+            raise TypeError(f"score_mods must hold npattn.ScoreMod objects, got {type(mod).__name__}")
+        for name in mod.params:
+            if name in seen:
+                raise ValueError(f"score_mods: two modifications declare the parameter {name!r}; rename one")
+            seen.add(name)
+    return tuple(mods)
+
+
+def _check_mod_params(xp, mods: tuple[Any, ...], cdtype) -> dict[str, Any]:
+    """The modifications' parameters by name, cast to the compute dtype."""
+    cast = {}
+    for mod in mods:
+        for name, value in mod.params.items():
+            if not xp.isdtype(value.dtype, "real floating"):
+                raise TypeError(f"score_mods parameter {name!r} must be a real floating array, got dtype {value.dtype}")
+            cast[name] = xp.astype(value, cdtype, copy=False)
+    return cast
+
+
+def _check_block_mask(block_mask, mask_mod, batch_shape, sizes, q_offset) -> Any:
+    """The mask modification: ``block_mask``'s (checked against the call's
+    sizes and query positions), else ``mask_mod`` (callable or None)."""
+    N, T, S = sizes
+    if block_mask is None:
+        if mask_mod is not None and not callable(mask_mod):
+            raise TypeError(f"mask_mod must be a callable mask_mod(idx) -> bool array, got {type(mask_mod).__name__}")
+        return mask_mod
+    if not hasattr(block_mask, "kinds"):
+        raise TypeError(f"block_mask must come from npattn.block_mask(...), got {type(block_mask).__name__}")
+    if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+        raise ValueError("mask_mod and block_mask were both given with different functions: pass the block mask alone")
+    built = (block_mask.q_len, block_mask.kv_len)
+    if built != (T, S):
+        raise ValueError(f"block_mask was built for (T, S) = {built}, but this call has (T, S) = {(T, S)}")
+    if block_mask.num_heads not in (None, N):
+        raise ValueError(f"block_mask was built for num_heads={block_mask.num_heads}, but this call has N={N}")
+    if block_mask.batch_shape not in (None, batch_shape):
+        raise ValueError(
+            f"block_mask was built for batch_shape={block_mask.batch_shape}, but this call has {batch_shape}"
+        )
+    if not np.array_equal(
+        np.asarray(block_mask.q_offset), to_numpy(q_offset) if hasattr(q_offset, "shape") else q_offset
+    ):
+        raise ValueError(
+            "block_mask was built for other query positions than this call's (align, or q_lengths/kv_lengths "
+            "with align='bottom_right'): build it with the call's align and lengths"
+        )
+    return block_mask.mask_mod
+
+
+def _check_positions(xp, device, band, lengths, batch_shape, sizes, readers: list[str]) -> dict:
     """Causal/window, alignment, lengths and the query offset as
     :class:`AttentionSpec` fields; ``band`` is ``(causal, window, align)``,
-    ``lengths`` ``(q_lengths, kv_lengths)``, ``sizes`` ``(T, S)``, ``alibi``
-    whether ALiBi reads positions too."""
+    ``lengths`` ``(q_lengths, kv_lengths)``, ``sizes`` ``(T, S)``, ``readers``
+    the other options that read positions (ALiBi, user modifications)."""
     causal, window, align = band
     T, S = sizes
     left, right = _check_window(causal, window)
     positional = left is not None or right is not None
     align = _check_align(align, positional, T, S)
-    if alibi:
-        align = _check_align(align, True, T, S, what="alibi_slopes (ALiBi)")
+    for reader in readers:
+        align = _check_align(align, True, T, S, what=reader)
     q_lengths, q_len_bounds = _check_lengths(xp, "q_lengths", lengths[0], batch_shape, T, device)
     kv_lengths, kv_len_bounds = _check_lengths(xp, "kv_lengths", lengths[1], batch_shape, S, device)
-    bottom_right = (positional or alibi) and align == "bottom_right"
+    bottom_right = (positional or bool(readers)) and align == "bottom_right"
     q_offset, offset_bounds = _query_offset(xp, bottom_right, q_lengths, kv_lengths, batch_shape, T, S)
     return {
         "window_left": left,
@@ -562,6 +641,17 @@ def _check_positions(xp, device, band, lengths, batch_shape, sizes, alibi: bool)
         "q_len_bounds": q_len_bounds,
         "kv_len_bounds": kv_len_bounds,
     }
+
+
+def _check_path(impl, block_q, block_k) -> tuple[str, int | None, int | None]:
+    """``impl`` and the tile sizes."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return (
+        impl,
+        check_int("block_q", block_q, minimum=1, allow_none=True),
+        check_int("block_k", block_k, minimum=1, allow_none=True),
+    )
 
 
 def make_spec(
@@ -587,13 +677,19 @@ def make_spec(
     sinks=None,
     q_segment_ids=None,
     kv_segment_ids=None,
+    score_mods=None,
+    mask_mod=None,
+    block_mask=None,
     xp=None,
 ) -> AttentionSpec:
     """Check every argument of :func:`npattn.attention_forward` and return the
     normalized :class:`AttentionSpec`. Raises ``TypeError``/``ValueError``
     naming the offending argument."""
+    mods = _normalize_score_mods(score_mods)
     extra = {"alibi_slopes": alibi_slopes, "sinks": sinks, "q_segment_ids": q_segment_ids}
-    extra["kv_segment_ids"] = kv_segment_ids
+    extra.update(
+        kv_segment_ids=kv_segment_ids, **{f"score_mods parameter {n!r}": p for m in mods for n, p in m.params.items()}
+    )
     xp = _resolve_arrays(q, k, v, mask, bias, q_lengths, kv_lengths, xp, extra)
     batch_shape, (N, T, H), (K, S, Hv) = _check_shapes(q, k, v)
     _check_dtypes(xp, q, k, v)
@@ -605,21 +701,16 @@ def make_spec(
     variants = _check_variants(
         xp, batch_shape, (N, T, S), cdtype, softcap, alibi_slopes, sinks, q_segment_ids, kv_segment_ids
     )
+    readers = ["alibi_slopes (ALiBi)"] * (alibi_slopes is not None)
+    readers += ["score_mods/mask_mod/block_mask"] * bool(mods or mask_mod is not None or block_mask is not None)
     positions = _check_positions(
-        xp,
-        device,
-        (causal, window, align),
-        (q_lengths, kv_lengths),
-        batch_shape,
-        (T, S),
-        variants["alibi_slopes"] is not None,
+        xp, device, (causal, window, align), (q_lengths, kv_lengths), batch_shape, (T, S), readers
     )
+    variants.update(score_mods=mods, mod_params=_check_mod_params(xp, mods, cdtype), block_mask=block_mask)
+    variants["mask_mod"] = _check_block_mask(block_mask, mask_mod, batch_shape, (N, T, S), positions["q_offset"])
     scale = _check_scale(xp, scale, H, cdtype)
     dropout_p, seed = _check_dropout(dropout_p, seed)
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    block_q = check_int("block_q", block_q, minimum=1, allow_none=True)
-    block_k = check_int("block_k", block_k, minimum=1, allow_none=True)
+    impl, block_q, block_k = _check_path(impl, block_q, block_k)
 
     return AttentionSpec(
         xp=xp,

@@ -4,17 +4,19 @@ r"""The score pipeline of one tile, in the order every path applies it
     1. s = scale * q_i . k_j                         the raw product (the path's GEMM)
     2. s = c tanh(s / c)                             softcap          (softcap.py)
     3. s = s + bias_ij - m_n |p_i - j|               bias, ALiBi      (here, alibi.py)
-    5. hidden -> excluded                            visibility       (visibility.py)
+    4. s = f_M(... f_1(s, idx) ...)                  user score mods  (mods.py)
+    5. hidden -> excluded                            visibility       (visibility.py, mask_mod: mods.py)
     6. one virtual key per head, score sinks_n       sinks            (sinks.py)
     7. softmax, dropout, out = P V                   the path's kernel
 
-(Step 4, user score modifications, is to come.) Each step is written once,
+Each step is written once,
 with its derivative beside it, and called by the dense path, the generic
 chunked path and the NumPy fast path alike. Steps 2-3 build canonical tiles
 (broadcastable to ``(..., N, tq, tk)``, see :mod:`npattn.scores.tiles`) that
 each path converts to its own layout; the backward runs them in reverse::
 
-    dS (after step 3) = P * (dP - D)                  the kernel's
+    dS (after step 4) = P * (dP - D)                  the kernel's
+    dS (after step 3) = f_1'( ... f_M'(dS))            each mod's backward, d params by name
     d bias_ij        += dS_ij                          summed to the bias's shape (the kernel's)
     d m_n            += -sum_ij dS_nij |p_i - j|       ScoreParamGrads
     d raw_ij          = dS_ij (1 - tanh^2(raw_ij / c)) transform_backward
@@ -27,6 +29,7 @@ from typing import Any
 from ..namespace import sum_to_shape
 from ..options import AttentionSpec
 from .alibi import alibi_slopes_grad_tile, alibi_tile
+from .mods import mods_backward, mods_forward, tile_index
 from .softcap import softcap_backward, softcap_forward
 from .tiles import select_item, slice_tile
 
@@ -73,32 +76,74 @@ def additive_tile(
     return present[0] if len(present) == 1 else present[0] + present[1]
 
 
-def transform(spec: AttentionSpec, raw: Any, additive: Any | None) -> Any:
-    """Steps 2-3 on raw products of any layout: ``softcap(raw) + additive``,
-    where ``additive`` is :func:`additive_tile` already in ``raw``'s layout."""
+def transform(spec: AttentionSpec, raw: Any, additive: Any | None, tile: tuple[int, int, int, int]) -> Any:
+    """Steps 2-4 on the raw products of the tile ``(q0, q1, k0, k1)`` over every
+    batch element and head, in a layout that reshapes to ``(B, N, tq, tk)``
+    (the dense path's ``(..., N, T, S)``, the generic chunked path's
+    ``(..., K, G, tq, tk)``): ``mods(softcap(raw) + additive)``, where
+    ``additive`` is :func:`additive_tile` already in ``raw``'s layout."""
+    s = _steps_2_3(spec, raw, additive)
+    return s if not spec.score_mods else _mods_on(spec, s, tile)[0]
+
+
+def transform_backward(
+    spec: AttentionSpec,
+    ds: Any,
+    raw: Any,
+    additive: Any | None,
+    tile: tuple[int, int, int, int],
+    params: ScoreParamGrads,
+) -> tuple[Any, Any]:
+    """The chain rule of :func:`transform`, from the scores' cotangent ``ds``:
+    ``(ds3, draw)``, the cotangents of step 3's output (the bias's and
+    ALiBi's, whose shares go to ``params`` with the modifications') and of
+    the raw products."""
+    if spec.score_mods:
+        s3 = _steps_2_3(spec, raw, additive)
+        _, inputs = _mods_on(spec, s3, tile)
+        xp = spec.xp
+        ds4 = xp.reshape(ds, _rank4(spec, tile))  # (B, N, tq, tk)
+        ds4, shares = mods_backward(spec, ds4, inputs, tile_index(spec, *tile))
+        params.add_mods(shares)
+        ds = xp.reshape(ds4, tuple(ds.shape))
+    if params.needed:
+        params.add(ds, *tile)
+    if spec.softcap is None:
+        return ds, ds
+    return ds, softcap_backward(spec.xp, softcap_forward(spec.xp, raw, spec.softcap), spec.softcap, ds)
+
+
+def _steps_2_3(spec: AttentionSpec, raw: Any, additive: Any | None) -> Any:
+    """``softcap(raw) + additive`` in ``raw``'s layout."""
     s = raw if spec.softcap is None else softcap_forward(spec.xp, raw, spec.softcap)
     return s if additive is None else s + additive
 
 
-def transform_backward(spec: AttentionSpec, ds: Any, raw: Any) -> Any:
-    """The cotangent of the raw products from that of the scores (step 3 is
-    a sum, so only the softcap's chain rule remains)."""
-    if spec.softcap is None:
-        return ds
-    return softcap_backward(spec.xp, softcap_forward(spec.xp, raw, spec.softcap), spec.softcap, ds)
+def _rank4(spec: AttentionSpec, tile: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    q0, q1, k0, k1 = tile
+    return (spec.num_batch, spec.num_heads, q1 - q0, k1 - k0)
+
+
+def _mods_on(spec: AttentionSpec, s: Any, tile: tuple[int, int, int, int]) -> tuple[Any, list[Any]]:
+    """Step 4 on a tile over every batch element and head, seen as rank 4."""
+    xp = spec.xp
+    s4 = xp.reshape(s, _rank4(spec, tile))  # (B, N, tq, tk)
+    out, inputs = mods_forward(spec, s4, tile_index(spec, *tile))
+    return xp.reshape(out, tuple(s.shape)), inputs
 
 
 class ScoreParamGrads:
-    """Gradients of the pipeline's own parameters (the ALiBi slopes), summed
-    over whole-batch tiles (the dense and generic chunked paths) in the order
-    the path visits them, so deterministic. The NumPy fast path sums its own
-    per-item shares of :func:`~npattn.scores.alibi.alibi_slopes_grad_tile`
-    and hands the total to :func:`param_grads_from_heads`.
+    """Gradients of the pipeline's own parameters (the ALiBi slopes, the
+    score modifications' parameters), summed over tiles in the order the path
+    visits them, so deterministic. The NumPy fast path sums per-item shares
+    (:func:`~npattn.scores.alibi.alibi_slopes_grad_tile`, the modifications'
+    backward) and hands the totals to :func:`param_grads_from_heads`.
     """
 
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
         self.alibi: Any = None
+        self.mods: dict[str, Any] = {}
 
     @property
     def needed(self) -> bool:
@@ -106,24 +151,41 @@ class ScoreParamGrads:
         return self.spec.alibi_slopes is not None
 
     def add(self, ds: Any, q0: int, q1: int, k0: int, k1: int) -> None:
-        """Add the tile ``[q0, q1) x [k0, k1)``'s share, from its ``dS (..., N, tq, tk)``."""
+        """Add the tile ``[q0, q1) x [k0, k1)``'s share, from its ``dS (..., N, tq, tk)``
+        (or ``(..., K, G, tq, tk)``), the cotangent of step 3's output."""
         if self.spec.alibi_slopes is not None:
+            ds = self.spec.xp.reshape(ds, self.spec.batch_shape + (self.spec.num_heads, q1 - q0, k1 - k0))
             partial = alibi_slopes_grad_tile(self.spec, ds, q0, q1, k0, k1)  # (..., N)
             self.alibi = partial if self.alibi is None else self.alibi + partial
 
+    def add_mods(self, shares: dict[str, Any]) -> None:
+        """Add one tile's shares of the modifications' parameter cotangents."""
+        for name, share in shares.items():
+            self.mods[name] = share if name not in self.mods else self.mods[name] + share
+
     def result(self) -> dict[str, Any]:
-        """``{"alibi_slopes": d slopes}`` in the slopes' shape (compute dtype), or ``{}``."""
-        return param_grads_from_heads(self.spec, self.alibi)
+        """See :func:`param_grads_from_heads`."""
+        return param_grads_from_heads(self.spec, self.alibi, self.mods)
 
 
-def param_grads_from_heads(spec: AttentionSpec, alibi_total: Any | None) -> dict[str, Any]:
-    """The parameter gradients from the per-head total ``-sum dS |p - j|``
-    (broadcastable to ``(..., N)``; None when every tile was skipped), summed
-    to the slopes' own shape: ``{"alibi_slopes": ...}``, or ``{}`` without ALiBi."""
-    if spec.alibi_slopes is None or spec.alibi_shape is None:
-        return {}
+def param_grads_from_heads(
+    spec: AttentionSpec, alibi_total: Any | None, mods: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The parameter gradients in the compute dtype: ``"alibi_slopes"`` from
+    the per-head total ``-sum dS |p - j|`` (broadcastable to ``(..., N)``;
+    None when every tile was skipped), summed to the slopes' shape, and
+    ``"mods"``, the modifications' parameters by name (zeros for one no tile
+    reached). Keys only for what the call has."""
     xp = spec.xp
-    heads = spec.batch_shape + (spec.num_heads,)  # (..., N)
-    if alibi_total is None:
-        alibi_total = xp.zeros(heads, dtype=spec.compute_dtype, device=spec.device)
-    return {"alibi_slopes": sum_to_shape(xp, xp.broadcast_to(alibi_total, heads), spec.alibi_shape)}
+    grads: dict[str, Any] = {}
+    if spec.alibi_slopes is not None and spec.alibi_shape is not None:
+        heads = spec.batch_shape + (spec.num_heads,)  # (..., N)
+        if alibi_total is None:
+            alibi_total = xp.zeros(heads, dtype=spec.compute_dtype, device=spec.device)
+        grads["alibi_slopes"] = sum_to_shape(xp, xp.broadcast_to(alibi_total, heads), spec.alibi_shape)
+    if spec.score_mods:
+        grads["mods"] = {
+            name: mods[name] if mods and name in mods else xp.zeros_like(param)
+            for name, param in spec.mod_params.items()
+        }
+    return grads

@@ -9,6 +9,7 @@ is set holds::
     p - left <= j <= p + right               (window; causal is right = 0)
     i < q_lengths[...]  and  j < kv_lengths[...]
     q_segment_ids[..., i] == kv_segment_ids[..., j]    (packed documents)
+    mask_mod(idx)[b, n, i, j]                (user mask modification, npattn.scores.mods)
 
 The dense path asks for the tile ``[0, T) x [0, S)``; the chunked path asks for
 ``[q0, q1) x [k0, k1)`` and first calls :func:`classify_tile` to skip tiles
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..options import AttentionSpec
+from .mods import mask_mod_tile, tile_index
 from .tiles import key_positions, per_batch, query_positions, row_indices, select_item, slice_tile
 
 __all__ = ["visible_tile", "classify_tile", "segments_hide_nothing", "NONE", "ALL", "SOME"]
@@ -68,6 +70,8 @@ def visible_tile(
             parts.append(cols < per_batch(spec, spec.kv_lengths, batch))  # (..., 1, 1, tk)
     if spec.has_segments:
         parts.append(_same_segment(spec, q0, q1, k0, k1, batch))  # (..., 1, tq, tk) or (tq, tk)
+    if spec.mask_mod is not None and (spec.block_mask is None or spec.block_mask.classify(q0, q1, k0, k1) != ALL):
+        parts.append(_mask_mod_part(spec, q0, q1, k0, k1, batch, heads))  # (..., n, tq, tk) or (n, tq, tk)
     if not parts:
         return None
     visible = parts[0]
@@ -81,14 +85,15 @@ def classify_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> st
     visible (``ALL``) or mixed (``SOME``), for every batch element and head.
 
     Decided on the host from the index rules and the (min, max) bounds of the
-    per-batch offsets and lengths, and the range of the segment ids of each
-    batch element; a user mask makes a tile that the index rules leave
-    visible ``SOME``, since only its values could tell.
+    per-batch offsets and lengths, the range of the segment ids of each
+    batch element, and a block mask (:func:`npattn.block_mask`); a user mask,
+    or a mask modification without a block mask, makes a tile that the other
+    rules leave visible ``SOME``, since only its values could tell.
     """
     if q1 <= q0 or k1 <= k0:
         return NONE
     hidden = False
-    partial = spec.mask is not None
+    partial = spec.mask is not None or (spec.mask_mod is not None and spec.block_mask is None)
     (omin, omax), (qmin, qmax), (kmin, kmax) = spec.offset_bounds, spec.q_len_bounds, spec.kv_len_bounds
     first_pos, last_pos = q0 + omin, q1 - 1 + omax  # extreme query positions in the tile
     if spec.window_right is not None:  # j <= p + right
@@ -107,6 +112,10 @@ def classify_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> st
         segments = _classify_segments(spec, q0, q1, k0, k1)
         hidden |= segments == NONE
         partial |= segments == SOME
+    if spec.block_mask is not None:  # the user mask modification, classified once per block
+        blocks = spec.block_mask.classify(q0, q1, k0, k1)
+        hidden |= blocks == NONE
+        partial |= blocks == SOME
     if hidden:
         return NONE
     return SOME if partial else ALL
@@ -151,3 +160,17 @@ def _classify_segments(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) 
     if np.all((q_min == q_max) & (kv_min == kv_max) & (q_min == kv_min)):
         return ALL
     return SOME
+
+
+def _mask_mod_part(
+    spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int, batch: int | None, heads: tuple[int, int] | None
+) -> Any:
+    """The user's ``mask_mod`` over the tile, in the canonical layout:
+    ``(..., n, tq, tk)``, or ``(n, tq, tk)`` for one batch element."""
+    xp = spec.xp
+    idx = tile_index(spec, q0, q1, k0, k1, batch, heads)
+    n = idx.head.shape[1]
+    tile = (idx.batch.shape[0], n, q1 - q0, k1 - k0)  # (B', n, tq, tk)
+    visible = xp.broadcast_to(mask_mod_tile(spec, idx, tile), tile)
+    lead = () if batch is not None else spec.batch_shape
+    return xp.reshape(visible, lead + tile[1:])  # (..., n, tq, tk)
