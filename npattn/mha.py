@@ -464,8 +464,11 @@ class MHAGrads(NamedTuple):
         Gradient of the additive attention ``bias``, in its own shape.
     dalibi_slopes : array or None
         Gradient of the ``alibi_slopes`` argument, in its own shape and
-        dtype; None without ALiBi. (A named tuple of five: read the fields by
-        name; unpacking takes five names.)
+        dtype; None without ALiBi.
+    dmods : dict or None
+        Gradients of the ``score_mods`` parameters by name (None without
+        them). (A named tuple of six: read the fields by name; unpacking
+        takes six names.)
     """
 
     dx: Any
@@ -473,6 +476,7 @@ class MHAGrads(NamedTuple):
     dparams: dict
     dbias: Any
     dalibi_slopes: Any = None
+    dmods: Any = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -552,6 +556,9 @@ def mha_forward(
     alibi_slopes=None,
     q_segment_ids=None,
     kv_segment_ids=None,
+    score_mods=None,
+    mask_mod=None,
+    block_mask=None,
     need_weights=False,
     cache=None,
     xp=None,
@@ -603,6 +610,13 @@ def mha_forward(
         :attr:`MHAGrads.dalibi_slopes`. The sinks are not an argument: they
         are the layer's parameter ``params["sinks"]`` (``mha_init(...,
         sinks=True)``).
+    score_mods, mask_mod, block_mask
+        User score and mask modifications (:class:`npattn.ScoreMod`,
+        :func:`npattn.block_mask`), passed to :func:`npattn.attention_forward`
+        on the split heads ``(B, N, T, S)``; positions are the core's (a
+        cache implies ``"bottom_right"``, so ``idx.q`` is the token's place
+        in the whole sequence). Their parameters' gradients are
+        :attr:`MHAGrads.dmods`.
     q_segment_ids, kv_segment_ids : int arrays (B, T) and (B, S), optional
         Packed documents: key j is visible to query i only where the ids are
         equal. For self-attention ``kv_segment_ids`` defaults to
@@ -700,6 +714,9 @@ def mha_forward(
         sinks=P.get("sinks"),
         q_segment_ids=q_ids,
         kv_segment_ids=kv_ids,
+        score_mods=score_mods,
+        mask_mod=mask_mod,
+        block_mask=block_mask,
         xp=xp,
     )  # o: (B, N, T, H)
     merged = _merge_heads(xp, o)  # (B, T, E)
@@ -737,12 +754,13 @@ def mha_backward(dy, residuals, /) -> MHAGrads:
     Returns
     -------
     MHAGrads
-        ``(dx, dcontext, dparams, dbias, dalibi_slopes)``: ``dcontext`` is
+        ``(dx, dcontext, dparams, dbias, dalibi_slopes, dmods)``: ``dcontext`` is
         None for self-attention, an array for one context, a pair for a pair;
         ``dparams`` has the keys of ``params`` (``dparams["sinks"]`` the
         sinks' gradient when the layer has them); ``dbias`` and
         ``dalibi_slopes`` are the gradients of the ``bias`` and
-        ``alibi_slopes`` arguments in their own shapes, or None.
+        ``alibi_slopes`` arguments in their own shapes, or None; ``dmods``
+        the ``score_mods`` parameters' gradients by name, or None.
 
     Raises
     ------
@@ -823,7 +841,7 @@ def mha_backward(dy, residuals, /) -> MHAGrads:
             xp.astype(d_key_source, residuals.dtype, copy=False),
             xp.astype(d_value_source, residuals.dtype, copy=False),
         )
-    return MHAGrads(xp.astype(dx, residuals.dtype, copy=False), dcontext, dparams, g.dbias, g.dalibi_slopes)
+    return MHAGrads(xp.astype(dx, residuals.dtype, copy=False), dcontext, dparams, g.dbias, g.dalibi_slopes, g.dmods)
 
 
 # --- a thin object wrapper --------------------------------------------------

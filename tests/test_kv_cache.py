@@ -9,6 +9,7 @@ import importlib.util
 import numpy as np
 import pytest
 
+import npattn
 from npattn.kv_cache import KVCache
 from npattn.mha import MultiheadAttention, mha_backward, mha_forward, mha_init
 
@@ -194,10 +195,15 @@ def _variant_options(rng, N, variant):
         "softcap": {"softcap": 0.8},
         "alibi": {"alibi_slopes": rng.uniform(0.1, 1.0, N)},
         "softcap-alibi-window": {"softcap": 2.0, "alibi_slopes": rng.uniform(0.1, 1.0, N), "window": (3, 0)},
+        # positions are the whole sequence's (bottom_right against the cache): key 2 back is hidden
+        "score-mods": {
+            "score_mods": [npattn.relative_position_bias(rng.standard_normal((N, 8)), max_distance=16)],
+            "mask_mod": lambda idx: (idx.q - idx.k) != 2,
+        },
     }.get(variant, {})
 
 
-VARIANTS = ["sinks", "softcap", "alibi", "segments", "softcap-alibi-window", "sinks-alibi-segments"]
+VARIANTS = ["sinks", "softcap", "alibi", "segments", "softcap-alibi-window", "sinks-alibi-segments", "score-mods"]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
