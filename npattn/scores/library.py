@@ -23,7 +23,9 @@ from typing import Any
 
 import array_api_compat
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
+from ..namespace import to_numpy
 from .mods import ScoreMod, TileIndex
 from .softcap import softcap_backward, softcap_forward
 
@@ -140,6 +142,12 @@ def relative_position_bias(
     with ``table`` of shape ``(N, num_buckets)`` and :func:`t5_buckets`;
     ``dtable[n, b] = sum over entries in bucket b of ds'_n``.
 
+    The bias of a tile depends on ``j - p_i`` alone, which takes
+    ``tq + tk - 1`` values there: each head's bias is gathered once per value
+    (``vec[n, r]``), and the tile reads ``vec`` along its diagonals (a
+    Toeplitz matrix; on NumPy a strided view, no copy); the backward sums
+    ``ds'`` along the same diagonals first, then per bucket.
+
     >>> import numpy as np, npattn
     >>> q = k = v = np.random.default_rng(0).standard_normal((1, 2, 6, 4))
     >>> bias = npattn.relative_position_bias(np.zeros((2, 8)), max_distance=16)
@@ -152,27 +160,102 @@ def relative_position_bias(
             f"relative_position_bias table must have shape (N, num_buckets), got {getattr(table, 'shape', None)}"
         )
     num_buckets = int(table.shape[1])
+    options = {"num_buckets": num_buckets, "max_distance": max_distance, "bidirectional": bidirectional}
 
-    def flat_index(xp: Any, idx: TileIndex) -> Any:
-        """``n * num_buckets + bucket(j - p_i)``: ``(B'|1, n, tq, tk)``."""
-        bucket = t5_buckets(
-            idx.k - idx.q, num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional
+    def bias(xp: Any, table: Any, idx: TileIndex) -> Any:
+        """The tile's bias ``(1, n, tq, tk)``, one batch row's positions."""
+        diagonals = _Diagonals(xp, idx)
+        buckets = t5_buckets(diagonals.relative, **options)  # (R,)
+        flat = xp.reshape(xp.reshape(idx.head, (-1, 1)) * num_buckets + xp.reshape(buckets, (1, -1)), (-1,))  # (n*R,)
+        vec = xp.reshape(xp.take(xp.reshape(table, (-1,)), flat, axis=0), (-1, diagonals.size))  # (n, R)
+        return diagonals.spread(vec)  # (1, n, tq, tk)
+
+    def table_grad(xp: Any, ds: Any, idx: TileIndex) -> Any:
+        """The tile's share of ``dtable``, ``(N * num_buckets,)``, one batch row's positions."""
+        diagonals = _Diagonals(xp, idx)
+        buckets = t5_buckets(diagonals.relative, **options)  # (R,)
+        per_diagonal = diagonals.gather(ds)  # (n, R): ds summed along each diagonal
+        flat = xp.reshape(idx.head, (-1, 1)) * num_buckets + xp.reshape(buckets, (1, -1))  # (n, R)
+        return _scatter_sum(
+            xp, per_diagonal, xp.broadcast_to(flat, tuple(per_diagonal.shape)), idx.num_heads * num_buckets
         )
-        return idx.head * num_buckets + bucket
 
     def relative_bias(s, idx, **params):
         xp = array_api_compat.array_namespace(s)
-        index = flat_index(xp, idx)
-        bias = xp.take(xp.reshape(params[name], (-1,)), xp.reshape(index, (-1,)), axis=0)
-        return s + xp.reshape(bias, tuple(index.shape))  # (B'|1, n, tq, tk)
+        parts = [s_b + bias(xp, params[name], idx_b) for s_b, idx_b in _position_groups(s, idx)]  # (B'', n, tq, tk)
+        return parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
 
     def relative_bias_grad(s, idx, ds, **params):
         xp = array_api_compat.array_namespace(s)
-        index = xp.broadcast_to(flat_index(xp, idx), tuple(ds.shape))  # (B', n, tq, tk)
-        table_grad = _scatter_sum(xp, ds, index, idx.num_heads * num_buckets)
-        return ds, {name: xp.reshape(table_grad, (idx.num_heads, num_buckets))}
+        shares = [table_grad(xp, ds_b, idx_b) for ds_b, idx_b in _position_groups(ds, idx)]
+        total = shares[0]
+        for share in shares[1:]:
+            total = total + share
+        return ds, {name: xp.reshape(total, (idx.num_heads, num_buckets))}
 
     return ScoreMod(relative_bias, relative_bias_grad, params={name: table}, name="relative_position_bias")
+
+
+def _position_groups(x: Any, idx: TileIndex) -> list[tuple[Any, TileIndex]]:
+    """``[(x, idx)]`` when every batch row of the tile has the same query
+    positions, else one ``(x[b:b+1], idx of row b)`` per row (bottom right
+    with lengths)."""
+    firsts = to_numpy(idx.q[:, 0, 0, 0])
+    if firsts.shape[0] == 1 or bool(np.all(firsts == firsts[0])):
+        return [(x, idx)]
+    rows = range(int(x.shape[0]))
+    return [(x[b : b + 1, ...], idx._replace(batch=idx.batch[b : b + 1, ...], q=idx.q[b : b + 1, ...])) for b in rows]
+
+
+class _Diagonals:
+    """The diagonals ``r = j - p_i`` of a tile whose queries and keys are
+    consecutive positions (every path's tiles): ``relative`` holds the
+    ``R = tq + tk - 1`` values ``k0 - q_last .. k_last - q0`` of one batch
+    row (int64, ``(R,)``), and entry ``(i, j)`` of the tile lies on
+    diagonal ``tq - 1 - i + j``. Batch rows whose positions differ are
+    split apart first (:func:`_position_groups`)."""
+
+    def __init__(self, xp: Any, idx: TileIndex):
+        self.xp, self.idx = xp, idx
+        self.tq, self.tk = int(idx.q.shape[2]), int(idx.k.shape[3])
+        self.size = self.tq + self.tk - 1
+        first = int(to_numpy(idx.q[:1, 0, :1, 0])[0, 0])  # p_0, the same in every batch row here
+        k0 = int(to_numpy(idx.k[0, 0, 0, :1])[0])
+        low = k0 - (first + self.tq - 1)
+        self.relative = xp.arange(low, low + self.size, dtype=xp.int64, device=array_api_compat.device(idx.k))
+
+    def spread(self, vec: Any) -> Any:
+        """``out[., n, i, j] = vec[n, tq - 1 - i + j]``: ``(1, n, tq, tk)``."""
+        n, tq, tk = vec.shape[0], self.tq, self.tk
+        if array_api_compat.is_numpy_array(vec):
+            vec = np.ascontiguousarray(vec)
+            item = vec.itemsize
+            return as_strided(vec[:, tq - 1 :], shape=(1, n, tq, tk), strides=(0, vec.strides[0], -item, item))
+        xp = self.xp
+        index = xp.reshape(self.idx.k - self.idx.q, (tq, tk)) - int(self.relative[0])  # (tq, tk) in [0, R)
+        flat = xp.reshape(
+            xp.reshape(xp.arange(n, dtype=xp.int64, device=array_api_compat.device(vec)), (n, 1, 1)) * self.size
+            + index,
+            (-1,),
+        )
+        return xp.reshape(xp.take(xp.reshape(vec, (-1,)), flat, axis=0), (1, n, tq, tk))
+
+    def gather(self, ds: Any) -> Any:
+        """``out[n, r] = sum of ds[., n, i, j]`` over the entries on diagonal ``r``: ``(n, R)``."""
+        xp, tq, tk = self.xp, self.tq, self.tk
+        total = xp.sum(ds, axis=0)  # (n, tq, tk): one set of diagonals for every batch row
+        n = total.shape[0]
+        if array_api_compat.is_numpy_array(total):
+            padded = np.zeros((n, tq * self.size + tk), dtype=total.dtype)  # row i of (tq, R) shifted by tq - 1 - i
+            item = padded.itemsize
+            shifted = as_strided(
+                padded[:, tq - 1 :], shape=(n, tq, tk), strides=(padded.strides[0], (self.size - 1) * item, item)
+            )
+            np.copyto(shifted, total)
+            return padded[:, : tq * self.size].reshape(n, tq, self.size).sum(axis=1)  # (n, R)
+        index = xp.broadcast_to(xp.reshape(self.idx.k - self.idx.q, (1, tq, tk)) - int(self.relative[0]), (n, tq, tk))
+        heads = xp.reshape(xp.arange(n, dtype=xp.int64, device=array_api_compat.device(total)), (n, 1, 1))
+        return xp.reshape(_scatter_sum(xp, total, heads * self.size + index, n * self.size), (n, self.size))
 
 
 def _scatter_sum(xp: Any, values: Any, index: Any, size: int) -> Any:
