@@ -488,6 +488,7 @@ class _Item:
         self.head_slice = slice(*self.heads)
         self.mode, self.distances = mode, distances
         self.mod_grads: dict[str, Any] = {}  # the score modifications' parameter cotangents, summed over spans
+        self.keep_inputs = False  # the backward sets it: the modifications' inputs are read after scores()
         self.slope_min: float | None = None  # min_n m_n over this item's heads, in the scores' base
         if spec.alibi_slopes is not None:
             slopes = select_item(spec, spec.alibi_slopes, b, self.heads)  # (G|1, 1, 1)
@@ -538,17 +539,18 @@ class _Item:
             if capped is not None:
                 np.copyto(capped, out)
         self.add_bias(out, p0, p1, c0, c1)
-        inputs = self.modify(out, p0, p1, c0, c1) if self.spec.score_mods else None
+        inputs = self.modify(out, p0, p1, c0, c1, keep=self.keep_inputs) if self.spec.score_mods else None
         if hide:
             self.fill_hidden(out, span, -np.inf)
         return inputs
 
-    def modify(self, s: Any, p0: int, p1: int, c0: int, c1: int) -> list[Any]:
+    def modify(self, s: Any, p0: int, p1: int, c0: int, c1: int, *, keep: bool) -> list[Any]:
         """Step 4 in place on the span's ``(tq*G, tk)`` scores, seen head-major
         as the rank-4 tile ``(1, G, tq, tk)``; returns what each modification
-        received (copies: ``s`` is overwritten)."""
+        received, valid after the call only with ``keep`` (the backward's:
+        then the first receives a copy, since ``s`` is overwritten)."""
         s4 = _head_major(s, p1 - p0, self.G)[None]  # (1, G, tq, tk), a view
-        result, inputs = mods_forward(self.spec, s4.copy(), self.index(p0, p1, c0, c1))
+        result, inputs = mods_forward(self.spec, s4.copy() if keep else s4, self.index(p0, p1, c0, c1))
         np.copyto(s4, result)
         return inputs
 
@@ -920,6 +922,7 @@ def backward(
     def work(job):
         b, kv = job
         item = _Item(spec, b, kv, mode, distances)
+        item.keep_inputs = True
         heads = item.head_slice
         # The item's query side, all T positions stacked position-major: row t*G + g.
         lse_b = _position_major(lse3[b, heads])  # (T*G,)
