@@ -38,7 +38,7 @@ from .diagnostics import (
     row_sum_check,
     summarize,
 )
-from .gradient_check import GradcheckError, GradcheckResult, check_gradients
+from .gradient_check import GradcheckError, GradcheckResult, check_gradients, check_score_mod
 from .interop import mha_masks_from_torch, mha_params_from_torch, mha_params_to_torch
 from .kv_cache import KVCache
 from .merge import MergeResiduals, merge_partials, merge_partials_backward
@@ -69,6 +69,7 @@ __all__ = [
     "DenseResiduals",
     "ChunkedResiduals",
     "check_gradients",
+    "check_score_mod",
     "GradcheckResult",
     "GradcheckError",
     "mha_init",

@@ -26,22 +26,29 @@ Two checks, both with central differences in float64:
 Output entries that are not finite at ``x`` (such as ``lse = -inf`` on fully
 masked rows) carry a zero cotangent and are left out of the numeric
 differences.
+
+:func:`check_score_mod` applies the same two checks to a user score
+modification (:class:`~npattn.ScoreMod`) on random tiles, its parameters
+included, and checks what the modification returns.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import array_api_compat
 import numpy as np
 
-from .namespace import array_device, resolve_namespace, to_numpy
+from .namespace import array_device, check_namespace, resolve_namespace, to_numpy
 from .options import check_int
+from .scores.mods import ScoreMod, TileIndex, _check_tile
 
-__all__ = ["check_gradients", "GradcheckResult", "GradcheckError"]
+__all__ = ["check_gradients", "check_score_mod", "GradcheckResult", "GradcheckError"]
 
 
 class GradcheckError(AssertionError):
@@ -50,11 +57,13 @@ class GradcheckError(AssertionError):
 
 @dataclass
 class GradcheckResult:
-    """Outcome of :func:`check_gradients`.
+    """Outcome of :func:`check_gradients` and :func:`check_score_mod`.
 
     ``max_abs_error[name]`` is the largest ``|numeric - analytic|`` seen for
     that input over both checks; ``vjp[name]`` holds ``(numeric, analytic)``
-    of the random VJP; ``failures`` lists human-readable messages.
+    of the random VJP (for :func:`check_score_mod`, of the tile with the
+    largest error); ``jacobian_checked`` says whether the elementwise check
+    ran (for every input); ``failures`` lists human-readable messages.
     """
 
     names: list[str]
@@ -296,6 +305,11 @@ def _check_arguments(
         for i in wrt:
             if isinstance(i, bool) or not isinstance(i, numbers.Integral):
                 raise TypeError(f"wrt must hold int indices into inputs, got {i!r}")
+    _check_options(eps, atol, rtol, seed, jacobian, max_jacobian_elements)
+
+
+def _check_options(eps, atol, rtol, seed, jacobian, max_jacobian_elements) -> None:
+    """TypeError/ValueError naming the first bad option the two checkers share."""
     for name, value, positive in (("eps", eps, True), ("atol", atol, False), ("rtol", rtol, False)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise TypeError(f"{name} must be a finite real number, got {value!r}")
@@ -361,4 +375,437 @@ def _check_full_jacobian(
                 f"{name}{list(in_index)} -> output {o_index}{list(out_index)}: "
                 f"numeric {numeric[o_row, column]:.12g} vs analytic {analytic[i][o_row, column]:.12g} "
                 f"({int(bad.sum())} of {bad.size} Jacobian entries fail)"
+            )
+
+
+# --------------------------------------------------------------------------
+# Score modifications
+# --------------------------------------------------------------------------
+
+
+def check_score_mod(
+    mod: ScoreMod,
+    /,
+    *,
+    num_heads: int = 3,
+    tile: tuple[int, int, int, int] = (2, 2, 4, 5),
+    num_tiles: int = 3,
+    q_offset: int = 0,
+    eps: float = 1e-6,
+    atol: float = 1e-7,
+    rtol: float = 1e-5,
+    seed: int = 0,
+    jacobian: bool | str = "auto",
+    max_jacobian_elements: int = 256,
+    raise_on_failure: bool = True,
+    xp: Any = None,
+) -> GradcheckResult:
+    r"""Check a score modification's hand-written backward against central
+    differences of its forward, in float64, its parameters included.
+
+    On each random tile ``s`` ``(B', n, tq, tk)`` with its index ``idx`` and a
+    random cotangent ``u``, with ``(ds, {name: dp}) = backward(s, idx, u, **p)``::
+
+        L(s, p) = sum_ij u_ij forward(s, idx, **p)_ij
+        ds      = dL/ds,     dp = dL/dp       (for every parameter p)
+
+    each compared with ``(L(x + eps w) - L(x - eps w)) / (2 eps)`` along a
+    random direction ``w`` (the random VJP, at any size) and along every
+    one-hot ``w`` (the elementwise check, on inputs of at most
+    ``max_jacobian_elements`` entries), as :func:`check_gradients` does.
+
+    Each tile holds random scores (float64, standard deviation 2), batch
+    elements ``[b0, b0 + B')``, the query heads ``[h0, h0 + n)`` of
+    ``num_heads`` (the first tile starts at head 0, the last ends at head
+    ``num_heads``), and random query and key positions; every other tile
+    gives each batch element its own query positions (with B' > 1), ``idx.q`` of shape
+    ``(B', 1, tq, 1)``, as bottom_right alignment with lengths does. The
+    backward's parameter shares must therefore use ``idx``'s global head ids
+    (``idx.per_head(values)``), as npattn's tiles may hold any subset of the
+    heads.
+
+    Besides the derivatives, it checks what the modification returns and
+    that it works tile by tile: the forward and backward on each tile must
+    agree with their values on the tile's pieces (the tile cut in two along
+    each axis, with the pieces' own indices), which an elementwise
+    modification using ``idx``'s global indices does and one that mixes
+    entries or uses local head ids does not. The parameters are cast to
+    float64 copies; ``mod.params`` is never modified.
+
+    Parameters
+    ----------
+    mod : ScoreMod
+        The modification under test.
+    num_heads : int
+        N, the query heads of the call (``idx.num_heads``); the parameters'
+        shapes must fit it (a per-head parameter has ``(num_heads,)``).
+    tile : tuple of 4 int
+        ``(B', n, tq, tk)``: batch elements, query heads (at most
+        ``num_heads``), query rows and keys of each tile.
+    num_tiles : int
+        How many random tiles to check.
+    q_offset : int
+        Added to every query position (``S - T`` under bottom_right alignment).
+    eps, atol, rtol : float
+        Step and tolerance: passes when ``|num - ana| <= atol + rtol * |ana|``
+        (the VJP uses the scale of the summed terms in place of ``|ana|``).
+    seed : int
+        Seeds the tiles, scores, cotangents and directions.
+    jacobian : bool or "auto"
+        Check every element of ``s`` and of each parameter; "auto" does so
+        for those with at most ``max_jacobian_elements`` entries.
+    raise_on_failure : bool
+        Raise :class:`GradcheckError` (an AssertionError) on any failure.
+    xp : namespace, optional
+        The array namespace of the tiles; by default the parameters', or
+        NumPy for a modification without parameters.
+
+    Returns
+    -------
+    GradcheckResult
+        Reports ``s`` and each parameter by name; a failure names the tile
+        (its batch elements, heads and positions), the input and the element.
+
+    Raises
+    ------
+    GradcheckError
+        When a derivative disagrees with central differences or the tile and
+        its pieces disagree (and ``raise_on_failure``).
+    TypeError, ValueError
+        When the modification returns what npattn would refuse: a tile of
+        another shape or dtype, no ``(ds_in, {name: dparam})`` pair with
+        parameters, a share missing, of another shape or not floating, a share
+        for a name that is no parameter; or when it writes to ``s``, ``ds``
+        or a parameter in place. An error raised by the modification itself
+        carries a note naming the tile.
+
+    Examples
+    --------
+    A per-head temperature ``s' = s t_n``, with ``dt_n = sum_ij ds'_nij s_nij``:
+
+    >>> import numpy as np, npattn
+    >>> def forward(s, idx, t):
+    ...     return s * t[idx.head]
+    >>> def backward(s, idx, ds, t):
+    ...     return ds * t[idx.head], {"t": idx.per_head(ds * s)}
+    >>> t = np.array([0.5, 1.0, 2.0])
+    >>> npattn.check_score_mod(npattn.ScoreMod(forward, backward, params={"t": t}, name="temperature")).ok
+    True
+
+    A backward that forgets the factor ``s`` in the share fails, naming the
+    parameter's element:
+
+    >>> def wrong_backward(s, idx, ds, t):
+    ...     return ds * t[idx.head], {"t": idx.per_head(ds)}
+    >>> npattn.check_score_mod(npattn.ScoreMod(forward, wrong_backward, params={"t": t}, name="temperature"))
+    ... # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    npattn.gradient_check.GradcheckError: score modification 'temperature': gradient check FAILED ...
+    ...
+      FAIL tile 0 (batch [...), heads [0, 2) of 3, ...): t[...]: numeric ... vs analytic ...
+    ...
+    """
+    if not isinstance(mod, ScoreMod):
+        raise TypeError(f"mod must be an npattn.ScoreMod, got {type(mod).__name__}")
+    num_heads = check_int("num_heads", num_heads, minimum=1)
+    num_tiles = check_int("num_tiles", num_tiles, minimum=1)
+    if isinstance(tile, (str, bytes)) or not isinstance(tile, Sequence) or len(tile) != 4:
+        raise TypeError(f"tile must be a tuple of 4 ints (B', n, tq, tk), got {tile!r}")
+    shape = tuple(check_int(f"tile[{a}]", size, minimum=1) for a, size in enumerate(tile))
+    if shape[1] > num_heads:
+        raise ValueError(f"tile holds n={shape[1]} heads, more than num_heads={num_heads}")
+    if isinstance(q_offset, bool) or not isinstance(q_offset, numbers.Integral):
+        raise TypeError(f"q_offset must be an int, got {q_offset!r}")
+    _check_options(eps, atol, rtol, seed, jacobian, max_jacobian_elements)
+
+    names = list(mod.params)
+    labels = [name if name != "s" else "params['s']" for name in names]  # "s" is the scores
+    if mod.params:
+        xp = resolve_namespace({f"params[{name!r}]": p for name, p in mod.params.items()}, xp)
+        device = array_device(next(iter(mod.params.values())))
+    else:
+        xp = array_api_compat.array_namespace(check_namespace(xp).zeros(())) if xp is not None else None
+        xp = xp if xp is not None else array_api_compat.array_namespace(np.zeros(()))
+        device = None
+    values = [xp.astype(p, xp.float64) for p in mod.params.values()]  # float64 copies
+    rng = np.random.default_rng(seed)
+    result = GradcheckResult(names=["s", *labels], jacobian_checked=True)
+    for t in range(num_tiles):
+        idx, where = _random_tile_index(xp, device, rng, t, num_tiles, shape, num_heads, int(q_offset))
+        try:
+            tile_result = _check_one_tile(
+                mod, xp, device, rng, idx, names, labels, values, eps, atol, rtol, jacobian, max_jacobian_elements
+            )
+        except Exception as error:
+            add_note = getattr(error, "add_note", None)  # Python >= 3.11
+            if add_note is not None:
+                add_note(f"while checking score modification {mod.name!r} on {where}")
+            raise
+        result.jacobian_checked &= tile_result.jacobian_checked
+        for label in tile_result.max_abs_error:
+            if tile_result.max_abs_error[label] >= result.max_abs_error.get(label, -1.0):
+                result.max_abs_error[label] = tile_result.max_abs_error[label]
+                result.vjp[label] = tile_result.vjp[label]
+        result.failures += [f"{where}: {failure}" for failure in tile_result.failures]
+    if raise_on_failure and result.failures:
+        raise GradcheckError(f"score modification {mod.name!r}: {result}")
+    return result
+
+
+def _random_tile_index(
+    xp: Any,
+    device: Any,
+    rng: np.random.Generator,
+    t: int,
+    num_tiles: int,
+    shape: tuple[int, ...],
+    num_heads: int,
+    q_offset: int,
+) -> tuple[TileIndex, str]:
+    """Tile ``t``'s random :class:`TileIndex` and a description of it."""
+    bf, n, tq, tk = shape
+    b0 = int(rng.integers(0, 4))
+    h0 = 0 if t == 0 else num_heads - n if t == num_tiles - 1 else int(rng.integers(0, num_heads - n + 1))
+    q0 = int(rng.integers(0, 2 * tq + 1)) + q_offset
+    k0 = int(rng.integers(0, 2 * tk + 1))
+    per_batch = t % 2 == 1 and bf > 1
+    shifts = rng.integers(0, tq + 1, size=(bf, 1, 1, 1)) if per_batch else np.zeros((1, 1, 1, 1), dtype=np.int64)
+
+    def ints(a: Any) -> Any:
+        return xp.asarray(np.asarray(a, dtype=np.int64), device=device)
+
+    idx = TileIndex(
+        ints(np.arange(b0, b0 + bf).reshape(bf, 1, 1, 1)),  # (B', 1, 1, 1)
+        ints(np.arange(h0, h0 + n).reshape(1, n, 1, 1)),  # (1, n, 1, 1)
+        ints(q0 + shifts + np.arange(tq).reshape(1, 1, tq, 1)),  # (B'|1, 1, tq, 1)
+        ints(np.arange(k0, k0 + tk).reshape(1, 1, 1, tk)),  # (1, 1, 1, tk)
+        (h0, h0 + n),
+        num_heads,
+    )
+    queries = f"queries from {q0}" + (f" + {shifts.reshape(-1).tolist()} per batch element" if per_batch else "")
+    where = f"tile {t} (batch [{b0}, {b0 + bf}), heads [{h0}, {h0 + n}) of {num_heads}, {queries}, keys from {k0})"
+    return idx, where
+
+
+def _bind(mod: ScoreMod, xp: Any, idx: TileIndex, names: list[str]) -> tuple[Callable, Callable]:
+    """``mod`` on the tile ``idx`` as a :func:`check_gradients` pair of
+    ``(s, *params)``, checking what it returns as npattn does (and more)."""
+
+    def forward(s, *values):
+        out = mod.forward(s, idx, **dict(zip(names, values)))
+        _check_tile(mod, "forward", out, s)
+        return out, (s, values)
+
+    def backward(ds, residuals):
+        s, values = residuals
+        returned = mod.backward(s, idx, ds, **dict(zip(names, values)))
+        if isinstance(returned, tuple):
+            if len(returned) != 2 or not isinstance(returned[1], Mapping):
+                raise TypeError(
+                    f"score modification {mod.name!r}: backward must return ds_in or (ds_in, {{name: dparam}}), "
+                    f"got a tuple of {len(returned)}"
+                )
+            ds_in, shares = returned
+        else:
+            ds_in, shares = returned, {}
+        _check_tile(mod, "backward", ds_in, ds)
+        for name, value in zip(names, values):
+            if name not in shares:
+                raise ValueError(
+                    f"score modification {mod.name!r}: backward returned no cotangent for parameter {name!r} "
+                    f"(return (ds_in, {{name: dparam, ...}}); it returned {sorted(shares)})"
+                )
+            share = shares[name]
+            if not hasattr(share, "shape") or tuple(share.shape) != tuple(value.shape):
+                raise ValueError(
+                    f"score modification {mod.name!r}: backward's cotangent for {name!r} has shape "
+                    f"{getattr(share, 'shape', None)}, expected the parameter's {tuple(value.shape)}"
+                )
+            if not xp.isdtype(share.dtype, "real floating"):
+                raise TypeError(
+                    f"score modification {mod.name!r}: backward's cotangent for {name!r} has dtype {share.dtype}, "
+                    "expected a real floating one"
+                )
+        extra = sorted(set(shares) - set(names))
+        if extra:
+            raise ValueError(
+                f"score modification {mod.name!r}: backward returned cotangents for {extra}, which are not among "
+                f"its parameters {names}"
+            )
+        return (ds_in, *(shares[name] for name in names))
+
+    return forward, backward
+
+
+def _host_copies(arrays: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {what: np.array(_to_host(a), copy=True) for what, a in arrays.items()}
+
+
+def _check_untouched(mod: ScoreMod, role: str, arrays: dict[str, Any], copies: dict[str, np.ndarray]) -> None:
+    """ValueError unless ``role`` left each of ``arrays`` as ``copies`` hold it."""
+    for what, a in arrays.items():
+        if not np.array_equal(_to_host(a), copies[what], equal_nan=True):
+            raise ValueError(
+                f"score modification {mod.name!r}: {role} wrote to its argument {what} in place "
+                "(a score modification must leave s, ds and its parameters as they are)"
+            )
+
+
+def _check_one_tile(
+    mod: ScoreMod,
+    xp: Any,
+    device: Any,
+    rng: np.random.Generator,
+    idx: TileIndex,
+    names: list[str],
+    labels: list[str],
+    values: list[Any],
+    eps: float,
+    atol: float,
+    rtol: float,
+    jacobian: bool | str,
+    max_jacobian_elements: int,
+) -> GradcheckResult:
+    """Every check of :func:`check_score_mod` on the tile ``idx``."""
+    shape = (int(idx.batch.shape[0]), idx.heads[1] - idx.heads[0], int(idx.q.shape[2]), int(idx.k.shape[3]))
+
+    def random_like(a_shape: tuple[int, ...], scale: float = 1.0) -> Any:
+        return xp.asarray(scale * rng.standard_normal(a_shape), dtype=xp.float64, device=device)
+
+    s, u = random_like(shape, 2.0), random_like(shape)  # (B', n, tq, tk) each
+    inputs = [s, *values]
+    arguments = {"s": s, **{f"parameter {name!r}": v for name, v in zip(names, values)}}
+    copies = _host_copies(arguments)
+    forward, backward = _bind(mod, xp, idx, names)
+    probe = _Probe(xp, forward, backward, inputs)  # runs the forward once
+    _check_untouched(mod, "forward", arguments, copies)
+    cotangents = [xp.where(probe.finite[0], u, xp.zeros_like(u))]  # no cotangent where s' is not finite
+    arguments["ds"] = cotangents[0]
+    copies |= _host_copies({"ds": cotangents[0]})
+    grads = probe.backward(cotangents)
+    _check_untouched(mod, "backward", arguments, copies)
+
+    result = GradcheckResult(names=["s", *labels], jacobian_checked=True)
+    for i, label in enumerate(["s", *labels]):
+        direction = random_like(tuple(inputs[i].shape))
+        _check_random_vjp(xp, probe, cotangents, i, label, grads[i], direction, eps, atol, rtol, result)
+        size = math.prod(inputs[i].shape)
+        if jacobian is True or (jacobian == "auto" and size <= max_jacobian_elements):
+            _check_elements(xp, device, probe, cotangents, i, label, grads[i], eps, atol, rtol, result)
+        else:
+            result.jacobian_checked = False
+    _check_pieces(
+        mod, xp, rng, idx, names, labels, s, cotangents[0], values, probe.outputs[0], grads, atol, rtol, result
+    )
+    return result
+
+
+def _check_elements(
+    xp: Any,
+    device: Any,
+    probe: _Probe,
+    cotangents: list[Any],
+    i: int,
+    name: str,
+    grad: Any,
+    eps: float,
+    atol: float,
+    rtol: float,
+    result: GradcheckResult,
+) -> None:
+    """``grad[e]`` against the central difference of ``L = <u, outputs>`` along
+    each element ``e`` of input ``i``; a failure names the worst element."""
+    shape = tuple(probe.inputs[i].shape)
+    analytic = _to_host(grad).reshape(-1)
+    numeric = np.zeros_like(analytic)
+    for e in range(analytic.size):
+        direction = _one_hot(xp, shape, e, device)
+        plus, minus = probe.outputs_at(i, direction, eps), probe.outputs_at(i, direction, -eps)
+        numeric[e] = sum(float(xp.sum(u * (p - m))) for u, p, m in zip(cotangents, plus, minus)) / (2 * eps)
+    diff = np.abs(numeric - analytic)
+    worst = float(np.where(np.isnan(diff), np.inf, diff).max(initial=0.0))
+    result.max_abs_error[name] = max(result.max_abs_error.get(name, 0.0), worst)
+    bad = ~(diff <= atol + rtol * np.abs(analytic))  # a NaN anywhere fails
+    if bad.any():
+        e = int(np.argmax(np.where(bad, np.where(np.isnan(diff), np.inf, diff), -1.0)))
+        element = f"{name}{[int(j) for j in np.unravel_index(e, shape)]}" if shape else name
+        result.failures.append(
+            f"{element}: numeric {numeric[e]:.12g} vs analytic {analytic[e]:.12g} "
+            f"({int(bad.sum())} of {bad.size} elements fail)"
+        )
+
+
+def _sub_index(idx: TileIndex, spans: Sequence[tuple[int, int]]) -> TileIndex:
+    """The :class:`TileIndex` of the piece ``spans`` (one ``(start, stop)`` per
+    tile axis) of the tile ``idx``, with its own global indices."""
+    (b0, b1), (n0, n1), (i0, i1), (j0, j1) = spans
+    q = idx.q[b0:b1, ...] if idx.q.shape[0] > 1 else idx.q  # (B'|1, 1, tq, 1)
+    h0 = idx.heads[0]
+    return TileIndex(
+        idx.batch[b0:b1, ...],
+        idx.head[:, n0:n1, ...],
+        q[:, :, i0:i1, :],
+        idx.k[..., j0:j1],
+        (h0 + n0, h0 + n1),
+        idx.num_heads,
+    )
+
+
+def _check_pieces(
+    mod: ScoreMod,
+    xp: Any,
+    rng: np.random.Generator,
+    idx: TileIndex,
+    names: list[str],
+    labels: list[str],
+    s: Any,
+    u: Any,
+    values: list[Any],
+    out: Any,
+    grads: tuple,
+    atol: float,
+    rtol: float,
+    result: GradcheckResult,
+) -> None:
+    """The tile cut in two at a random place along each axis: the forward and
+    the ``ds`` of each piece must equal the tile's there, and the pieces'
+    parameter shares must sum to the tile's."""
+    cuts = [
+        [(0, size)] if size == 1 else [(0, c), (c, size)]
+        for size in s.shape
+        for c in [int(rng.integers(1, max(size, 2)))]
+    ]
+    shares = [None] * len(names)
+    mismatches: dict[str, tuple] = {}
+
+    def compare(what: str, whole: Any, piece: Any, offset: tuple[int, ...]) -> None:
+        a, b = _to_host(whole), _to_host(piece)
+        bad = ~((a == b) | (np.abs(a - b) <= atol + rtol * np.abs(a)))
+        if bad.any() and what not in mismatches:
+            e = tuple(int(j) for j in np.unravel_index(int(np.argmax(bad)), bad.shape))
+            mismatches[what] = (tuple(o + j for o, j in zip(offset, e)), a[e], b[e])
+
+    for spans in itertools.product(*cuts):
+        piece = tuple(slice(a, b) for a, b in spans)
+        forward, backward = _bind(mod, xp, _sub_index(idx, spans), names)
+        piece_out, residuals = forward(s[piece], *values)
+        piece_grads = backward(u[piece], residuals)
+        offset = tuple(a for a, _ in spans)
+        compare("s'", out[piece], piece_out, offset)
+        compare("s", grads[0][piece], piece_grads[0], offset)
+        shares = [g if total is None else total + g for total, g in zip(shares, piece_grads[1:])]
+    for label, whole, total in zip(labels, grads[1:], shares):
+        compare(label, whole, total, (0,) * whole.ndim)
+    if mismatches:
+        split = ", ".join(
+            f"{axis} {'+'.join(f'[{a}, {b})' for a, b in c)}"
+            for axis, c in zip(("batch", "heads", "rows", "keys"), cuts)
+        )
+        for what, (element, whole, piece) in mismatches.items():
+            role = "forward" if what == "s'" else "backward"
+            named = f"{what}{list(element)}" if element else what
+            result.failures.append(
+                f"{named}: the {role} on the whole tile gives {whole:.12g}, on its pieces {piece:.12g} "
+                f"(the tile cut as {split}; a score modification must be elementwise and use idx's global indices)"
             )
