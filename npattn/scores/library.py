@@ -160,12 +160,14 @@ def relative_position_bias(
             f"relative_position_bias table must have shape (N, num_buckets), got {getattr(table, 'shape', None)}"
         )
     num_buckets = int(table.shape[1])
-    options = {"num_buckets": num_buckets, "max_distance": max_distance, "bidirectional": bidirectional}
+
+    def buckets_of(relative: Any) -> Any:
+        return t5_buckets(relative, num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional)
 
     def bias(xp: Any, table: Any, idx: TileIndex) -> Any:
         """The tile's bias ``(1, n, tq, tk)``, one batch row's positions."""
         diagonals = _Diagonals(xp, idx)
-        buckets = t5_buckets(diagonals.relative, **options)  # (R,)
+        buckets = buckets_of(diagonals.relative)  # (R,)
         flat = xp.reshape(xp.reshape(idx.head, (-1, 1)) * num_buckets + xp.reshape(buckets, (1, -1)), (-1,))  # (n*R,)
         vec = xp.reshape(xp.take(xp.reshape(table, (-1,)), flat, axis=0), (-1, diagonals.size))  # (n, R)
         return diagonals.spread(vec)  # (1, n, tq, tk)
@@ -173,7 +175,7 @@ def relative_position_bias(
     def table_grad(xp: Any, ds: Any, idx: TileIndex) -> Any:
         """The tile's share of ``dtable``, ``(N * num_buckets,)``, one batch row's positions."""
         diagonals = _Diagonals(xp, idx)
-        buckets = t5_buckets(diagonals.relative, **options)  # (R,)
+        buckets = buckets_of(diagonals.relative)  # (R,)
         per_diagonal = diagonals.gather(ds)  # (n, R): ds summed along each diagonal
         flat = xp.reshape(idx.head, (-1, 1)) * num_buckets + xp.reshape(buckets, (1, -1))  # (n, R)
         return _scatter_sum(
