@@ -32,6 +32,22 @@ has no softcap or sinks in SDPA, so the torch side is:
   with its causal attention without them.
 
 The other three compare with full (non-causal) attention.
+
+A third table (``--no-score-mod`` skips it, ``--score-mod-only`` prints only
+it) times the user score modification of issue 15 at its own length,
+``--score-mod-length`` (T = S = 2048 by default, the issue's target shape; 256
+with ``--quick``): T5's relative-position bias, bidirectional, 32 buckets,
+max_distance 128, one learned table ``(N, 32)``, full attention. npattn takes
+:func:`npattn.relative_position_bias` (``impl="chunked"``; its backward
+returns the table's gradient), beside its plain attention. The torch side is
+FlexAttention with the same ``score_mod`` (compiled) when it runs forward
+*and* backward on the CPU; torch 2.13 refuses the backward on the CPU
+("FlexAttention does not support backward on CPU"), so there it is SDPA with
+a float bias ``(1, N, T, S)`` gathered from the table each call
+(``table[:, bucket]``, buckets computed once, so autograd scatter-adds d
+table): torch picks its CPU flash kernel for the forward without grad and
+the math kernel when the bias needs a gradient. The table names the
+implementation and kernels used and the two sides' largest differences.
 """
 
 from __future__ import annotations
@@ -93,15 +109,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--length", type=int, default=4096, help="T = S")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="T=S=512, one repeat")
+    parser.add_argument("--quick", action="store_true", help="T=S=512 (score-mod table 256), one repeat")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch columns")
     parser.add_argument("--no-variants", action="store_true", help="skip the table of score-pipeline variants")
+    parser.add_argument(
+        "--score-mod-length", type=int, default=2048, help="T = S of the score-modification table (issue 15)"
+    )
+    parser.add_argument("--no-score-mod", action="store_true", help="skip the score-modification table")
+    parser.add_argument("--score-mod-only", action="store_true", help="print only the score-modification table")
     args = parser.parse_args(argv)
-    for name in ("batch", "heads", "head_dim", "length", "repeats"):
+    for name in ("batch", "heads", "head_dim", "length", "repeats", "score_mod_length"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.score_mod_only and args.no_score_mod:
+        parser.error("--score-mod-only and --no-score-mod exclude each other")
     if args.quick:
-        args.length, args.repeats = 512, 1
+        args.length, args.repeats, args.score_mod_length = 512, 1, 256
 
     torch = None
     if not args.no_torch:
@@ -114,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
 
     B, N, H, T = args.batch, args.heads, args.head_dim, args.length
+    if args.score_mod_only:
+        print(f"npattn CPU benchmark: float32; {threads} threads")
+        score_mod_table(torch, (B, N, args.score_mod_length, H), args.repeats)
+        return 0
     rng = np.random.default_rng(0)
     q, k, v, dout = (rng.standard_normal((B, N, T, H), dtype=np.float32) for _ in range(4))
     sgemm = sgemm_gflops()
@@ -181,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             )
     if not args.no_variants:
         variant_table(torch, (q, k, v, dout), args.repeats)
+    if not args.no_score_mod:
+        score_mod_table(torch, (B, N, args.score_mod_length, H), args.repeats)
     return 0
 
 
@@ -230,14 +259,21 @@ def _variants(torch, q, k, v):
 
 def variant_table(torch, arrays, repeats: int) -> None:
     """One row per variant and pass: npattn, torch, ratio, npattn ÷ plain."""
-    q, k, v, dout = arrays
+    q, k, v = arrays[:3]
     B, N, T, H = q.shape
     print()
     print(f"score-pipeline variants, B={B}, N={N}, H={H}, T=S={T} (torch side: see the module docstring)")
+    _variant_rows(torch, arrays, _variants(torch, q, k, v), repeats)
+
+
+def _variant_rows(torch, arrays, variants: dict, repeats: int) -> None:
+    """Time ``{name: (npattn options, plain npattn options, torch forward or
+    None)}`` side by side and print one row per variant and pass."""
+    q, k, v, dout = arrays
     header = f"{'variant':<12} {'pass':<8} {'npattn ms':>10} {'torch ms':>9} {'ratio':>6} {'÷ plain':>8}"
     print(header)
     print("-" * len(header))
-    for name, (ours, plain, torch_fn) in _variants(torch, q, k, v).items():
+    for name, (ours, plain, torch_fn) in variants.items():
         fns = {}
         for label, options in (("", ours), ("plain ", plain)):
 
@@ -267,6 +303,97 @@ def variant_table(torch, arrays, repeats: int) -> None:
             torch_col = f"{t_ms * 1e3:9.1f}" if t_ms else f"{'-':>9}"
             ratio = f"{best[pass_name] / t_ms:6.2f}" if t_ms else f"{'-':>6}"
             print(f"{name:<12} {pass_name:<8} {ms:10.1f} {torch_col} {ratio} {ms / plain_ms:7.2f}x")
+
+
+RELATIVE_BIAS = {"num_buckets": 32, "max_distance": 128, "bidirectional": True}  # the issue's T5 variant
+
+
+def _flex_relative_bias(torch, table, buckets):
+    """``(torch forward, None)`` with FlexAttention's ``score_mod`` (compiled)
+    when a tiny forward and backward run on this CPU, else ``(None, why not)``."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError as error:
+        return None, f"no FlexAttention ({error})"
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, buckets[q_idx, kv_idx]]
+
+    probe = torch.zeros((1, table.shape[0], 16, 16), requires_grad=True)  # (1, N, 16, 16)
+    try:
+        flex_attention(probe, probe, probe, score_mod=score_mod).sum().backward()
+    except Exception as error:  # torch 2.13: NotImplementedError, no backward on CPU
+        return None, f"{type(error).__name__}: {error}"
+    compiled = torch.compile(flex_attention)
+
+    def t_flex(tq, tk, tv):
+        return compiled(tq, tk, tv, score_mod=score_mod)
+
+    return t_flex, None
+
+
+def _sdpa_kernel(torch, *args) -> str:
+    """The kernel SDPA picks for these arguments in the current grad mode."""
+    try:
+        return torch.nn.attention.SDPBackend(torch._fused_sdp_choice(*args, 0.0, False)).name.lower()
+    except Exception:  # a private function: name nothing rather than fail
+        return "unknown"
+
+
+def score_mod_table(torch, shape: tuple[int, int, int, int], repeats: int) -> None:
+    """Issue 15's row: T5's relative-position bias in npattn and in torch
+    (FlexAttention if it runs forward and backward here, else SDPA with the
+    gathered bias), beside npattn's plain attention, side by side."""
+    B, N, T, H = shape
+    rng = np.random.default_rng(2)
+    q, k, v, dout = (rng.standard_normal((B, N, T, H), dtype=np.float32) for _ in range(4))
+    table = (0.5 * rng.standard_normal((N, RELATIVE_BIAS["num_buckets"]))).astype(np.float32)  # (N, 32)
+    mod_options = {name: RELATIVE_BIAS[name] for name in ("max_distance", "bidirectional")}
+    ours = {"score_mods": [npattn.relative_position_bias(table, **mod_options)]}
+    print()
+    print(
+        f"user score modification (issue 15): T5 relative bias, {RELATIVE_BIAS['num_buckets']} buckets, "
+        f"max_distance {RELATIVE_BIAS['max_distance']}, bidirectional; B={B}, N={N}, H={H}, T=S={T}, full"
+    )
+    torch_fn = None
+    if torch is not None:
+        buckets = torch.from_numpy(npattn.t5_buckets(np.arange(T)[None, :] - np.arange(T)[:, None], **RELATIVE_BIAS))
+        t_table = torch.from_numpy(table.copy()).requires_grad_()  # (N, 32), d table by autograd
+        torch_fn, why_not = _flex_relative_bias(torch, t_table, buckets)
+        if torch_fn is not None:
+            print(f"torch side: FlexAttention score_mod, torch.compile (torch {torch.__version__})")
+        else:
+
+            def torch_fn(tq, tk, tv):
+                bias = t_table[:, buckets][None]  # (1, N, T, S): table[n, bucket(j - i)]
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=bias)
+
+            tq = torch.from_numpy(q).requires_grad_()
+            with torch.no_grad():
+                forward_kernel = _sdpa_kernel(torch, tq, tq, tq, t_table[:, buckets][None])
+            backward_kernel = _sdpa_kernel(torch, tq, tq, tq, t_table[:, buckets][None])
+            print(
+                f"torch side: SDPA with the gathered float bias (1, N, T, S), kernel {forward_kernel} forward, "
+                f"{backward_kernel} forward+backward (torch {torch.__version__})"
+            )
+            print(f"FlexAttention not used: {why_not}")
+        _report_agreement(torch, (q, k, v, dout), ours, torch_fn, t_table)
+    _variant_rows(torch, (q, k, v, dout), {"T5 rel. bias": (ours, {}, torch_fn)}, repeats)
+
+
+def _report_agreement(torch, arrays, ours: dict, torch_fn, t_table) -> None:
+    """Print the largest differences of out and d table between the sides."""
+    q, k, v, dout = arrays
+    out, res = npattn.attention_forward(q, k, v, impl="chunked", **ours)
+    dtable = npattn.attention_backward(dout, res).dmods["relative_bias"]
+    tq, tk, tv = (torch.from_numpy(a.copy()).requires_grad_() for a in (q, k, v))
+    t_table.grad = None
+    t_out = torch_fn(tq, tk, tv)
+    t_out.backward(torch.from_numpy(dout))
+    out_diff = float(np.max(np.abs(out - t_out.detach().numpy())))
+    table_diff = float(np.max(np.abs(dtable - t_table.grad.numpy())) / np.max(np.abs(dtable)))
+    t_table.grad = None
+    print(f"max |npattn - torch|: out {out_diff:.1e}, d table {table_diff:.1e} (relative to max |d table|)")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ their tables (no timing is asserted: speed lives in the benchmarks)."""
 
 from __future__ import annotations
 
+import re
 import runpy
 import subprocess
 import sys
@@ -30,10 +31,28 @@ def test_cpu_benchmark_quick_prints_its_table(capsys):
     out = capsys.readouterr().out
     assert "large SGEMM" in out and "% SGEMM" in out
     assert out.count("chunked") == 4  # forward and fwd+bwd, full and causal
-    for variant in ("softcap", "sinks", "ALiBi", "packed docs"):  # the score-pipeline variants' rows
+    for variant in ("softcap", "sinks", "ALiBi", "packed docs", "T5 rel. bias"):  # the variants' rows, issue 15's
         rows = [line for line in out.splitlines() if line.startswith(variant + " ")]
         assert [row.split()[-5] for row in rows] == ["forward", "fwd+bwd"], rows  # pass, ms, torch, ratio, ÷ plain
         assert all(row.endswith("x") for row in rows)
+    assert "T=S=256, full" in out  # --quick shortens the score-modification table too
+
+
+def test_cpu_benchmark_score_mod_table_names_torch_side_and_agrees(capsys):
+    """Issue 15's row with torch: the torch implementation is named, the two
+    sides compute the same out and d table, and both columns are timed."""
+    pytest.importorskip("torch")
+    argv = ["--quick", "--score-mod-only", "--heads", "2", "--head-dim", "8", "--score-mod-length", "4096"]
+    assert _run_script("bench_cpu.py", argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "large SGEMM" not in "\n".join(lines)  # only the score-modification table
+    assert any(line.startswith("torch side: ") and ("FlexAttention" in line or "SDPA" in line) for line in lines)
+    (agreement,) = [line for line in lines if line.startswith("max |npattn - torch|")]
+    differences = re.fullmatch(r"max \|npattn - torch\|: out (\S+), d table (\S+) \(.*\)", agreement)
+    assert differences and all(float(x) < 1e-4 for x in differences.groups()), agreement  # float32 sums
+    rows = [line.split() for line in lines if line.startswith("T5 rel. bias ")]
+    assert [row[3] for row in rows] == ["forward", "fwd+bwd"]
+    assert all(float(row[5]) > 0 and float(row[6]) > 0 for row in rows), rows  # torch ms and ratio
 
 
 def test_lever_benchmark_quick_prints_every_lever(capsys):
@@ -82,6 +101,7 @@ def test_revision_benchmark_names_a_revision_it_cannot_read():
     "script, argv",
     [
         ("bench_cpu.py", ["--length", "0"]),
+        ("bench_cpu.py", ["--score-mod-length", "0"]),
         ("bench_cpu_levers.py", ["--repeats", "0"]),
         ("bench_cpu_ab.py", ["HEAD", "--rounds", "0"]),
     ],

@@ -3,9 +3,16 @@ where torch is not installed): ``scaled_dot_product_attention`` for the mask
 features, and plain torch autograd code for the variants of issue 14 (sinks
 as an extra key column with a zero value row, softcap by tanh, ALiBi and
 segment ids as an explicit bias and mask), compared on out, lse and every
-gradient, dsinks and dalibi_slopes included."""
+gradient, dsinks and dalibi_slopes included; and for the user modifications
+of issue 15, T5's relative-position bias (buckets by the transformers
+formula in torch, the bias gathered from the table by torch indexing, so
+autograd scatters d table) and a document mask given as ``mask_mod`` or as a
+``block_mask``, on the dense path, the NumPy fast path and the generic
+chunked path."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -189,3 +196,178 @@ def test_variants_match_torch_autograd(case, path, monkeypatch):
     for name in ("bias", "sinks", "alibi_slopes"):
         if name not in leaves:
             assert grads[name] is None, name
+
+
+# --- user modifications of issue 15, as plain float64 torch autograd -------------------
+
+
+def _torch_t5_buckets(relative_position, *, num_buckets, max_distance, bidirectional):
+    """T5's bucket of ``j - p_i``, as in transformers' ``T5Attention._relative_position_bucket``
+    (float32 logarithm, as there), independent of npattn's."""
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).to(torch.int64) * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = -torch.minimum(relative_position, torch.zeros_like(relative_position))
+    max_exact = num_buckets // 2
+    large = max_exact + (
+        torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    ).to(torch.int64)
+    large = torch.minimum(large, torch.full_like(large, num_buckets - 1))
+    return buckets + torch.where(distance < max_exact, distance, large)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("num_buckets, max_distance", [(32, 128), (8, 16), (8, 6), (16, 64)])
+def test_t5_buckets_match_the_transformers_formula(num_buckets, max_distance, bidirectional):
+    relative = np.arange(-3000, 3000)
+    options = dict(num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional)
+    np.testing.assert_array_equal(
+        npattn.t5_buckets(relative, **options), _torch_t5_buckets(torch.tensor(relative), **options).numpy()
+    )
+
+
+def _documents(S):
+    """Document ids of key positions 0 .. S - 1: ragged documents of 3, 1, 4, ... tokens."""
+    return np.repeat(np.arange(S), [3, 1, 4, 2, 5, 1, 3] + [S] * (S - 7))[:S]
+
+
+MOD_CASES = {
+    "relative bias": dict(relative=dict()),
+    "relative bias, causal, one-sided": dict(relative=dict(bidirectional=False), causal=True, T=11),
+    "relative bias after softcap and ALiBi, bias, GQA, bottom_right + lengths": dict(
+        relative=dict(max_distance=8),
+        softcap=1.5,
+        alibi=True,
+        bias=True,
+        K=2,
+        causal=True,
+        align="bottom_right",
+        q_lengths=[7, 4],
+        kv_lengths=[11, 6],
+    ),
+    "document mask_mod": dict(documents="mask_mod"),
+    "document mask_mod, causal": dict(documents="mask_mod", causal=True, T=11),
+    "document block_mask": dict(documents="block_mask"),
+    "document block_mask, causal": dict(documents="block_mask", causal=True, T=11),
+    "document block_mask, causal bottom_right, a hidden row": dict(
+        documents="block_mask", hidden_row=2, causal=True, align="bottom_right"
+    ),
+    "relative bias + document mask_mod, causal, GQA": dict(
+        relative=dict(num_buckets=16), documents="mask_mod", causal=True, K=2, T=11
+    ),
+    "relative bias + document block_mask, causal bottom_right + lengths (padded rows past the keys)": dict(
+        relative=dict(), documents="block_mask", causal=True, align="bottom_right", q_lengths=[2, 4], kv_lengths=[11, 6]
+    ),
+    "document mask_mod, bottom_right + lengths": dict(
+        documents="mask_mod", align="bottom_right", q_lengths=[2, 7], kv_lengths=[11, 9]
+    ),
+}
+
+
+@pytest.mark.parametrize("path", ["dense", "chunked", "generic"])
+@pytest.mark.parametrize("case", list(MOD_CASES))
+def test_user_modifications_match_torch_autograd(case, path, monkeypatch):
+    """T5's relative bias (``relative_position_bias``: out, lse, dq, dk, dv and
+    the table's gradient) and a document mask (``mask_mod`` or ``block_mask``)
+    against the same attention written out in torch."""
+    spec = MOD_CASES[case]
+    B, N, T, S, H = 2, 4, spec.get("T", 7), 11, 3
+    K = spec.get("K", N)
+    rng = np.random.default_rng(len(case) + 15)
+    q, k, v = rng.standard_normal((B, N, T, H)), rng.standard_normal((B, K, S, H)), rng.standard_normal((B, K, S, 2))
+    dout, dlse = rng.standard_normal((B, N, T, 2)), rng.standard_normal((B, N, T))
+    align = spec.get("align", "top_left" if spec.get("causal") or "relative" in spec or "documents" in spec else None)
+    options: dict = dict(causal=spec.get("causal", False), softcap=spec.get("softcap"), align=align)
+    for name in ("q_lengths", "kv_lengths"):
+        if name in spec:
+            options[name] = np.array(spec[name])
+    if spec.get("bias"):
+        options["bias"] = rng.standard_normal((N, T, S))
+    if spec.get("alibi"):
+        options["alibi_slopes"] = npattn.alibi_slopes(N) * 2
+    relative = spec.get("relative")
+    if relative is not None:
+        relative = dict(dict(num_buckets=8, max_distance=6, bidirectional=True), **relative)
+        table = rng.standard_normal((N, relative["num_buckets"]))
+        mod_options = {name: relative[name] for name in ("max_distance", "bidirectional")}
+        options["score_mods"] = [npattn.relative_position_bias(table, **mod_options)]
+    docs = _documents(S)
+    hidden_row = spec.get("hidden_row")
+
+    def same_document(idx):
+        position = np.clip(idx.q, 0, S - 1)  # padded rows may sit past the keys (bottom_right with lengths)
+        visible = docs[position] == docs[idx.k]  # (B'|1, 1, tq, tk)
+        if hidden_row is not None:
+            visible = visible & (idx.q != hidden_row + S - T)  # one query sees nothing at all
+        return visible
+
+    if spec.get("documents") == "mask_mod":
+        options["mask_mod"] = same_document
+    elif spec.get("documents") == "block_mask":
+        lengths = {name: options[name] for name in ("q_lengths", "kv_lengths") if name in options}
+        if lengths:
+            lengths["batch_shape"] = (B,)  # query positions differ per batch element
+        options["block_mask"] = npattn.block_mask(same_document, T, S, block_q=3, block_k=2, align=align, **lengths)
+    if path == "generic":
+        monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")
+    out, res = npattn.attention_forward(
+        q, k, v, impl="dense" if path == "dense" else "chunked", block_q=4, block_k=5, **options
+    )
+    g = npattn.attention_backward(dout, res, dlse=dlse)
+
+    leaves = {name: torch.tensor(a, requires_grad=True) for name, a in dict(q=q, k=k, v=v).items()}
+    for name in ("bias", "alibi_slopes"):
+        if name in options:
+            leaves[name] = torch.tensor(options[name], requires_grad=True)
+    q_len = torch.tensor(options.get("q_lengths", np.full(B, T)))
+    kv_len = torch.tensor(options.get("kv_lengths", np.full(B, S)))
+    offset = kv_len - q_len if align == "bottom_right" else torch.zeros(B, dtype=torch.int64)
+    positions = torch.arange(T)[:, None] + offset[:, None, None, None]  # (B, 1, T, 1): p_i
+    keys = torch.arange(S)  # (S,): j
+    bias = leaves.get("bias")
+    if relative is not None:
+        leaves["relative_bias"] = torch.tensor(table, requires_grad=True)
+        buckets = _torch_t5_buckets(keys - positions, **relative)  # (B, 1, T, S)
+        heads = torch.arange(N)[:, None, None]  # (N, 1, 1)
+        gathered = leaves["relative_bias"][heads, buckets]  # (B, N, T, S): table[n, bucket(j - p_i)]
+        bias = gathered if bias is None else bias + gathered  # both additive after softcap: order is free
+    mask = None
+    if "documents" in spec:
+        t_docs = torch.tensor(docs)
+        mask = t_docs[positions.clamp(0, S - 1)] == t_docs[keys]  # (B, 1, T, S)
+        if hidden_row is not None:
+            mask = mask & (positions != hidden_row + S - T)
+    t_out, t_lse = _torch_attention(
+        leaves["q"],
+        leaves["k"],
+        leaves["v"],
+        scale=1 / np.sqrt(H),
+        bias=bias,
+        mask=mask,
+        softcap=options["softcap"],
+        slopes=leaves.get("alibi_slopes"),
+        offset=offset,
+        sinks=None,
+        q_ids=None,
+        kv_ids=None,
+        q_len=q_len,
+        kv_len=kv_len,
+        causal=options["causal"],
+    )
+    finite = torch.isfinite(t_lse)
+    loss = (t_out * torch.tensor(dout)).sum() + torch.where(finite, t_lse * torch.tensor(dlse), 0.0).sum()
+    loss.backward()
+
+    np.testing.assert_allclose(out, t_out.detach().numpy(), rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(res.lse), ~finite.numpy())
+    np.testing.assert_allclose(res.lse[finite.numpy()], t_lse[finite].detach().numpy(), rtol=0, atol=1e-12)
+    if hidden_row is not None:
+        assert not finite[:, :, hidden_row].any()  # the case's hidden row is fully masked
+    dmods = g.dmods or {}
+    grads = dict(q=g.dq, k=g.dk, v=g.dv, bias=g.dbias, alibi_slopes=g.dalibi_slopes, **dmods)
+    for name, leaf in leaves.items():
+        np.testing.assert_allclose(grads[name], leaf.grad.numpy(), rtol=1e-12, atol=1e-12, err_msg=name)
+    assert set(dmods) == ({"relative_bias"} if relative is not None else set())
