@@ -233,7 +233,8 @@ def _variants(torch, q, k, v):
     F = torch.nn.functional
     scale = q.shape[-1] ** -0.5
     position = np.arange(T)[:, None] - np.arange(S)[None, :]  # (T, S)
-    alibi_bias = torch.from_numpy((-slopes[:, None, None] * np.abs(position)).astype(np.float32))  # (N, T, S)
+    # (1, N, T, S): with a 4-D float mask torch runs its flash kernel (a 3-D one sends it to the math kernel)
+    alibi_bias = torch.from_numpy((-slopes[:, None, None] * np.abs(position)).astype(np.float32))[None]
     same_doc = torch.from_numpy((ids[0][:, None] == ids[0][None, :]) & (position >= 0))  # (T, S) bool
     sink_mask = torch.zeros((N, 1, S + 1))
     sink_mask[:, 0, S] = torch.from_numpy(sinks)  # (N, 1, S + 1): the extra column scores sinks_n

@@ -35,7 +35,7 @@ import array_api_compat
 from ..options import AttentionSpec
 from .tiles import key_positions, query_positions
 
-__all__ = ["ScoreMod", "TileIndex", "tile_index", "mods_forward", "mods_backward", "mask_mod_tile"]
+__all__ = ["ScoreMod", "TileIndex", "tile_index", "mods_forward", "mods_backward", "mods_jvp", "mask_mod_tile"]
 
 
 class TileIndex(NamedTuple):
@@ -51,7 +51,11 @@ class TileIndex(NamedTuple):
     q : (B'|1, 1, tq, 1)
         Query positions under ``align``: row ``i`` sits at ``i`` (top_left)
         or ``i + S - T`` (bottom_right, per batch element with lengths), as
-        causal, window and ALiBi use them.
+        causal, window and ALiBi use them. They may lie outside ``[0, S)``:
+        below 0 under bottom_right with T > S, at or past S on the padded
+        rows of bottom_right with lengths; a function that indexes a
+        per-token array with them clips first (``xp.clip(idx.q, 0, S - 1)``;
+        the padded rows' values are never used).
     k : (1, 1, 1, tk)
         Key positions ``j``.
     heads : (h0, h1)
@@ -229,6 +233,19 @@ def mods_backward(spec: AttentionSpec, ds: Any, inputs: list[Any], idx: TileInde
             shares[name] = spec.xp.astype(share, spec.compute_dtype, copy=False)
         ds = ds_in
     return ds, shares
+
+
+def mods_jvp(spec: AttentionSpec, s_dot: Any, inputs: list[Any], idx: TileIndex) -> Any:
+    """Step 4's tangent on a rank-4 tile, in order: each modification is
+    elementwise, so its backward applied to a tangent, ``backward(s, idx,
+    s_dot)``, is ``f'(s) * s_dot``, the forward-mode derivative (the
+    parameters' shares it also returns are not used)."""
+    for mod, s in zip(spec.score_mods, inputs):
+        result = mod.backward(s, idx, s_dot, **_params_of(spec, mod))
+        s_dot_next = result[0] if isinstance(result, tuple) else result
+        _check_tile(mod, "backward", s_dot_next, s_dot)
+        s_dot = s_dot_next
+    return s_dot
 
 
 def mask_mod_tile(spec: AttentionSpec, idx: TileIndex, tile_shape: tuple[int, ...]) -> Any:
