@@ -20,7 +20,7 @@ from mpi_support import mpi_skip_reason, run_mpi
 import npattn
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
-SCRIPTS = ["quickstart", "gpu_swap", "gradcheck_custom_layer", "attention_maps"]
+SCRIPTS = ["quickstart", "gpu_swap", "gradcheck_custom_layer", "attention_maps", "custom_score_mod"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -135,9 +135,55 @@ def test_attention_maps_without_matplotlib(capsys, monkeypatch, tmp_path):
     assert not list(tmp_path.glob("*.png"))
 
 
+def test_custom_score_mod_checks_trains_and_plots(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plots" / "bias.png"  # the folder is created by the example
+    assert _load("custom_score_mod")["main"](["--quick", "--out", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "npattn.check_score_mod(learned_relative_bias): gradient check passed (full Jacobian: yes)" in out
+    assert "the backward with local head ids: caught" in out
+    for impl in ("dense", "chunked"):
+        assert f"impl={impl!r}: gradient check passed (full Jacobian: yes)" in out
+    losses = [float(line.split("loss")[1]) for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) == 5 and losses[-1] < losses[0] / 5  # steps 1, 10, 20, 30, 40
+    assert "every head looks where its target lies" in out
+    assert "head 0 (previous token): favours j - i in [-1]" in out
+    data = png.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 5000
+
+
+def test_custom_score_mod_is_the_explicit_bias_and_mask():
+    """The example's modification equals ``bias=table[n, bucket(j - i)]``, its
+    mask the boolean mask of the documents, on every path; dmods is dbias
+    summed per bucket."""
+    ns = _load("custom_score_mod")
+    rng = np.random.default_rng(3)
+    R, doc = 2, ns["documents"]([3, 4])  # T = 7
+    table = rng.standard_normal((4, 2 * R + 1))  # (N, 2R + 1)
+    q = rng.standard_normal((2, 4, 7, 3))  # (B, N, T, H)
+    k, v = rng.standard_normal((2, 2, 2, 7, 3))  # (B, K, S, H) each
+    bucket = np.clip(np.arange(7)[None, :] - np.arange(7)[:, None], -R, R) + R  # (T, S)
+    bias = table[:, bucket]  # (N, T, S)
+    mask = doc[:, None] == doc[None, :]  # (T, S)
+    ref, ref_res = npattn.attention_forward(q, k, v, bias=bias, mask=mask, impl="dense")
+    ref_grads = npattn.attention_backward(np.ones_like(ref), ref_res)
+    dtable = np.stack([np.bincount(bucket.ravel(), ref_grads.dbias[n].ravel(), 2 * R + 1) for n in range(4)])
+    block_mask = npattn.block_mask(ns["document_mask"](doc), 7, 7, block_q=2, block_k=2)
+    for impl, blocks in (("dense", None), ("chunked", 2), ("chunked", 3)):
+        mod = ns["learned_relative_bias"](table, R)
+        out, res = npattn.attention_forward(
+            q, k, v, score_mods=[mod], block_mask=block_mask, impl=impl, block_q=blocks, block_k=blocks
+        )
+        grads = npattn.attention_backward(np.ones_like(out), res)
+        np.testing.assert_allclose(out, ref, rtol=0, atol=1e-13)
+        np.testing.assert_allclose(grads.dq, ref_grads.dq, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(grads.dmods["table"], dtable, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_example_runs_as_a_script(name, tmp_path):
-    extra = ["--out", str(tmp_path)] if name == "attention_maps" else []
+    extra = {"attention_maps": ["--out", str(tmp_path)], "custom_score_mod": ["--out", str(tmp_path / "bias.png")]}
+    extra = extra.get(name, [])
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / f"{name}.py"), "--quick", *extra],
         cwd=tmp_path,
