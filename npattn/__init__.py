@@ -43,6 +43,7 @@ from .interop import mha_masks_from_torch, mha_params_from_torch, mha_params_to_
 from .kv_cache import KVCache
 from .merge import MergeResiduals, merge_partials, merge_partials_backward
 from .mha import MHAGrads, MHAResiduals, MultiheadAttention, mha_backward, mha_forward, mha_init
+from .modes import SecondOrderCotangents, attention_backward_jvp, attention_double_backward, attention_jvp
 from .scores import alibi_slopes
 from .scores.block_mask import BlockMask, block_mask
 from .scores.library import alibi_mod, head_temperature, relative_position_bias, softcap_mod, t5_buckets
@@ -54,6 +55,10 @@ __all__ = [
     "attention",
     "attention_forward",
     "attention_backward",
+    "attention_jvp",
+    "attention_backward_jvp",
+    "attention_double_backward",
+    "SecondOrderCotangents",
     "alibi_slopes",
     "ScoreMod",
     "TileIndex",

@@ -350,10 +350,10 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
         raise TypeError(f"residuals must come from npattn.attention_forward, got {type(residuals).__name__}")
     spec = residuals.spec
     xp = spec.xp
-    dout_c = _check_cotangent(residuals, "dout", dout, tuple(residuals.out.shape), spec.dtype)
+    dout_c = check_cotangent(residuals, "dout", dout, tuple(residuals.out.shape), spec.dtype)
     dlse_c = None
     if dlse is not None:
-        dlse_c = _check_cotangent(residuals, "dlse", dlse, tuple(residuals.lse.shape), spec.compute_dtype)
+        dlse_c = check_cotangent(residuals, "dlse", dlse, tuple(residuals.lse.shape), spec.compute_dtype)
     if isinstance(residuals, DenseResiduals):
         dq, dk, dv, dbias, params = dense_backward(
             spec, residuals.q, residuals.k, residuals.v, residuals.probs, dout_c, dlse_c
@@ -424,7 +424,7 @@ _CHUNKED_KERNELS = {
 }
 
 
-def _check_cotangent(residuals: AttentionResiduals, name: str, g: Any, shape: tuple, dtype: Any) -> Any:
+def check_cotangent(residuals: AttentionResiduals, name: str, g: Any, shape: tuple, dtype: Any) -> Any:
     """Check a cotangent against the forward's output; return it in the compute dtype."""
     spec = residuals.spec
     if g is None:

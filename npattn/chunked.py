@@ -89,7 +89,17 @@ from .options import (
 from .scores.pipeline import ScoreParamGrads, additive_tile, transform, transform_backward
 from .scores.visibility import ALL, NONE, classify_tile, visible_tile
 
-__all__ = ["chunked_forward", "chunked_backward", "tile_ranges", "default_blocks", "on_accelerator"]
+__all__ = [
+    "chunked_forward",
+    "chunked_backward",
+    "tile_ranges",
+    "default_blocks",
+    "on_accelerator",
+    "grouped",
+    "ungrouped",
+    "dropout_tile",
+    "DbiasAccumulator",
+]
 
 #: torch device types that are not accelerators ("meta" holds no data at all).
 _HOST_TORCH_DEVICE_TYPES = ("cpu", "meta")
@@ -191,7 +201,7 @@ def tile_ranges(length: int, block: int) -> list[tuple[int, int]]:
     return [(start, min(start + block, length)) for start in range(0, length, block)]
 
 
-def _grouped(spec: AttentionSpec, x: Any) -> Any:
+def grouped(spec: AttentionSpec, x: Any) -> Any:
     """View a per-head tile ``(..., N|1, a, b)`` as ``(..., K|1, G|1, a, b)``.
 
     Tiles built only from row/column indices (rank 2) broadcast as they are.
@@ -203,8 +213,8 @@ def _grouped(spec: AttentionSpec, x: Any) -> Any:
     return spec.xp.reshape(x, tuple(x.shape[:-3]) + heads + tuple(x.shape[-2:]))  # (..., K|1, G|1, a, b)
 
 
-def _ungrouped(spec: AttentionSpec, x: Any) -> Any:
-    """``(..., K, G, a, b) -> (..., N, a, b)``, the inverse of :func:`_grouped`."""
+def ungrouped(spec: AttentionSpec, x: Any) -> Any:
+    """``(..., K, G, a, b) -> (..., N, a, b)``, the inverse of :func:`grouped`."""
     return spec.xp.reshape(x, tuple(x.shape[:-4]) + (spec.num_heads,) + tuple(x.shape[-2:]))
 
 
@@ -223,22 +233,22 @@ def _tile_scores(
     xp = spec.xp
     raw = qs_i @ kT_j  # (..., K, G, tq, tk)
     additive = additive_tile(spec, q0, q1, k0, k1)  # (..., N|1, tq|1, tk|1) or None
-    additive = None if additive is None else _grouped(spec, additive)  # (..., K|1, G|1, tq|1, tk|1)
+    additive = None if additive is None else grouped(spec, additive)  # (..., K|1, G|1, tq|1, tk|1)
     s = transform(spec, raw, additive, (q0, q1, k0, k1))  # (..., K, G, tq, tk)
     if kind != ALL:
         visible = visible_tile(spec, q0, q1, k0, k1)  # broadcastable to (..., N, tq, tk)
         if visible is not None:
-            s = xp.where(_grouped(spec, visible), s, -xp.inf)  # (..., K, G, tq, tk)
+            s = xp.where(grouped(spec, visible), s, -xp.inf)  # (..., K, G, tq, tk)
     return s, raw, additive
 
 
-def _dropout_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> Any | None:
+def dropout_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> Any | None:
     """``keep_ij / (1 - p)`` as ``(..., K, G, tq, tk)``, or None without dropout."""
     if spec.dropout_p == 0:
         return None
     xp = spec.xp
     keep = _dropout.keep_tile(spec, q0, q1, k0, k1)  # (..., N, tq, tk)
-    return _grouped(spec, xp.astype(keep, spec.compute_dtype)) / (1.0 - spec.dropout_p)
+    return grouped(spec, xp.astype(keep, spec.compute_dtype)) / (1.0 - spec.dropout_p)
 
 
 def _zeros(spec: AttentionSpec, shape: tuple[int, ...]) -> Any:
@@ -307,7 +317,7 @@ def chunked_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, A
             a = xp.exp(m - m_safe)  # (..., K, G, tq, 1)
             p = xp.exp(s - m_safe)  # P~_ij (..., K, G, tq, tk)
             l = a * l + xp.sum(p, axis=-1, keepdims=True)  # (..., K, G, tq, 1)
-            drop = _dropout_tile(spec, q0, q1, k0, k1)
+            drop = dropout_tile(spec, q0, q1, k0, k1)
             if drop is not None:
                 p = p * drop  # (..., K, G, tq, tk)
             acc = a * acc + p @ vg[..., k0:k1, :]  # (..., K, G, tq, tk) @ (..., K, 1, tk, Hv) -> (..., K, G, tq, Hv)
@@ -373,7 +383,7 @@ def chunked_backward(
     q_tiles, k_tiles = tile_ranges(T, block_q), tile_ranges(S, block_k)
     dq_tiles: list[Any] = [None] * len(q_tiles)  # sum_j dS_ij K_j, each (..., K, G, tq, H)
     dk_tiles, dv_tiles = [], []
-    dbias_acc = _DbiasAccumulator(spec, q_tiles, k_tiles)
+    dbias_acc = DbiasAccumulator(spec, q_tiles, k_tiles)
     params = ScoreParamGrads(spec)
     for j, (k0, k1) in enumerate(k_tiles):
         k_j = kg[..., k0:k1, :]  # (..., K, 1, tk, H)
@@ -388,7 +398,7 @@ def chunked_backward(
             qs_i, do_i = qs[..., q0:q1, :], do[..., q0:q1, :]  # (..., K, G, tq, H), (..., K, G, tq, Hv)
             s, raw, additive = _tile_scores(spec, qs_i, kT_j, q0, q1, k0, k1, kind)  # (..., K, G, tq, tk)
             p = xp.exp(s - lse[..., q0:q1, :])  # P_ij (..., K, G, tq, tk)
-            drop = _dropout_tile(spec, q0, q1, k0, k1)
+            drop = dropout_tile(spec, q0, q1, k0, k1)
             p_dropped = p if drop is None else p * drop  # Pd_ij
             # (..., K, G, tk, tq) @ (..., K, G, tq, Hv) -> (..., K, G, tk, Hv), summed over G
             dv_j = dv_j + xp.sum(xp.matrix_transpose(p_dropped) @ do_i, axis=-3)
@@ -414,7 +424,7 @@ def chunked_backward(
     return dq, dk, dv, dbias_acc.result(), params.result()
 
 
-class _DbiasAccumulator:
+class DbiasAccumulator:
     """Collects ``dS_ij`` summed to the bias tile's shape, then assembles
     ``dbias`` in ``spec.bias_shape``.
 
@@ -444,7 +454,7 @@ class _DbiasAccumulator:
         """Add ``dS_ij (..., K, G, tq, tk)`` summed to the bias tile's shape."""
         if self.spec.bias is None:
             return
-        piece = sum_to_shape(self.spec.xp, _ungrouped(self.spec, ds), self._tile_shape(i, j))  # (..., N|1, tq|1, tk|1)
+        piece = sum_to_shape(self.spec.xp, ungrouped(self.spec, ds), self._tile_shape(i, j))  # (..., N|1, tq|1, tk|1)
         key = self._key(i, j)
         self.pieces[key] = piece if key not in self.pieces else self.pieces[key] + piece
 

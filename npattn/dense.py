@@ -38,7 +38,15 @@ from .scores.pipeline import ScoreParamGrads, additive_tile, transform, transfor
 from .scores.visibility import visible_tile
 from .softmax import masked_softmax
 
-__all__ = ["dense_forward", "dense_backward", "dense_scores", "expand_kv_heads", "reduce_kv_heads"]
+__all__ = [
+    "dense_forward",
+    "dense_backward",
+    "dense_scores",
+    "expand_kv_heads",
+    "reduce_kv_heads",
+    "raw_scores",
+    "dropout_scale",
+]
 
 
 def expand_kv_heads(xp: Any, x: Any, group_size: int) -> Any:
@@ -65,7 +73,7 @@ def reduce_kv_heads(xp: Any, dx: Any, num_kv_heads: int) -> Any:
     return xp.sum(dx, axis=-3)  # (..., K, S, D)
 
 
-def _dropout_scale(spec: AttentionSpec) -> Any | None:
+def dropout_scale(spec: AttentionSpec) -> Any | None:
     """``keep / (1 - p)`` over the whole ``(..., N, T, S)``, or None without dropout."""
     if spec.dropout_p == 0:
         return None
@@ -95,7 +103,7 @@ def dense_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any
     xp = spec.xp
     s = dense_scores(spec, q, k)  # (..., N, T, S)
     p, lse = masked_softmax(xp, s, visible_tile(spec, 0, spec.q_len, 0, spec.kv_len))
-    drop = _dropout_scale(spec)
+    drop = dropout_scale(spec)
     p_dropped = p if drop is None else p * drop  # (..., N, T, S)
     out = p_dropped @ expand_kv_heads(xp, v, spec.group_size)  # (..., N, T, Hv)
     return out, lse, p
@@ -110,7 +118,7 @@ def dense_backward(
     pre-dropout probabilities."""
     xp = spec.xp
     G = spec.group_size
-    drop = _dropout_scale(spec)
+    drop = dropout_scale(spec)
     p_dropped = p if drop is None else p * drop  # (..., N, T, S)
     K = spec.num_kv_heads
     dv = reduce_kv_heads(xp, xp.matrix_transpose(p_dropped) @ dout, K)  # (..., K, S, Hv)

@@ -692,33 +692,11 @@ def mha_forward(
 
     P, xc, ks, vs = _in_compute_dtype(xp, kind, params, x, key_source, value_source, cdtype)
     q, k, v, kv_ids, state = _project_heads(xp, P, xc, ks, vs, dims, cache, kv_ids)  # (B, N, T, H), (B, K, S, H) x 2
-    o, attn = attention_forward(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=bias,
-        causal=causal,
-        window=window,
-        align=align,
-        q_lengths=q_lengths,
-        kv_lengths=kv_lengths,
-        scale=scale,
-        dropout_p=dropout_p,
-        seed=seed,
-        impl=impl,
-        block_q=block_q,
-        block_k=block_k,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        sinks=P.get("sinks"),
-        q_segment_ids=q_ids,
-        kv_segment_ids=kv_ids,
-        score_mods=score_mods,
-        mask_mod=mask_mod,
-        block_mask=block_mask,
-        xp=xp,
-    )  # o: (B, N, T, H)
+    core = dict(mask=mask, bias=bias, causal=causal, window=window, align=align, q_lengths=q_lengths)
+    core.update(kv_lengths=kv_lengths, scale=scale, dropout_p=dropout_p, seed=seed, impl=impl, block_q=block_q)
+    core.update(block_k=block_k, softcap=softcap, alibi_slopes=alibi_slopes, score_mods=score_mods, mask_mod=mask_mod)
+    core.update(block_mask=block_mask, sinks=P.get("sinks"), q_segment_ids=q_ids, kv_segment_ids=kv_ids, xp=xp)
+    o, attn = attention_forward(q, k, v, **core)  # o: (B, N, T, H)
     merged = _merge_heads(xp, o)  # (B, T, E)
     y = _linear(xp, merged, P["out_weight"], P.get("out_bias"))  # (B, T, E)
     weights = _attention_weights(attn) if need_weights else None  # (B, N, T, S)

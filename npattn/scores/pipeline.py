@@ -29,11 +29,20 @@ from typing import Any
 from ..namespace import sum_to_shape
 from ..options import AttentionSpec
 from .alibi import alibi_slopes_grad_tile, alibi_tile
-from .mods import mods_backward, mods_forward, tile_index
+from .mods import mods_backward, mods_forward, mods_jvp, tile_index
 from .softcap import softcap_backward, softcap_forward
 from .tiles import select_item, slice_tile
 
-__all__ = ["bias_tile", "additive_tile", "transform", "transform_backward", "ScoreParamGrads", "param_grads_from_heads"]
+__all__ = [
+    "bias_tile",
+    "additive_tile",
+    "transform",
+    "transform_backward",
+    "transform_jvp",
+    "raw_curvature",
+    "ScoreParamGrads",
+    "param_grads_from_heads",
+]
 
 
 def bias_tile(
@@ -111,6 +120,39 @@ def transform_backward(
     if spec.softcap is None:
         return ds, ds
     return ds, softcap_backward(spec.xp, softcap_forward(spec.xp, raw, spec.softcap), spec.softcap, ds)
+
+
+def transform_jvp(
+    spec: AttentionSpec, raw: Any, raw_dot: Any, additive: Any | None, additive_dot: Any | None, tile: tuple
+) -> tuple[Any, Any]:
+    """:func:`transform` and its tangent, ``(s, s_dot)``, in ``raw``'s layout:
+    ``s_dot = mods'(s3) * (softcap'(raw) * raw_dot + additive_dot)``, where
+    ``additive_dot`` is the bias's tangent (or None)."""
+    s = _steps_2_3(spec, raw, additive)
+    s_dot = raw_dot
+    if spec.softcap is not None:
+        s_dot = s_dot * raw_curvature(spec, raw)[0]
+    if additive_dot is not None:
+        s_dot = s_dot + additive_dot
+    if spec.score_mods:
+        xp = spec.xp
+        s, inputs = _mods_on(spec, s, tile)
+        s_dot4 = xp.reshape(s_dot + xp.zeros_like(raw), _rank4(spec, tile))  # (B, N, tq, tk)
+        s_dot = xp.reshape(mods_jvp(spec, s_dot4, inputs, tile_index(spec, *tile)), tuple(raw.shape))
+    return s, s_dot
+
+
+def raw_curvature(spec: AttentionSpec, raw: Any) -> tuple[Any, Any]:
+    """``(a, b) = (dS/dR, d^2S/dR^2)`` of steps 2-3 at the raw products, for
+    the second-order modes: with a softcap ``a = 1 - t^2``, ``b = -2 t a / c``
+    (``t = tanh(R / c)``); without one ``(1, 0)`` as Python floats. Score
+    modifications would need their second derivative, which their interface
+    does not give (:func:`npattn.attention_backward_jvp` refuses them)."""
+    if spec.softcap is None:
+        return 1.0, 0.0
+    t = spec.xp.tanh(raw / spec.softcap)
+    a = 1 - t * t
+    return a, (-2.0 / spec.softcap) * t * a
 
 
 def _steps_2_3(spec: AttentionSpec, raw: Any, additive: Any | None) -> Any:
