@@ -104,8 +104,8 @@ from .chunked import tile_ranges
 from .namespace import sum_to_shape
 from .options import AttentionSpec
 from .scores.alibi import alibi_distance, alibi_min_distance, alibi_slopes_grad_tile
-from .scores.mods import mods_backward, mods_forward, tile_index
-from .scores.pipeline import additive_tile, param_grads_from_heads
+from .scores.mods import mods_backward, tile_index
+from .scores.pipeline import additive_tile, mods_keeping_masked, param_grads_from_heads
 from .scores.softcap import softcap_backward, softcap_forward
 from .scores.tiles import select_item
 from .scores.visibility import ALL, NONE, classify_tile, segments_hide_nothing, visible_tile
@@ -550,7 +550,7 @@ class _Item:
         received, valid after the call only with ``keep`` (the backward's:
         then the first receives a copy, since ``s`` is overwritten)."""
         s4 = _head_major(s, p1 - p0, self.G)[None]  # (1, G, tq, tk), a view
-        result, inputs = mods_forward(self.spec, s4.copy() if keep else s4, self.index(p0, p1, c0, c1))
+        result, inputs = mods_keeping_masked(self.spec, s4.copy() if keep else s4, self.index(p0, p1, c0, c1))
         np.copyto(s4, result)
         return inputs
 

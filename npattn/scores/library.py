@@ -120,6 +120,7 @@ def t5_buckets(relative_position: Any, *, num_buckets: int = 32, max_distance: i
     >>> t5_buckets(np.array([-200, -3, 0, 3, 200]), num_buckets=8, max_distance=16).tolist()
     [3, 2, 0, 6, 7]
     """
+    _check_buckets(num_buckets, max_distance, bidirectional)
     xp = array_api_compat.array_namespace(relative_position)
     buckets = xp.zeros_like(relative_position)
     if bidirectional:
@@ -133,6 +134,22 @@ def t5_buckets(relative_position: Any, *, num_buckets: int = 32, max_distance: i
     spread = xp.log(ratio) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
     large = xp.minimum(max_exact + xp.astype(spread, distance.dtype), xp.full_like(distance, num_buckets - 1))
     return buckets + xp.where(distance < max_exact, distance, large)
+
+
+def _check_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> None:
+    """T5's bucketing needs one exact bucket per side at least and a
+    logarithmic range beyond it: ``max_exact = num_buckets // 2`` (halved
+    again when bidirectional) ``>= 1`` and ``max_distance > max_exact``."""
+    per_side = num_buckets // 2 if bidirectional else num_buckets
+    max_exact = per_side // 2
+    if max_exact < 1:
+        need = 4 if bidirectional else 2
+        raise ValueError(f"num_buckets must be >= {need} (bidirectional={bidirectional}), got {num_buckets}")
+    if max_distance <= max_exact:
+        raise ValueError(
+            f"max_distance must exceed the {max_exact} exact buckets (num_buckets={num_buckets}, "
+            f"bidirectional={bidirectional}), got {max_distance}"
+        )
 
 
 def relative_position_bias(
@@ -160,6 +177,7 @@ def relative_position_bias(
             f"relative_position_bias table must have shape (N, num_buckets), got {getattr(table, 'shape', None)}"
         )
     num_buckets = int(table.shape[1])
+    _check_buckets(num_buckets, max_distance, bidirectional)
 
     def buckets_of(relative: Any) -> Any:
         return t5_buckets(relative, num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional)
@@ -234,7 +252,7 @@ class _Diagonals:
             item = vec.itemsize
             return as_strided(vec[:, tq - 1 :], shape=(1, n, tq, tk), strides=(0, vec.strides[0], -item, item))
         xp = self.xp
-        index = xp.reshape(self.idx.k - self.idx.q, (tq, tk)) - int(self.relative[0])  # (tq, tk) in [0, R)
+        index = xp.reshape(self.idx.k - self.idx.q[:1, ...], (tq, tk)) - int(self.relative[0])  # (tq, tk) in [0, R)
         flat = xp.reshape(
             xp.reshape(xp.arange(n, dtype=xp.int64, device=array_api_compat.device(vec)), (n, 1, 1)) * self.size
             + index,
@@ -255,7 +273,9 @@ class _Diagonals:
             )
             np.copyto(shifted, total)
             return padded[:, : tq * self.size].reshape(n, tq, self.size).sum(axis=1)  # (n, R)
-        index = xp.broadcast_to(xp.reshape(self.idx.k - self.idx.q, (1, tq, tk)) - int(self.relative[0]), (n, tq, tk))
+        index = xp.broadcast_to(
+            xp.reshape(self.idx.k - self.idx.q[:1, ...], (1, tq, tk)) - int(self.relative[0]), (n, tq, tk)
+        )
         heads = xp.reshape(xp.arange(n, dtype=xp.int64, device=array_api_compat.device(total)), (n, 1, 1))
         return xp.reshape(_scatter_sum(xp, total, heads * self.size + index, n * self.size), (n, self.size))
 

@@ -201,6 +201,8 @@ def _check_tile(mod: ScoreMod, role: str, result: Any, like: Any) -> None:
 def mods_forward(spec: AttentionSpec, s: Any, idx: TileIndex) -> tuple[Any, list[Any]]:
     """Step 4 on a rank-4 tile: ``(s', inputs)``, where ``inputs[m]`` is what
     modification ``m`` received (kept for :func:`mods_backward`)."""
+    if 0 in tuple(s.shape):  # an empty tile: nothing to modify
+        return s, [s] * len(spec.score_mods)
     inputs = []
     for mod in spec.score_mods:
         inputs.append(s)
@@ -214,6 +216,8 @@ def mods_backward(spec: AttentionSpec, ds: Any, inputs: list[Any], idx: TileInde
     """Step 4's chain rule on a rank-4 tile, in reverse: ``(ds_in, shares)``
     with ``shares`` this tile's parameter cotangents by name."""
     shares: dict[str, Any] = {}
+    if 0 in tuple(ds.shape):  # an empty tile: no cotangent to pass on
+        return ds, shares
     for mod, s in zip(reversed(spec.score_mods), reversed(inputs)):
         result = mod.backward(s, idx, ds, **_params_of(spec, mod))
         ds_in, grads = result if isinstance(result, tuple) else (result, {})
@@ -240,6 +244,8 @@ def mods_jvp(spec: AttentionSpec, s_dot: Any, inputs: list[Any], idx: TileIndex)
     elementwise, so its backward applied to a tangent, ``backward(s, idx,
     s_dot)``, is ``f'(s) * s_dot``, the forward-mode derivative (the
     parameters' shares it also returns are not used)."""
+    if 0 in tuple(s_dot.shape):
+        return s_dot
     for mod, s in zip(spec.score_mods, inputs):
         result = mod.backward(s, idx, s_dot, **_params_of(spec, mod))
         s_dot_next = result[0] if isinstance(result, tuple) else result

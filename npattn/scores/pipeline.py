@@ -39,6 +39,7 @@ __all__ = [
     "transform",
     "transform_backward",
     "transform_jvp",
+    "mods_keeping_masked",
     "raw_curvature",
     "ScoreParamGrads",
     "param_grads_from_heads",
@@ -167,11 +168,25 @@ def _rank4(spec: AttentionSpec, tile: tuple[int, int, int, int]) -> tuple[int, i
 
 
 def _mods_on(spec: AttentionSpec, s: Any, tile: tuple[int, int, int, int]) -> tuple[Any, list[Any]]:
-    """Step 4 on a tile over every batch element and head, seen as rank 4."""
+    """Step 4 on a tile over every batch element and head, seen as rank 4
+    (see :func:`mods_keeping_masked`)."""
     xp = spec.xp
     s4 = xp.reshape(s, _rank4(spec, tile))  # (B, N, tq, tk)
-    out, inputs = mods_forward(spec, s4, tile_index(spec, *tile))
+    out, inputs = mods_keeping_masked(spec, s4, tile_index(spec, *tile))
     return xp.reshape(out, tuple(s.shape)), inputs
+
+
+def mods_keeping_masked(spec: AttentionSpec, s4: Any, idx: Any) -> tuple[Any, list[Any]]:
+    """:func:`~npattn.scores.mods.mods_forward`, where a ``-inf`` bias entry
+    stays a mask (CONVENTIONS §1): the modifications see 0 there (their
+    functions and derivatives stay finite) and their output is ``-inf``
+    again. Only a bias can make a score ``-inf`` before step 4."""
+    if spec.bias is None:
+        return mods_forward(spec, s4, idx)
+    xp = spec.xp
+    masked = s4 == -xp.inf
+    out, inputs = mods_forward(spec, xp.where(masked, xp.zeros_like(s4), s4), idx)
+    return xp.where(masked, xp.full_like(out, -xp.inf), out), inputs
 
 
 class ScoreParamGrads:
