@@ -328,6 +328,17 @@ class _Mode:
         self.base = LOG2E if self.base2 else 1.0
         self.cap = np.inf if spec.softcap is None else spec.softcap * self.base
 
+    @classmethod
+    def exact(cls, spec: AttentionSpec) -> _Mode:
+        """Base e, no fused shifts, no bounds: the mode of the derivative
+        modes' kernels (:mod:`npattn.modes.numpy_kernels`), whose tangents no
+        bound covers."""
+        mode = cls.__new__(cls)
+        mode.upper = mode.lower = mode.base2 = mode.fused = False
+        mode.base = 1.0
+        mode.cap = np.inf if spec.softcap is None else spec.softcap
+        return mode
+
     @staticmethod
     def _score_bound(spec: AttentionSpec, q_norms: Any, k_norms: Any, slopes: Any | None) -> float:
         """A bound on every ``|S_ij|`` in base 2: Cauchy-Schwarz, or the softcap

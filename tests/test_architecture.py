@@ -117,7 +117,7 @@ def test_choose_impl_reads_the_documented_threshold(monkeypatch):
 
 
 #: Modules whose hot loops may stay long (CONVENTIONS §3: kernels aside).
-KERNELS = {"dense", "chunked", "fast_numpy", "modes.jvp", "modes.second_order"}
+KERNELS = {"dense", "chunked", "fast_numpy", "modes.jvp", "modes.second_order", "modes.numpy_kernels"}
 
 #: Code lines (the docstring not counted) a function outside the kernels may take.
 MAX_FUNCTION_LINES = 80

@@ -48,6 +48,7 @@ from ..scores.sinks import apply_sinks
 from ..scores.tiles import slice_tile
 from ..scores.visibility import ALL, NONE, classify_tile, visible_tile
 from ..softmax import masked_softmax
+from . import numpy_kernels
 
 __all__ = ["attention_jvp", "dense_jvp", "chunked_jvp", "check_tangents", "bias_tangent", "merge_sinks_jvp"]
 
@@ -74,8 +75,9 @@ def attention_jvp(primals, tangents, /, **options):
         Of the same structure, shapes and dtypes as ``primals``.
     **options
         Every keyword of :func:`npattn.attention_forward`. The path follows
-        ``impl`` as there; the chunked path here is the generic one (on
-        NumPy too) and makes one sweep over the key tiles in linear memory.
+        ``impl`` as there; the chunked path makes one sweep over the key
+        tiles in linear memory (on NumPy float32/float64 in the fast path's
+        machinery, :mod:`npattn.modes.numpy_kernels`).
 
     Returns
     -------
@@ -106,6 +108,8 @@ def attention_jvp(primals, tangents, /, **options):
     spec, (q, k, v), dots = _spec_and_tangents(primals, tangents, options)
     if spec.impl == "dense":
         out, lse, out_dot, lse_dot = dense_jvp(spec, q, k, v, dots)
+    elif numpy_kernels.supports(spec):
+        out, lse, out_dot, lse_dot = numpy_kernels.forward_jvp(spec, q, k, v, dots)
     else:
         out, lse, out_dot, lse_dot = chunked_jvp(spec, q, k, v, dots)
     out, lse, out_dot, lse_dot = merge_sinks_jvp(spec, out, lse, out_dot, lse_dot)

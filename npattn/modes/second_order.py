@@ -63,6 +63,7 @@ from ..options import AttentionSpec
 from ..scores.pipeline import raw_curvature
 from ..scores.tiles import slice_tile
 from ..scores.visibility import NONE, classify_tile
+from . import numpy_kernels
 from .jvp import check_tangents, chunked_jvp, merge_sinks_jvp, tile_scores_jvp
 
 __all__ = ["attention_backward_jvp", "attention_double_backward", "SecondOrderCotangents"]
@@ -236,9 +237,16 @@ def _chunked_backward_jvp(spec, res, dO, dl, dots, dO_dot, dl_dot) -> tuple:
     bs, N, K, G = spec.batch_shape, spec.num_heads, spec.num_kv_heads, spec.group_size
     T, S, H, Hv = spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim
     q_dot, k_dot, v_dot, bias_dot = dots
-    _, _, out_dot, lse_dot = merge_sinks_jvp(spec, *chunked_jvp(spec, res.q, res.k, res.v, dots))
-    D, D_dot = _row_terms(spec, res.out, dO, dl, out_dot, dO_dot, dl_dot)
     lse = xp.where(res.lse == -xp.inf, xp.zeros_like(res.lse), res.lse)  # masked rows: S = -inf gives P = 0
+    fast = res.kernel == "numpy" and numpy_kernels.supports(spec)
+    if fast:
+        out_dot, lse_dot = numpy_kernels.tangent_rows(spec, res, dots, lse)
+    else:
+        _, _, out_dot, lse_dot = merge_sinks_jvp(spec, *chunked_jvp(spec, res.q, res.k, res.v, dots))
+    D, D_dot = _row_terms(spec, res.out, dO, dl, out_dot, dO_dot, dl_dot)
+    if fast:
+        row_terms = (lse, lse_dot, xp.reshape(D, D.shape[:-1]), xp.reshape(D_dot, D_dot.shape[:-1]))  # (..., N, T)
+        return numpy_kernels.backward_jvp(spec, res, dO, row_terms, dots, dO_dot)
     g = _grouped_arrays(
         spec, qs=res.q * spec.scale, qs_dot=q_dot * spec.scale, k=res.k, k_dot=k_dot, v=res.v, v_dot=v_dot
     )

@@ -1,0 +1,345 @@
+r"""NumPy fast path of the derivative modes: the JVP and the forward-over-reverse
+of :mod:`npattn.modes.jvp` and :mod:`npattn.modes.second_order`, with the
+machinery of :mod:`npattn.fast_numpy` (its thread pool of independent items,
+single-threaded BLAS inside them, tile plans and spans, position-major rows,
+the flushed ``exp``, the score pipeline's per-span units), in its exact mode
+(:meth:`npattn.fast_numpy._Mode.exact`: base e, no fused shifts, no bounds,
+since no bound covers a tangent).
+
+Where two products share an operand the GEMMs are fused along the inner
+axis: ``R' = [scale Q', scale Q] @ [K^T; K'^T]`` (one GEMM of depth ``2H``),
+``dP' = [dO', dO] @ [V^T; V'^T]`` (depth ``2Hv``) and
+``dQ' = [dR', dR] @ [K; K']`` (depth ``2 tk``).
+
+**JVP** (:func:`forward_jvp`): one item per (batch element, kv head, query
+tile), the sweep of :mod:`npattn.modes.jvp` with ``m``, ``l``, ``acc``,
+``c``, ``acc'``; the running maximum is updated on every span (exact mode,
+no lazy threshold). **Forward-over-reverse** (:func:`backward_jvp`): ``O'``
+and ``lse'`` first (:func:`tangent_rows`, from the forward's ``O`` and ``lse``),
+then one item per (batch element, kv head), key tiles outside, as the fast
+backward. Both are tested against the generic
+chunked code and against central differences. The double backward has no
+fast path (it runs the generic chunked code on NumPy too).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..chunked import tile_ranges
+from ..fast_numpy import (
+    _AlibiDistances,
+    _augmented_rows,
+    _augmented_transposed,
+    _blocks,
+    _buffer,
+    _Exp,
+    _head_major,
+    _Item,
+    _Mode,
+    _plans,
+    _position_major,
+    _rows,
+    _run,
+    handles,
+)
+from ..options import AttentionSpec
+from ..scores.mods import mods_jvp
+from ..scores.tiles import select_item, slice_tile
+
+__all__ = ["supports", "forward_jvp", "tangent_rows", "backward_jvp"]
+
+
+def supports(spec: AttentionSpec) -> bool:
+    """Whether these kernels take ``spec``: NumPy in float32/float64 (as the
+    fast path, ``NPATTN_FAST_NUMPY=0`` included)."""
+    return handles(spec.xp, spec.compute_dtype)
+
+
+def _fused_right(x3: Any, x3_dot: Any, dtype: Any) -> Any:
+    """``[x^T; x'^T]``: two ``(..., L, D)`` -> ``(..., 2D, L)``, contiguous."""
+    return np.ascontiguousarray(np.concatenate([np.swapaxes(x3, -1, -2), np.swapaxes(x3_dot, -1, -2)], axis=-2), dtype)
+
+
+def _fused_left(x_dot: Any, x: Any, scale: Any, dtype: Any) -> Any:
+    """``[scale x', scale x]`` in position-major rows: ``(G, tq, D)`` x 2 -> ``(tq*G, 2D)``."""
+    D = x.shape[-1]
+    rows = np.empty((x.shape[0] * x.shape[1], 2 * D), dtype=dtype)
+    np.multiply(_position_major(x_dot), scale, out=rows[:, :D])
+    np.multiply(_position_major(x), scale, out=rows[:, D:])
+    return rows
+
+
+class _Tangents:
+    """A span's tangent of the scores, ``S' (R, tk)``, built beside the scores
+    by :meth:`_Item.scores` (the pipeline's units, written once)."""
+
+    def __init__(self, spec: AttentionSpec, item: _Item, bias_dot: Any | None):
+        self.spec, self.item, self.bias_dot = spec, item, bias_dot
+
+    def scores(self, s: Any, sd: Any, capped: Any, qs: Any, qcat: Any, kTa: Any, kcat: Any, span: tuple) -> Any:
+        """Fill ``s`` (scores, hidden -> -inf) and ``sd`` (``S'``, hidden -> 0);
+        return ``(a, b, R')`` for the second order (``a``, ``b`` Python floats
+        without a softcap, ``R'`` a copy only with one)."""
+        spec, item = self.spec, self.item
+        p0, p1, c0, c1, _ = span
+        np.matmul(qcat, kcat[:, c0:c1], out=sd)  # (R, 2H) @ (2H, tk) -> R'
+        inputs = item.scores(s, qs, kTa, span, hide=False, capped=capped)
+        a: Any = 1.0
+        b: Any = 0.0
+        raw_dot = sd
+        if spec.softcap is not None:  # a = 1 - t^2, b = -2 t a / c with t = capped / c
+            t = capped * (1.0 / spec.softcap)
+            a = 1.0 - t * t
+            b = (-2.0 / spec.softcap) * t * a
+            raw_dot = sd.copy()
+            sd *= a
+        if self.bias_dot is not None:
+            tile = slice_tile(select_item(spec, self.bias_dot, item.b, item.heads), p0, p1, c0, c1)
+            sd += item._as_rows(tile, p1 - p0, c1 - c0)
+        if inputs is not None:  # S' through the modifications (elementwise: their backward)
+            sd4 = _head_major(sd, p1 - p0, item.G)[None]  # (1, G, tq, tk), a view
+            np.copyto(sd4, mods_jvp(spec, sd4.copy(), inputs, item.index(p0, p1, c0, c1)))
+        item.fill_hidden(s, span, -np.inf)
+        item.fill_hidden(sd, span, 0)
+        return a, b, raw_dot
+
+
+def _inputs(spec: AttentionSpec, q: Any, k: Any, v: Any, dots: tuple) -> tuple:
+    """The inputs as ``(B, heads, L, D)`` and the keys' fused ``[K^T; K'^T]``."""
+    Bf, N, K = spec.num_batch, spec.num_heads, spec.num_kv_heads
+    T, S, H, Hv = spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim
+    q3, qd3 = (np.reshape(x, (Bf, N, T, H)) for x in (q, dots[0]))  # (B, N, T, H)
+    k3, kd3 = (np.reshape(x, (Bf, K, S, H)) for x in (k, dots[1]))  # (B, K, S, H)
+    v3, vd3 = (np.reshape(x, (Bf, K, S, Hv)) for x in (v, dots[2]))  # (B, K, S, Hv)
+    return q3, qd3, k3, kd3, v3, vd3
+
+
+def forward_jvp(spec: AttentionSpec, q: Any, k: Any, v: Any, dots: tuple) -> tuple[Any, Any, Any, Any]:
+    """``(out, lse, out', lse')`` over the real keys; same contract as
+    :func:`npattn.modes.jvp.chunked_jvp`."""
+    dtype = spec.compute_dtype
+    Bf, N, K, G = spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.group_size
+    T, S, Hv = spec.q_len, spec.kv_len, spec.value_dim
+    q3, qd3, k3, kd3, v3, vd3 = _inputs(spec, q, k, v, dots)
+    kTa = _augmented_transposed(k3, dtype)  # (B, K, H+1, S)
+    kcat = _fused_right(k3, kd3, dtype)  # (B, K, 2H, S)
+    mode = _Mode.exact(spec)
+    out, out_dot = np.zeros((Bf, N, T, Hv), dtype=dtype), np.zeros((Bf, N, T, Hv), dtype=dtype)
+    lse, lse_dot = np.full((Bf, N, T), -np.inf, dtype=dtype), np.zeros((Bf, N, T), dtype=dtype)
+    block_q, block_k = _blocks(spec)
+    q_tiles, k_tiles = tile_ranges(T, block_q), tile_ranges(S, block_k)
+    plans = _plans(spec, q_tiles, k_tiles)
+    exp, scale = _Exp(False, dtype), dtype.type(spec.scale)
+    ones_k = np.ones(block_k, dtype=dtype)
+    distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, 1.0)
+
+    def work(job):
+        b, kv, qi = job
+        q0, q1 = q_tiles[qi]
+        item = _Item(spec, b, kv, mode, distances)
+        item.keep_inputs = bool(spec.score_mods)
+        tangents = _Tangents(spec, item, dots[3])
+        tq, rows = q1 - q0, G * (q1 - q0)
+        qa = _augmented_rows(q3[b, item.head_slice, q0:q1], 0, scale, dtype)  # (tq*G, H+1) = [scale Q, 0]
+        qcat = _fused_left(qd3[b, item.head_slice, q0:q1], q3[b, item.head_slice, q0:q1], scale, dtype)  # (tq*G, 2H)
+        m = np.full(rows, -np.inf, dtype=dtype)
+        l, c = np.zeros(rows, dtype=dtype), np.zeros(rows, dtype=dtype)
+        acc, acc_dot = np.zeros((rows, Hv), dtype=dtype), np.zeros((rows, Hv), dtype=dtype)
+        s_flat, sd_flat = np.empty(rows * block_k, dtype=dtype), np.empty(rows * block_k, dtype=dtype)
+        capped_flat = None if spec.softcap is None else np.empty(rows * block_k, dtype=dtype)
+        for plan in plans[qi]:
+            for span in plan:
+                r, (c0, c1) = _rows(span, q0, G), span[2:4]
+                R, tk = r.stop - r.start, c1 - c0
+                s, sd = _buffer(s_flat, R, tk), _buffer(sd_flat, R, tk)
+                capped = None if capped_flat is None else _buffer(capped_flat, R, tk)
+                tangents.scores(s, sd, capped, qa[r], qcat[r], kTa[b, kv], kcat[b, kv], span)
+                m_new = np.maximum(m[r], s.max(axis=1))  # (R,)
+                m_safe = np.where(m_new == -np.inf, 0, m_new).astype(dtype, copy=False)  # no exp(-inf - -inf)
+                if np.any(m_new > m[r]):
+                    alpha = np.exp(m[r] - m_safe)  # (R,): 0 where nothing was seen yet
+                    l[r] *= alpha
+                    c[r] *= alpha
+                    acc[r] *= alpha[:, None]
+                    acc_dot[r] *= alpha[:, None]
+                    m[r] = m_new
+                s -= m_safe[:, None]
+                exp.flushed(s)  # P~ (R, tk): exact 0 where hidden, never subnormal
+                l[r] += s @ ones_k[:tk]  # (R, tk) @ (tk,)
+                sd *= s  # P~ S'
+                c[r] += sd @ ones_k[:tk]
+                drop = item.dropout_scale(*span[:4])
+                if drop is not None:
+                    s *= drop
+                    sd *= drop
+                vj, vdj = v3[b, kv, c0:c1], vd3[b, kv, c0:c1]  # (tk, Hv)
+                acc[r] += s @ vj  # (R, tk) @ (tk, Hv)
+                acc_dot[r] += sd @ vj + s @ vdj
+        empty = l == 0
+        l[empty] = 1
+        o = acc / l[:, None]  # (tq*G, Hv)
+        row_lse = np.where(empty, -np.inf, m + np.log(l))
+        row_lse_dot = c / l
+        heads = item.head_slice
+        out[b, heads, q0:q1] = _head_major(o, tq, G)  # (G, tq, Hv)
+        out_dot[b, heads, q0:q1] = _head_major(acc_dot / l[:, None] - row_lse_dot[:, None] * o, tq, G)
+        lse[b, heads, q0:q1] = _head_major(row_lse, tq, G)
+        lse_dot[b, heads, q0:q1] = _head_major(row_lse_dot, tq, G)
+
+    _run(
+        [(b, kv, qi) for qi in range(len(q_tiles)) for b in range(Bf) for kv in range(K) if G], work, spare_thread=True
+    )
+    bs = spec.batch_shape
+    return (
+        out.reshape(bs + (N, T, Hv)),
+        lse.reshape(bs + (N, T)),
+        out_dot.reshape(bs + (N, T, Hv)),
+        lse_dot.reshape(bs + (N, T)),
+    )
+
+
+def tangent_rows(spec: AttentionSpec, res: Any, dots: tuple, lse_safe: Any) -> tuple[Any, Any]:
+    """``(O', lse')`` from the forward's own ``O`` and ``lse`` (sinks included,
+    ``-inf`` replaced by 0 in ``lse_safe``): with ``P = exp(S - lse)`` known,
+    ``lse' = rowsum(P S')`` and ``O' = sum_j P M (S' V + V') - lse' O`` need no
+    running maximum, no rescaling and no ``P V`` (a JVP sweep less one GEMM),
+    as :func:`backward_jvp`'s first sweep."""
+    dtype = spec.compute_dtype
+    Bf, N, K, G = spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.group_size
+    T, S, Hv = spec.q_len, spec.kv_len, spec.value_dim
+    q3, qd3, k3, kd3, v3, vd3 = _inputs(spec, res.q, res.k, res.v, dots)
+    o3, lse3 = np.reshape(res.out, (Bf, N, T, Hv)), np.reshape(lse_safe, (Bf, N, T))
+    kTa, kcat = _augmented_transposed(k3, dtype), _fused_right(k3, kd3, dtype)  # (B, K, H+1|2H, S)
+    mode = _Mode.exact(spec)
+    out_dot, lse_dot = np.empty((Bf, N, T, Hv), dtype=dtype), np.empty((Bf, N, T), dtype=dtype)
+    block_q, block_k = _blocks(spec)
+    q_tiles, k_tiles = tile_ranges(T, block_q), tile_ranges(S, block_k)
+    plans = _plans(spec, q_tiles, k_tiles)
+    exp, scale = _Exp(False, dtype), dtype.type(spec.scale)
+    ones_k = np.ones(block_k, dtype=dtype)
+    distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, 1.0)
+
+    def work(job):
+        b, kv, qi = job
+        q0, q1 = q_tiles[qi]
+        item = _Item(spec, b, kv, mode, distances)
+        tangents, heads = _Tangents(spec, item, dots[3]), item.head_slice
+        tq, rows = q1 - q0, G * (q1 - q0)
+        qa = _augmented_rows(q3[b, heads, q0:q1], 0, scale, dtype)  # (tq*G, H+1)
+        qcat = _fused_left(qd3[b, heads, q0:q1], q3[b, heads, q0:q1], scale, dtype)  # (tq*G, 2H)
+        lse_i = _position_major(lse3[b, heads, q0:q1])  # (tq*G,)
+        c, acc_dot = np.zeros(rows, dtype=dtype), np.zeros((rows, Hv), dtype=dtype)
+        s_flat, sd_flat = np.empty(rows * block_k, dtype=dtype), np.empty(rows * block_k, dtype=dtype)
+        capped_flat = None if spec.softcap is None else np.empty(rows * block_k, dtype=dtype)
+        for plan in plans[qi]:
+            for span in plan:
+                r, (c0, c1) = _rows(span, q0, G), span[2:4]
+                R, tk = r.stop - r.start, c1 - c0
+                p, sd = _buffer(s_flat, R, tk), _buffer(sd_flat, R, tk)
+                capped = None if capped_flat is None else _buffer(capped_flat, R, tk)
+                tangents.scores(p, sd, capped, qa[r], qcat[r], kTa[b, kv], kcat[b, kv], span)
+                p -= lse_i[r, None]
+                exp.flushed(p)  # P (R, tk)
+                sd *= p  # P S'
+                c[r] += sd @ ones_k[:tk]
+                drop = item.dropout_scale(*span[:4])
+                if drop is not None:
+                    p *= drop
+                    sd *= drop
+                acc_dot[r] += sd @ v3[b, kv, c0:c1] + p @ vd3[b, kv, c0:c1]  # (R, tk) @ (tk, Hv)
+        o = _position_major(o3[b, heads, q0:q1])  # (tq*G, Hv)
+        out_dot[b, heads, q0:q1] = _head_major(acc_dot - c[:, None] * o, tq, G)
+        lse_dot[b, heads, q0:q1] = _head_major(c, tq, G)
+
+    _run(
+        [(b, kv, qi) for qi in range(len(q_tiles)) for b in range(Bf) for kv in range(K) if G], work, spare_thread=True
+    )
+    return out_dot.reshape(spec.batch_shape + (N, T, Hv)), lse_dot.reshape(spec.batch_shape + (N, T))
+
+
+def backward_jvp(spec: AttentionSpec, res: Any, dO: Any, rows_terms: tuple, dots: tuple, dO_dot: Any) -> tuple:
+    """Forward-over-reverse: ``(dq', dk', dv', dbias')`` in the compute dtype.
+
+    ``rows_terms`` is ``(lse, lse', D, D')``, each ``(..., N, T)`` (``lse``
+    with ``-inf`` replaced by 0), from the JVP and the cotangents."""
+    dtype = spec.compute_dtype
+    Bf, N, K, G = spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.group_size
+    T, S, H, Hv = spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim
+    q3, qd3, k3, kd3, v3, vd3 = _inputs(spec, res.q, res.k, res.v, dots)
+    do3, dod3 = (np.reshape(x, (Bf, N, T, Hv)) for x in (dO, dO_dot))  # (B, N, T, Hv)
+    lse3, lse_dot3, D3, D_dot3 = (np.reshape(x, (Bf, N, T)) for x in rows_terms)  # (B, N, T)
+    mode = _Mode.exact(spec)
+    dq_dot = np.empty((Bf, N, T, H), dtype=dtype)
+    dk_dot, dv_dot = np.empty((Bf, K, S, H), dtype=dtype), np.empty((Bf, K, S, Hv), dtype=dtype)
+    dbias_dot = None if spec.bias is None else np.zeros(spec.bias.shape, dtype=dtype)
+    block_q, block_k = _blocks(spec)
+    q_tiles, k_tiles = tile_ranges(T, block_q), tile_ranges(S, block_k)
+    plans = _plans(spec, q_tiles, k_tiles)
+    exp, scale = _Exp(False, dtype), dtype.type(spec.scale)
+    distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, 1.0)
+
+    def work(job):
+        b, kv = job
+        item = _Item(spec, b, kv, mode, distances)
+        tangents, heads = _Tangents(spec, item, dots[3]), item.head_slice
+        lse_b, lse_dot_b, D_b, D_dot_b = (_position_major(x[b, heads]) for x in (lse3, lse_dot3, D3, D_dot3))  # (T*G,)
+        qa = _augmented_rows(q3[b, heads], 0, scale, dtype)  # (T*G, H+1)
+        qs = qa[:, :H]
+        qcat = _fused_left(qd3[b, heads], q3[b, heads], scale, dtype)  # (T*G, 2H) = [scale Q', scale Q]
+        qds = qcat[:, :H]
+        do_b = _position_major(do3[b, heads])  # (T*G, Hv)
+        docat = _fused_left(dod3[b, heads], do3[b, heads], 1, dtype)  # (T*G, 2Hv) = [dO', dO]
+        kTa = _augmented_transposed(k3[b, kv], dtype)  # (H+1, S)
+        kcat = _fused_right(k3[b, kv], kd3[b, kv], dtype)  # (2H, S)
+        vT = np.ascontiguousarray(v3[b, kv].T)  # (Hv, S)
+        vcat = _fused_right(v3[b, kv], vd3[b, kv], dtype)  # (2Hv, S)
+        dq_b = np.zeros((T * G, H), dtype=dtype)
+        for kj, (k0, k1) in enumerate(k_tiles):
+            dk_j, dv_j = np.zeros((k1 - k0, H), dtype=dtype), np.zeros((k1 - k0, Hv), dtype=dtype)
+            for plan in (row[kj] for row in plans):
+                for span in plan:
+                    r, (c0, c1) = _rows(span, 0, G), span[2:4]
+                    cols = slice(c0 - k0, c1 - k0)
+                    R, tk = r.stop - r.start, c1 - c0
+                    p, sd = np.empty((R, tk), dtype=dtype), np.empty((R, tk), dtype=dtype)
+                    capped = None if spec.softcap is None else np.empty((R, tk), dtype=dtype)
+                    a, b2, raw_dot = tangents.scores(p, sd, capped, qa[r], qcat[r], kTa, kcat, span)
+                    p -= lse_b[r, None]
+                    exp.flushed(p)  # P (R, tk)
+                    sd -= lse_dot_b[r, None]
+                    sd *= p  # P' = P (S' - lse')
+                    drop = item.dropout_scale(*span[:4])
+                    pm, pm_dot = (p, sd) if drop is None else (p * drop, sd * drop)
+                    dv_j[cols] += pm_dot.T @ do_b[r] + pm.T @ docat[r, :Hv]  # (tk, R) @ (R, Hv)
+                    dp = do_b[r] @ vT[:, c0:c1]  # (R, Hv) @ (Hv, tk)
+                    dp_dot = docat[r] @ vcat[:, c0:c1]  # (R, 2Hv) @ (2Hv, tk) -> dO' V^T + dO V'^T
+                    if drop is not None:
+                        dp *= drop
+                        dp_dot *= drop
+                    dp -= D_b[r, None]  # dP - D
+                    dp_dot -= D_dot_b[r, None]  # dP' - D'
+                    dp_dot *= p
+                    ds_dot = sd * dp + dp_dot  # dS' = P' (dP - D) + P (dP' - D')
+                    dp *= p  # dS
+                    if dbias_dot is not None:
+                        item.add_dbias(dbias_dot, ds_dot, *span[:4])
+                    dr2 = np.empty((R, 2 * tk), dtype=dtype)  # [dR', dR]
+                    np.multiply(ds_dot, a, out=dr2[:, :tk])
+                    if spec.softcap is not None:
+                        dr2[:, :tk] += b2 * raw_dot * dp
+                    np.multiply(dp, a, out=dr2[:, tk:])
+                    kk = np.concatenate([k3[b, kv, c0:c1], kd3[b, kv, c0:c1]])  # (2tk, H) = [K; K']
+                    dq_b[r] += dr2 @ kk  # (R, 2tk) @ (2tk, H) -> dR' K + dR K'
+                    dk_j[cols] += dr2[:, :tk].T @ qs[r] + dr2[:, tk:].T @ qds[r]  # (tk, R) @ (R, H)
+            dk_dot[b, kv, k0:k1] = dk_j
+            dv_dot[b, kv, k0:k1] = dv_j
+        dq_b *= scale
+        dq_dot[b, heads] = _head_major(dq_b, T, G)  # (G, T, H)
+
+    _run([(b, kv) for b in range(Bf) for kv in range(K)], work, parallel=dbias_dot is None)
+    bs = spec.batch_shape
+    dbias_out = None if dbias_dot is None else dbias_dot.reshape(spec.bias_shape)
+    return dq_dot.reshape(bs + (N, T, H)), dk_dot.reshape(bs + (K, S, H)), dv_dot.reshape(bs + (K, S, Hv)), dbias_out
