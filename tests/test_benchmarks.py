@@ -97,6 +97,14 @@ def test_revision_benchmark_names_a_revision_it_cannot_read():
     assert "cannot read npattn/fast_numpy.py at 'no-such-revision'" in message
 
 
+def test_modes_benchmark_quick_prints_every_mode(capsys):
+    assert _run_script("bench_modes.py", ["--quick", "--double"]) == 0
+    out = capsys.readouterr().out
+    for mode in ("fwd+bwd", "jvp", "fwd-over-rev", "double bwd"):
+        assert len(re.findall(rf"^(full|causal)\s+{re.escape(mode)}\s+[\d.]+\s+[\d.]+x$", out, re.MULTILINE)) == 2, mode
+    assert "peak traced memory" in out and "threads; " in out.splitlines()[0]  # the CPU model follows
+
+
 @pytest.mark.parametrize(
     "script, argv",
     [
@@ -104,6 +112,7 @@ def test_revision_benchmark_names_a_revision_it_cannot_read():
         ("bench_cpu.py", ["--score-mod-length", "0"]),
         ("bench_cpu_levers.py", ["--repeats", "0"]),
         ("bench_cpu_ab.py", ["HEAD", "--rounds", "0"]),
+        ("bench_modes.py", ["--length", "0"]),
     ],
 )
 def test_benchmarks_reject_bad_arguments(script, argv, capsys):
