@@ -38,7 +38,7 @@ from .diagnostics import (
     row_sum_check,
     summarize,
 )
-from .gradient_check import GradcheckError, GradcheckResult, check_gradients, check_score_mod
+from .gradient_check import GradcheckError, GradcheckResult, check_gradients, check_jvp, check_score_mod
 from .interop import mha_masks_from_torch, mha_params_from_torch, mha_params_to_torch
 from .kv_cache import KVCache
 from .merge import MergeResiduals, merge_partials, merge_partials_backward
@@ -74,6 +74,7 @@ __all__ = [
     "DenseResiduals",
     "ChunkedResiduals",
     "check_gradients",
+    "check_jvp",
     "check_score_mod",
     "GradcheckResult",
     "GradcheckError",

@@ -27,6 +27,10 @@ Output entries that are not finite at ``x`` (such as ``lse = -inf`` on fully
 masked rows) carry a zero cotangent and are left out of the numeric
 differences.
 
+:func:`check_jvp` checks a forward-mode derivative (a ``jax.jvp``-style
+``jvp(primals, tangents) -> (outputs, output_tangents)``) the same two ways:
+``J w`` along random tangents, and the full Jacobian column by column.
+
 :func:`check_score_mod` applies the same two checks to a user score
 modification (:class:`~npattn.ScoreMod`) on random tiles, its parameters
 included, and checks what the modification returns.
@@ -48,7 +52,7 @@ from .namespace import array_device, check_namespace, resolve_namespace, to_nump
 from .options import check_int
 from .scores.mods import ScoreMod, TileIndex, _check_tile
 
-__all__ = ["check_gradients", "check_score_mod", "GradcheckResult", "GradcheckError"]
+__all__ = ["check_gradients", "check_jvp", "check_score_mod", "GradcheckResult", "GradcheckError"]
 
 
 class GradcheckError(AssertionError):
@@ -57,13 +61,16 @@ class GradcheckError(AssertionError):
 
 @dataclass
 class GradcheckResult:
-    """Outcome of :func:`check_gradients` and :func:`check_score_mod`.
+    """Outcome of :func:`check_gradients`, :func:`check_jvp` and :func:`check_score_mod`.
 
     ``max_abs_error[name]`` is the largest ``|numeric - analytic|`` seen for
     that input over both checks; ``vjp[name]`` holds ``(numeric, analytic)``
-    of the random VJP (for :func:`check_score_mod`, of the tile with the
-    largest error); ``jacobian_checked`` says whether the elementwise check
-    ran (for every input); ``failures`` lists human-readable messages.
+    of the random product: the VJP ``<backward(u), w>`` (for
+    :func:`check_score_mod`, of the tile with the largest error), or for
+    :func:`check_jvp` the JVP seen through a random cotangent, ``<u, J w>``;
+    ``jacobian_checked`` says whether the elementwise check ran (for every
+    input); ``failures`` lists human-readable messages; ``mode`` is ``"VJP"``
+    or ``"JVP"``, the derivative checked.
     """
 
     names: list[str]
@@ -71,6 +78,7 @@ class GradcheckResult:
     vjp: dict[str, tuple[float, float]] = field(default_factory=dict)
     jacobian_checked: bool = False
     failures: list[str] = field(default_factory=list)
+    mode: str = "VJP"
 
     @property
     def ok(self) -> bool:
@@ -78,14 +86,14 @@ class GradcheckResult:
 
     def __str__(self) -> str:
         lines = [
-            f"gradient check {'passed' if self.ok else 'FAILED'}"
+            f"{'JVP' if self.mode == 'JVP' else 'gradient'} check {'passed' if self.ok else 'FAILED'}"
             f" (full Jacobian: {'yes' if self.jacobian_checked else 'no'})"
         ]
         for name in self.max_abs_error:
             num, ana = self.vjp[name]
             lines.append(
                 f"  {name}: max |numeric - analytic| = {self.max_abs_error[name]:.2e}"
-                f"  (VJP numeric {num:.10g}, analytic {ana:.10g})"
+                f"  ({self.mode} numeric {num:.10g}, analytic {ana:.10g})"
             )
         lines += [f"  FAIL {msg}" for msg in self.failures]
         return "\n".join(lines)
@@ -232,6 +240,11 @@ class _Probe:
         if not isinstance(returned, (tuple, list)) or len(returned) != 2:
             raise TypeError(f"forward must return a pair (outputs, residuals), got {type(returned).__name__}")
         outputs, self.residuals = returned
+        self._take_outputs(outputs)
+
+    def _take_outputs(self, outputs: Any) -> None:
+        """Keep the forward's ``outputs`` at the inputs, and where they are finite."""
+        xp = self.xp
         self.single_output = not isinstance(outputs, (tuple, list))
         self.outputs = _as_tuple(outputs)
         for n, o in enumerate(self.outputs):
@@ -239,6 +252,9 @@ class _Probe:
                 got = getattr(o, "dtype", type(o).__name__)
                 raise TypeError(f"forward's output {n} must be a real floating array of the inputs' library, got {got}")
         self.finite = [xp.isfinite(o) for o in self.outputs]
+
+    def _outputs_of(self, moved: list[Any]) -> Any:
+        return self.forward(*moved)[0]
 
     def backward(self, cotangents: list[Any]) -> tuple:
         """The gradients for ``cotangents`` (one per output), one per input."""
@@ -250,10 +266,16 @@ class _Probe:
 
     def outputs_at(self, i: int, direction: Any, step: float) -> list[Any]:
         """The outputs with input ``i`` moved by ``step * direction``, 0 where they are not finite at the inputs."""
+        return self.outputs_along({i: direction}, step)
+
+    def outputs_along(self, directions: Mapping[int, Any], step: float) -> list[Any]:
+        """The outputs with each input ``i`` moved by ``step * directions[i]``,
+        0 where they are not finite at the inputs."""
         xp = self.xp
         moved = list(self.inputs)
-        moved[i] = self.inputs[i] + step * direction
-        outs = _as_tuple(self.forward(*moved)[0])
+        for i, direction in directions.items():
+            moved[i] = self.inputs[i] + step * direction
+        outs = _as_tuple(self._outputs_of(moved))
         return [xp.where(f, o, xp.zeros_like(o)) for o, f in zip(outs, self.finite)]
 
 
@@ -287,10 +309,11 @@ def _check_random_vjp(
 
 
 def _check_arguments(
-    forward, backward, inputs, names, wrt, eps, atol, rtol, seed, jacobian, max_jacobian_elements
+    forward, backward, inputs, names, wrt, eps, atol, rtol, seed, jacobian, max_jacobian_elements, role="backward"
 ) -> None:
-    """TypeError/ValueError naming the first bad argument of :func:`check_gradients`."""
-    for name, fn in (("forward", forward), ("backward", backward)):
+    """TypeError/ValueError naming the first bad argument of :func:`check_gradients`
+    (of :func:`check_jvp` with ``role="jvp"``)."""
+    for name, fn in (("forward", forward), (role, backward)):
         if not callable(fn):
             raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
     if hasattr(inputs, "shape") or isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
@@ -376,6 +399,350 @@ def _check_full_jacobian(
                 f"numeric {numeric[o_row, column]:.12g} vs analytic {analytic[i][o_row, column]:.12g} "
                 f"({int(bad.sum())} of {bad.size} Jacobian entries fail)"
             )
+
+
+# --------------------------------------------------------------------------
+# Forward mode
+# --------------------------------------------------------------------------
+
+
+def check_jvp(
+    forward: Callable[..., Any],
+    jvp: Callable[[tuple, tuple], Any],
+    inputs: Sequence[Any],
+    /,
+    *,
+    names: Sequence[str] | None = None,
+    wrt: Sequence[int] | None = None,
+    eps: float = 1e-6,
+    atol: float = 1e-7,
+    rtol: float = 1e-5,
+    seed: int = 0,
+    jacobian: bool | str = "auto",
+    max_jacobian_elements: int = 256,
+    raise_on_failure: bool = True,
+    xp: Any = None,
+) -> GradcheckResult:
+    r"""Check a forward-mode derivative (JVP) against central differences of
+    its forward, in float64.
+
+    With ``F = forward`` and a tangent ``w`` of the inputs ``x``, the output
+    tangents ``jvp`` returns must be the directional derivative, entry by
+    entry, of every output::
+
+        analytic = J w = jvp(x, w)[1]
+        numeric  = (F(x + eps w) - F(x - eps w)) / (2 eps)
+
+    1. **Random tangents, at any size**: a seeded random ``w_i`` on each
+       checked input ``i`` alone (0 on the others), then on all of them
+       together (a JVP must be linear in the tangents).
+    2. **Full Jacobian, on small inputs**: ``w_i = e``, each one-hot tangent
+       of each checked input, column ``e`` of ``J_i``.
+
+    A failure names the input (and its element, for the Jacobian), the
+    output and its element with the largest error, and both values. Output
+    entries that are not finite at ``x`` (such as ``lse = -inf`` on fully
+    masked rows) are left out, as :func:`check_gradients` does. The primal
+    outputs ``jvp`` returns must equal ``forward``'s.
+
+    Parameters
+    ----------
+    forward : callable
+        ``forward(*inputs) -> outputs``: an array or a tuple of arrays (no
+        residuals, unlike :func:`check_gradients`'s forward).
+    jvp : callable
+        ``jvp(primals, tangents) -> (outputs, output_tangents)``, as
+        ``jax.jvp(forward, primals, tangents)``: ``primals`` is the tuple of
+        inputs and ``tangents`` a tuple with one entry per input (float64,
+        0 for a floating input that is not checked, ``None`` for one that is
+        not floating); ``outputs`` and ``output_tangents`` have the structure
+        of ``forward``'s outputs. With several outputs, the flat tuple
+        ``(*outputs, *output_tangents)`` is accepted too, as
+        :func:`npattn.attention_jvp` returns ``(out, lse, out_dot, lse_dot)``.
+    inputs : sequence of arrays
+        Floating inputs are cast to float64 first; others pass through.
+    names : sequence of str, optional
+        Names used in reports (default ``input0``, ``input1``, ...).
+    wrt : sequence of int, optional
+        Indices of the inputs that get tangents (default: every floating input).
+    eps, atol, rtol : float
+        Step and tolerance: an output entry passes when
+        ``|num - ana| <= atol + rtol * |ana|``.
+    seed : int
+        Seeds the random tangents (and the cotangent of the summary values).
+    jacobian : bool or "auto"
+        Also compare full Jacobians, one JVP and two forwards per input
+        element; "auto" does so when every checked input has at most
+        ``max_jacobian_elements`` entries.
+    raise_on_failure : bool
+        Raise :class:`GradcheckError` (an AssertionError) on any failure.
+    xp : namespace, optional
+        The array namespace; by default the inputs'.
+
+    Returns
+    -------
+    GradcheckResult
+        With ``mode="JVP"``; ``vjp[name]`` holds ``(<u, numeric>, <u,
+        analytic>)`` of input ``name``'s random JVP seen through a random
+        cotangent ``u``.
+
+    Raises
+    ------
+    GradcheckError
+        When a JVP disagrees with central differences, its primal outputs
+        with ``forward``'s, or an output tangent has another shape than its
+        output (and ``raise_on_failure``).
+    TypeError, ValueError
+        Bad arguments (named), a forward that does not return real floating
+        arrays, or a ``jvp`` that returns another structure than the outputs'.
+
+    Examples
+    --------
+    >>> import numpy as np, npattn
+    >>> rng = np.random.default_rng(1)
+    >>> q, k, v = (rng.standard_normal((1, 2, 3, 2)) for _ in range(3))
+    >>> result = npattn.check_jvp(
+    ...     lambda q, k, v: npattn.attention_forward(q, k, v, causal=True)[0],
+    ...     lambda p, t: npattn.attention_jvp(p, t, causal=True)[::2],  # (out, out_dot)
+    ...     (q, k, v),
+    ...     names=["q", "k", "v"],
+    ... )
+    >>> result.ok, result.jacobian_checked
+    (True, True)
+
+    A JVP that forgets the term ``Q K'^T`` of the scores' tangent fails,
+    naming ``k``, its element and the output element:
+
+    >>> def jvp_without_dk(primals, tangents):
+    ...     dq, dk, dv = tangents
+    ...     return npattn.attention_jvp(primals, (dq, 0 * dk, dv), causal=True)[::2]
+    >>> npattn.check_jvp(
+    ...     lambda q, k, v: npattn.attention_forward(q, k, v, causal=True)[0],
+    ...     jvp_without_dk,
+    ...     (q, k, v),
+    ...     names=["q", "k", "v"],
+    ... )  # doctest: +ELLIPSIS, +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    npattn.gradient_check.GradcheckError: JVP check FAILED (full Jacobian: yes)
+      q: max |numeric - analytic| = ...
+      k: max |numeric - analytic| = ...
+      v: max |numeric - analytic| = ...
+      FAIL k: random JVP -> output 0[0, 0, 2, 0]: numeric 0.4613215... vs analytic 0 (8 of 12 output entries fail)
+      FAIL q, k, v together: random JVP -> output 0[0, 0, 2, 0]: numeric 0.1407692... vs analytic -0.3205523...
+      FAIL k[0, 0, 1, 1] -> output 0[0, 0, 1, 0]: numeric -0.5279186... vs analytic 0 (40 of 144 Jacobian entries fail)
+    """
+    _check_arguments(
+        forward, jvp, inputs, names, wrt, eps, atol, rtol, seed, jacobian, max_jacobian_elements, role="jvp"
+    )
+    xp = resolve_namespace({f"inputs[{i}]": a for i, a in enumerate(inputs) if hasattr(a, "shape")}, xp)
+    inputs, names, wrt = _float64_inputs(xp, inputs, names, wrt)
+    device = array_device(inputs[wrt[0]])
+    rng = np.random.default_rng(seed)
+
+    def random_like(a: Any) -> Any:
+        return xp.asarray(rng.standard_normal(tuple(a.shape)), dtype=xp.float64, device=device)
+
+    probe = _JvpProbe(xp, forward, jvp, inputs)
+    result = GradcheckResult(names=[names[i] for i in wrt], mode="JVP")
+    directions = {i: random_like(inputs[i]) for i in wrt}
+    u = np.where(probe.finite_host, _flat_host([random_like(o) for o in probe.outputs]), 0.0)
+
+    def fail() -> GradcheckResult:
+        if raise_on_failure and result.failures:
+            raise GradcheckError(str(result))
+        return result
+
+    # 1. Random tangents: each input alone, then all together.
+    first = True
+    for i in wrt:
+        outs, dots = probe.jvp({i: directions[i]})
+        if first:
+            first = False
+            result.failures += probe.shape_failures(outs, dots)
+            if result.failures:  # nothing to compare entry by entry
+                return fail()
+            result.failures += probe.primal_failures(outs, atol, rtol)
+        numeric, analytic = probe.difference({i: directions[i]}, eps), probe.tangents_host(dots)
+        diff, bad = _tangent_errors(numeric, analytic, probe.finite_host, atol, rtol)
+        result.max_abs_error[names[i]] = float(diff.max(initial=0.0))
+        result.vjp[names[i]] = (float(u @ numeric), float(u @ analytic))
+        if bad.any():
+            row = int(np.argmax(np.where(bad, diff, -1.0)))
+            result.failures.append(
+                f"{names[i]}: random JVP -> {probe.output_element(row)}: numeric {numeric[row]:.12g} vs "
+                f"analytic {analytic[row]:.12g} ({int(bad.sum())} of {bad.size} output entries fail)"
+            )
+    if len(wrt) > 1:
+        numeric, analytic = probe.difference(directions, eps), probe.tangents_host(probe.jvp(directions)[1])
+        diff, bad = _tangent_errors(numeric, analytic, probe.finite_host, atol, rtol)
+        if bad.any():
+            row = int(np.argmax(np.where(bad, diff, -1.0)))
+            result.failures.append(
+                f"{', '.join(names[i] for i in wrt)} together: random JVP -> {probe.output_element(row)}: "
+                f"numeric {numeric[row]:.12g} vs analytic {analytic[row]:.12g} "
+                f"({int(bad.sum())} of {bad.size} output entries fail)"
+            )
+
+    # 2. The full Jacobian, column by column.
+    if jacobian == "auto":
+        jacobian = max(math.prod(inputs[i].shape) for i in wrt) <= max_jacobian_elements
+    if jacobian:
+        result.jacobian_checked = True
+        for i in wrt:
+            _check_jacobian_columns(xp, device, probe, i, names[i], eps, atol, rtol, result)
+    return fail()
+
+
+def _flat_host(arrays: Sequence[Any]) -> np.ndarray:
+    """``arrays`` flattened and concatenated, as one float64 NumPy vector."""
+    return np.concatenate([_to_host(a).reshape(-1) for a in arrays]) if arrays else np.zeros(0)
+
+
+def _tangent_errors(
+    numeric: np.ndarray, analytic: np.ndarray, finite: np.ndarray, atol: float, rtol: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(|numeric - analytic|, failing entries)`` of two flat output
+    tangents, entries where the output is not finite left out (0, passing);
+    a NaN or infinity among the others counts as an infinite error."""
+    numeric, analytic = np.where(finite, numeric, 0.0), np.where(finite, analytic, 0.0)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf
+        diff = np.abs(numeric - analytic)
+    diff = np.where(np.isfinite(numeric) & np.isfinite(analytic), diff, np.inf)
+    return diff, ~(diff <= atol + rtol * np.abs(analytic))
+
+
+class _JvpProbe(_Probe):
+    """The forward under test and its ``jvp``, run at ``inputs``: the
+    outputs there (which entries are finite), calls of the forward at moved
+    inputs and of the ``jvp`` with given tangents (0 on the other inputs)."""
+
+    def __init__(self, xp: Any, forward: Callable, jvp: Callable, inputs: list[Any]):
+        self.xp, self.forward, self._jvp, self.inputs = xp, forward, jvp, inputs
+        self._take_outputs(forward(*inputs))
+        self.finite_host = _flat_host(self.finite) > 0
+        self.sizes = [math.prod(o.shape) for o in self.outputs]
+        floating = [hasattr(a, "dtype") and xp.isdtype(a.dtype, "real floating") for a in inputs]
+        self.zero_tangents = [xp.zeros_like(a) if f else None for a, f in zip(inputs, floating)]
+
+    def _take_outputs(self, outputs: Any) -> None:
+        if isinstance(outputs, (tuple, list)) and len(outputs) == 2 and not hasattr(outputs[1], "dtype"):
+            raise TypeError(
+                f"forward's output 1 must be a real floating array of the inputs' library, got "
+                f"{type(outputs[1]).__name__} (check_jvp's forward returns the outputs alone, without residuals)"
+            )
+        super()._take_outputs(outputs)
+
+    def _outputs_of(self, moved: list[Any]) -> Any:
+        return self.forward(*moved)
+
+    def jvp(self, directions: Mapping[int, Any]) -> tuple[list[Any], list[Any]]:
+        """``(outputs, output_tangents)`` of the ``jvp`` with the tangents ``directions``."""
+        tangents = tuple(directions.get(j, zero) for j, zero in enumerate(self.zero_tangents))
+        returned = self._jvp(tuple(self.inputs), tangents)
+        n = len(self.outputs)
+        pair: tuple[Any, Any] | None = None
+        if isinstance(returned, (tuple, list)):
+            if self.single_output and len(returned) == 2:
+                pair = ((returned[0],), (returned[1],))
+            elif not self.single_output and len(returned) == 2 and all(isinstance(r, (tuple, list)) for r in returned):
+                pair = (returned[0], returned[1])
+            elif not self.single_output and len(returned) == 2 * n:
+                pair = (returned[:n], returned[n:])
+        if pair is None or len(pair[0]) != n or len(pair[1]) != n:
+            got = f"a tuple of {len(returned)}" if isinstance(returned, (tuple, list)) else type(returned).__name__
+            expected = "(output, output_tangent)" if self.single_output else f"(outputs, output_tangents) of {n} each"
+            raise TypeError(
+                f"jvp must return {expected}, with the structure of forward's outputs"
+                f"{'' if self.single_output else ', or the flat tuple (*outputs, *output_tangents)'}; got {got}"
+            )
+        outs, dots = list(pair[0]), list(pair[1])
+        for what, arrays in (("primal output", outs), ("output tangent", dots)):
+            for o, a in enumerate(arrays):
+                if not hasattr(a, "shape"):
+                    raise TypeError(f"jvp's {what} {o} must be an array, got {type(a).__name__}")
+        return outs, dots
+
+    def shape_failures(self, outs: list[Any], dots: list[Any]) -> list[str]:
+        """A message for each primal output or output tangent of the ``jvp`` whose shape is not the output's."""
+        failures = []
+        for o, (out, a, b) in enumerate(zip(self.outputs, outs, dots)):
+            for what, x in (("primal output", a), ("output tangent", b)):
+                if tuple(x.shape) != tuple(out.shape):
+                    failures.append(f"jvp's {what} {o} has shape {tuple(x.shape)}, forward's has {tuple(out.shape)}")
+        return failures
+
+    def primal_failures(self, outs: list[Any], atol: float, rtol: float) -> list[str]:
+        """A message for each primal output of the ``jvp`` that differs from the forward's (non-finite ones equal)."""
+        failures = []
+        for o, (want, got) in enumerate(zip(self.outputs, outs)):
+            a, b = _to_host(want).reshape(-1), _to_host(got).reshape(-1)
+            with np.errstate(invalid="ignore"):  # inf - inf
+                close = np.isfinite(a) & (np.abs(a - b) <= atol + rtol * np.abs(a))
+            bad = ~(close | (a == b) | (np.isnan(a) & np.isnan(b)))
+            if bad.any():
+                e = int(np.argmax(bad))
+                index = [int(j) for j in np.unravel_index(e, tuple(want.shape))]
+                failures.append(
+                    f"jvp's primal output {o}{index} is {b[e]:.12g}, forward's {a[e]:.12g} "
+                    f"({int(bad.sum())} of {bad.size} entries differ)"
+                )
+        return failures
+
+    def tangents_host(self, dots: list[Any]) -> np.ndarray:
+        """The output tangents as one float64 vector (ValueError if a shape changed since the first call)."""
+        failures = self.shape_failures(list(self.outputs), dots)
+        if failures:
+            raise ValueError(failures[0])
+        return _flat_host(dots)
+
+    def difference(self, directions: Mapping[int, Any], eps: float) -> np.ndarray:
+        """The central difference of the outputs along ``directions``, one float64 vector (0 where not finite at x)."""
+        plus, minus = self.outputs_along(directions, eps), self.outputs_along(directions, -eps)
+        return (_flat_host(plus) - _flat_host(minus)) / (2 * eps)
+
+    def output_element(self, row: int) -> str:
+        """``output o[index]`` of the entry ``row`` of the flat outputs."""
+        o = int(np.searchsorted(np.cumsum(self.sizes), row, side="right"))
+        index = [int(j) for j in np.unravel_index(row - sum(self.sizes[:o]), tuple(self.outputs[o].shape))]
+        return f"output {o}{index}"
+
+
+def _check_jacobian_columns(
+    xp: Any,
+    device: Any,
+    probe: _JvpProbe,
+    i: int,
+    name: str,
+    eps: float,
+    atol: float,
+    rtol: float,
+    result: GradcheckResult,
+) -> None:
+    """Column ``e`` of the Jacobian in input ``i``, the JVP with the one-hot
+    tangent ``e``, against its central difference, for every ``e``; a
+    failure names the worst input element and output element."""
+    shape = tuple(probe.inputs[i].shape)
+    worst_error, failing, worst = 0.0, 0, None
+    for e in range(math.prod(shape)):
+        direction = _one_hot(xp, shape, e, device)
+        numeric = probe.difference({i: direction}, eps)
+        analytic = probe.tangents_host(probe.jvp({i: direction})[1])
+        diff, bad = _tangent_errors(numeric, analytic, probe.finite_host, atol, rtol)
+        worst_error = max(worst_error, float(diff.max(initial=0.0)))
+        if bad.any():
+            failing += int(bad.sum())
+            row = int(np.argmax(np.where(bad, diff, -1.0)))
+            if worst is None or diff[row] > worst[0]:
+                worst = (float(diff[row]), e, row, numeric[row], analytic[row])
+    result.max_abs_error[name] = max(result.max_abs_error.get(name, 0.0), worst_error)
+    if worst is not None:
+        _, e, row, num, ana = worst
+        element = f"{name}{[int(j) for j in np.unravel_index(e, shape)]}" if shape else name
+        result.failures.append(
+            f"{element} -> {probe.output_element(row)}: numeric {num:.12g} vs analytic {ana:.12g} "
+            f"({failing} of {math.prod(shape) * probe.finite_host.size} Jacobian entries fail)"
+        )
 
 
 # --------------------------------------------------------------------------

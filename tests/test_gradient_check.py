@@ -1,5 +1,6 @@
-"""The public gradient checker: passes correct backwards, catches wrong ones
-and names the input and element that fail."""
+"""The public gradient checkers (check_gradients, check_jvp, check_score_mod):
+pass correct derivatives, catch wrong ones and name the input and element
+that fail."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 import npattn
-from npattn import GradcheckError, check_gradients, check_score_mod
+from npattn import GradcheckError, check_gradients, check_jvp, check_score_mod
 
 RNG = np.random.default_rng(7)
 
@@ -380,3 +381,279 @@ def test_positions_reach_the_mod():
         assert idx.num_heads == 4 and idx.head.dtype == np.int64
         assert idx.head.reshape(-1).tolist() == list(range(*idx.heads))
         assert int(idx.q.min()) >= -7
+
+
+# --------------------------------------------------------------------------
+# check_jvp
+# --------------------------------------------------------------------------
+
+
+def _attention_pair(**options):
+    """forward -> (out, lse) and the flat JVP (out, lse, out', lse') of npattn,
+    the bias a primal when a fourth input is given."""
+
+    def forward(q, k, v, *bias):
+        out, res = npattn.attention_forward(q, k, v, bias=bias[0] if bias else None, **options)
+        return out, res.lse
+
+    def jvp(primals, tangents):
+        return npattn.attention_jvp(primals, tangents, **options)
+
+    return forward, jvp
+
+
+MASK = np.array([[True, False, True, True], [False, False, False, False], [True, True, False, True]])
+JVP_CASES = {
+    "causal": ((2, 3, 2), (2, 3, 2), {"causal": True}),
+    "mask with a fully masked row": ((2, 3, 2), (2, 4, 2), {"mask": MASK}),
+    "gqa bottom_right": ((4, 3, 2), (2, 4, 2), {"causal": True, "align": "bottom_right"}),
+    "dropout": ((2, 3, 2), (2, 4, 2), {"dropout_p": 0.4, "seed": 5, "mask": MASK}),
+    "bias primal": ((2, 3, 2), (2, 4, 2), {"window": (1, 1), "align": "top_left"}),
+}
+
+
+@pytest.mark.parametrize("impl", ["dense", "chunked"])
+@pytest.mark.parametrize("case", list(JVP_CASES))
+def test_attention_jvp_passes(case, impl):
+    q_shape, kv_shape, options = JVP_CASES[case]
+    rng = np.random.default_rng(11)
+    inputs = [
+        rng.standard_normal((1, *q_shape)),
+        rng.standard_normal((1, *kv_shape)),
+        rng.standard_normal((1, *kv_shape)),
+    ]
+    names = ["q", "k", "v"]
+    if case == "bias primal":
+        inputs.append(rng.standard_normal((q_shape[1], kv_shape[1])))  # (T, S), broadcast over heads
+        names.append("bias")
+    extra = {"block_q": 2, "block_k": 3} if impl == "chunked" else {}
+    forward, jvp = _attention_pair(impl=impl, **options, **extra)
+    result = check_jvp(forward, jvp, inputs, names=names)
+    assert result.ok and result.jacobian_checked and result.mode == "JVP"
+    assert result.names == names and set(result.max_abs_error) == set(names)
+    assert max(result.max_abs_error.values()) < 1e-7
+    assert str(result).startswith("JVP check passed (full Jacobian: yes)")
+    if "mask" in options:  # the fully masked row's lse is -inf at x: left out, not NaN
+        assert np.isneginf(forward(*inputs)[1][0, :, 1]).all()
+
+
+def test_check_jvp_runs_on_other_backends(backend):
+    rng = np.random.default_rng(12)
+    q = backend.asarray(rng.standard_normal((1, 2, 3, 2)))
+    kv = [backend.asarray(rng.standard_normal((1, 1, 4, 2))) for _ in range(2)]
+    for impl in ("dense", "chunked"):
+        forward, jvp = _attention_pair(impl=impl, causal=True, align="bottom_right", block_q=2, block_k=3)
+        result = check_jvp(forward, jvp, [q, *kv], names=["q", "k", "v"])
+        assert result.ok and result.jacobian_checked, impl
+        assert max(result.max_abs_error.values()) < 1e-7
+    wrong = check_jvp(forward, _without_dk(jvp), [q, *kv], names=["q", "k", "v"], raise_on_failure=False)
+    assert any(f.startswith("k: random JVP") for f in wrong.failures)
+
+
+def _without_dk(jvp):
+    """``jvp`` with the term Q K'^T of the scores' tangent left out."""
+
+    def wrong(primals, tangents):
+        dq, dk, dv = tangents
+        return jvp(primals, (dq, 0 * dk, dv))
+
+    return wrong
+
+
+def test_a_missing_term_of_the_attention_jvp_is_named():
+    rng = np.random.default_rng(13)
+    inputs = [rng.standard_normal((1, 2, 3, 2)) for _ in range(3)]
+    forward, jvp = _attention_pair(causal=True)
+    with pytest.raises(GradcheckError) as info:
+        check_jvp(forward, _without_dk(jvp), inputs, names=["q", "k", "v"])
+    message = str(info.value)
+    assert message.startswith("JVP check FAILED (full Jacobian: yes)")
+    assert "FAIL k: random JVP -> output " in message and "FAIL q, k, v together: random JVP" in message
+    assert "FAIL k[0, " in message and "Jacobian entries fail" in message
+    assert "FAIL q" not in message.replace("FAIL q, k, v together", "") and "FAIL v" not in message
+
+
+def _tanh_matmul(*, wrong_column=None, missing_db=False, cross_term=False):
+    """y = tanh(a @ b) and its JVP dy = (1 - y^2) (da b + a db), optionally
+    wrong: 1e-3 da[wrong_column] added to dy[0, 1], the term a db left out,
+    or the (nonlinear) da db added."""
+
+    def forward(a, b):
+        return np.tanh(a @ b)
+
+    def jvp(primals, tangents):
+        (a, b), (da, db) = primals, tangents
+        y = np.tanh(a @ b)
+        dz = da @ b + (0 if missing_db else a @ db) + (da @ db if cross_term else 0)
+        dy = (1 - y**2) * dz
+        if wrong_column is not None:
+            dy[0, 1] += 1e-3 * da[wrong_column]
+        return y, dy
+
+    inputs = [np.random.default_rng(14).standard_normal((3, 4)), np.random.default_rng(15).standard_normal((4, 2))]
+    return forward, jvp, inputs
+
+
+def test_tanh_matmul_reference_passes():
+    result = check_jvp(*_tanh_matmul(), names=["a", "b"])
+    assert result.ok and result.jacobian_checked and max(result.max_abs_error.values()) < 1e-8
+    for name in ("a", "b"):
+        numeric, analytic = result.vjp[name]
+        assert numeric == pytest.approx(analytic, rel=1e-7) and analytic != 0.0
+
+
+def test_a_wrong_jacobian_column_names_the_input_element_and_output_element():
+    with pytest.raises(GradcheckError) as info:
+        check_jvp(*_tanh_matmul(wrong_column=(1, 2)), names=["a", "b"])
+    message = str(info.value)
+    assert "FAIL a[1, 2] -> output 0[0, 1]: numeric 0 vs analytic 0.001 (1 of 72 Jacobian entries fail)" in message
+    assert "FAIL b" not in message
+
+
+def test_a_missing_term_fails_the_random_and_the_jacobian_check():
+    result = check_jvp(*_tanh_matmul(missing_db=True), names=["a", "b"], raise_on_failure=False)
+    assert not result.ok and result.max_abs_error["a"] < 1e-8 and result.max_abs_error["b"] > 1e-3
+    assert len(result.failures) == 3
+    assert result.failures[0].startswith("b: random JVP -> output 0[")
+    assert "(6 of 6 output entries fail)" in result.failures[0]
+    assert result.failures[1].startswith("a, b together: random JVP -> output 0[")
+    # b[i, j] moves the column j of y only: 3 of its 6 entries, for each of b's 8 elements;
+    # the one named is the largest entry of the Jacobian dy[r, j]/db[i, j] = (1 - y[r, j]^2) a[r, i]
+    forward, _, (a, b) = _tanh_matmul()
+    jac = (1 - forward(a, b) ** 2)[:, None, :] * a[:, :, None]  # (r, i, j)
+    r, i, j = np.unravel_index(np.argmax(np.abs(jac)), jac.shape)
+    assert result.failures[2].startswith(f"b[{i}, {j}] -> output 0[{r}, {j}]: numeric {jac[r, i, j]:.6f}")
+    assert result.failures[2].endswith("vs analytic 0 (24 of 48 Jacobian entries fail)")
+
+
+def test_the_random_jvp_alone_catches_errors_without_the_jacobian():
+    result = check_jvp(*_tanh_matmul(wrong_column=(0, 0)), names=["a", "b"], jacobian=False, raise_on_failure=False)
+    assert not result.ok and not result.jacobian_checked
+    assert result.failures[0].startswith("a: random JVP -> output 0[0, 1]: numeric")
+    assert "(1 of 6 output entries fail)" in result.failures[0]
+    assert not any(f.startswith("b") for f in result.failures)
+
+
+def test_a_jvp_that_is_not_linear_in_the_tangents_fails_only_together():
+    result = check_jvp(*_tanh_matmul(cross_term=True), names=["a", "b"], raise_on_failure=False)
+    assert len(result.failures) == 1 and result.failures[0].startswith("a, b together: random JVP")
+
+
+def test_the_jacobian_is_auto_only_for_small_inputs():
+    forward, jvp, inputs = _tanh_matmul()
+    assert not check_jvp(forward, jvp, inputs, max_jacobian_elements=11).jacobian_checked  # a has 12
+    assert check_jvp(forward, jvp, inputs, max_jacobian_elements=12).jacobian_checked
+    assert check_jvp(forward, jvp, inputs, max_jacobian_elements=0, jacobian=True).jacobian_checked
+
+
+def _masked_pair(lse_dot_there=0.0, lse_dot_at_a_finite_entry=None):
+    """Attention with a fully masked row (lse = -inf there) and its JVP, the
+    lse tangent of that row replaced by ``lse_dot_there`` and, optionally,
+    of entry [0, 0] by ``lse_dot_at_a_finite_entry``."""
+    forward, jvp = _attention_pair(mask=MASK[:, :3])
+
+    def patched(primals, tangents):
+        out, lse, out_dot, lse_dot = jvp(primals, tangents)
+        lse_dot = lse_dot.copy()
+        lse_dot[:, 1] = lse_dot_there
+        if lse_dot_at_a_finite_entry is not None:
+            lse_dot[0, 0] = lse_dot_at_a_finite_entry
+        return (out, lse), (out_dot, lse_dot)  # the structured form
+
+    return forward, patched
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_outputs_that_are_not_finite_are_left_out():
+    x = np.random.default_rng(16).standard_normal((2, 3, 2))
+    forward, _ = _masked_pair()
+    assert np.isneginf(forward(x, x, x)[1][:, 1]).all()
+    for there in (0.0, np.nan, np.inf, 1e3):  # whatever the JVP says where lse = -inf
+        result = check_jvp(*_masked_pair(there), [x, x, x])
+        assert result.ok and all(np.isfinite(e) and e < 1e-7 for e in result.max_abs_error.values())
+    # ... but not at a finite entry: a NaN fails with an infinite error, named
+    result = check_jvp(*_masked_pair(0.0, np.nan), [x, x, x], jacobian=False, raise_on_failure=False)
+    assert not result.ok and result.max_abs_error["input0"] == np.inf
+    assert result.failures[0].startswith("input0: random JVP -> output 1[0, 0]: numeric")
+
+
+def test_the_primal_outputs_and_shapes_of_the_jvp_are_checked():
+    forward, jvp, inputs = _tanh_matmul()
+
+    def shifted(primals, tangents):
+        y, dy = jvp(primals, tangents)
+        return y + np.eye(3, 2) * 1e-3, dy
+
+    result = check_jvp(forward, shifted, inputs, raise_on_failure=False)
+    assert result.failures[0] == (
+        f"jvp's primal output 0[0, 0] is {forward(*inputs)[0, 0] + 1e-3:.12g}, forward's "
+        f"{forward(*inputs)[0, 0]:.12g} (2 of 6 entries differ)"
+    )
+    assert len(result.failures) == 1  # the tangents are right
+
+    def wrong_shape(primals, tangents):
+        y, dy = jvp(primals, tangents)
+        return y, dy[:, :1]
+
+    with pytest.raises(GradcheckError, match=r"jvp's output tangent 0 has shape \(3, 1\), forward's has \(3, 2\)"):
+        check_jvp(forward, wrong_shape, inputs)
+
+
+def test_tangents_follow_wrt_and_the_structure_of_the_outputs():
+    seen = []
+
+    def forward(x, y, n):
+        return x * y * n, x + y
+
+    def jvp(primals, tangents):
+        (x, y, n), (dx, dy, dn) = primals, tangents
+        seen.append((dx, dy, dn))
+        return (x * y * n, x + y), ((dx * y + x * dy) * n, dx + dy)
+
+    inputs = [np.linspace(0.5, 1.0, 3), np.linspace(-1.0, 2.0, 3), np.array(3)]
+    result = check_jvp(forward, jvp, inputs, names=["x", "y", "n"], wrt=[1])
+    assert result.ok and result.names == ["y"] and list(result.max_abs_error) == ["y"]
+    assert all(dn is None and not np.any(dx) and dx.dtype == np.float64 for dx, _, dn in seen)
+    assert all(dy.dtype == np.float64 and dy.shape == (3,) for _, dy, _ in seen)
+    # the flat form (*outputs, *output_tangents) works too
+    flat = check_jvp(forward, lambda p, t: (*jvp(p, t)[0], *jvp(p, t)[1]), inputs, wrt=[0, 1])
+    assert flat.ok and flat.names == ["input0", "input1"]
+    # float32 inputs are checked in float64
+    assert check_jvp(forward, jvp, [a.astype(np.float32) for a in inputs[:2]] + [inputs[2]]).ok
+
+
+def test_bad_check_jvp_arguments():
+    forward, jvp, inputs = _tanh_matmul()
+    with pytest.raises(TypeError, match="jvp must be callable, got int"):
+        check_jvp(forward, 3, inputs)
+    with pytest.raises(TypeError, match="forward must be callable"):
+        check_jvp(None, jvp, inputs)
+    with pytest.raises(TypeError, match="inputs must be a list or tuple of arrays"):
+        check_jvp(forward, jvp, inputs[0])
+    with pytest.raises(ValueError, match="names must have one entry per input"):
+        check_jvp(forward, jvp, inputs, names=["a"])
+    with pytest.raises(ValueError, match="wrt index 2 does not name a floating input"):
+        check_jvp(forward, jvp, inputs, wrt=[2])
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        check_jvp(forward, jvp, inputs, eps=0.0)
+    with pytest.raises(TypeError, match="jacobian must be True, False or 'auto'"):
+        check_jvp(forward, jvp, inputs, jacobian="yes")
+    with pytest.raises(ValueError, match="seed must be >= 0"):
+        check_jvp(forward, jvp, inputs, seed=-1)
+    strict = pytest.importorskip("array_api_strict")
+    with pytest.raises(TypeError, match="xp is array_api_strict"):
+        check_jvp(forward, jvp, inputs, xp=strict)
+
+
+def test_what_the_functions_return_is_checked():
+    forward, jvp, inputs = _tanh_matmul()
+    with pytest.raises(TypeError, match=r"forward's output 1 .* got DenseResiduals \(check_jvp's forward returns the"):
+        check_jvp(lambda q, k, v: npattn.attention_forward(q, k, v), jvp, [np.ones((1, 2, 2))] * 3)
+    with pytest.raises(TypeError, match="forward's output 0 must be a real floating array"):
+        check_jvp(lambda a, b: a @ b > 0, jvp, inputs)
+    with pytest.raises(TypeError, match=r"jvp must return \(output, output_tangent\), .* got a tuple of 3"):
+        check_jvp(forward, lambda p, t: (*jvp(p, t), None), inputs)
+    with pytest.raises(TypeError, match=r"jvp must return .* or the flat tuple .* got ndarray"):
+        check_jvp(lambda a, b: (forward(a, b), a), lambda p, t: jvp(p, t)[1], inputs)
+    with pytest.raises(TypeError, match="jvp's output tangent 0 must be an array, got NoneType"):
+        check_jvp(forward, lambda p, t: (jvp(p, t)[0], None), inputs)
