@@ -20,7 +20,7 @@ from mpi_support import mpi_skip_reason, run_mpi
 import npattn
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
-SCRIPTS = ["quickstart", "gpu_swap", "gradcheck_custom_layer", "attention_maps", "custom_score_mod"]
+SCRIPTS = ["quickstart", "gpu_swap", "gradcheck_custom_layer", "attention_maps", "custom_score_mod", "second_order"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -178,6 +178,58 @@ def test_custom_score_mod_is_the_explicit_bias_and_mask():
         np.testing.assert_allclose(out, ref, rtol=0, atol=1e-13)
         np.testing.assert_allclose(grads.dq, ref_grads.dq, rtol=0, atol=1e-12)
         np.testing.assert_allclose(grads.dmods["table"], dtable, rtol=0, atol=1e-12)
+
+
+def test_second_order_checks_pass(capsys):
+    assert _load("second_order")["main"](["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "FAILED" not in out and out.count("  ok: ") == 3 and "every check passed" in out
+    assert "ok: the HVPs are the Hessian's, and so is the eigenvalue" in out
+    assert "dJ/dW of J = L + 10 |dL/dx|^2 (chunked): gradient check passed (full Jacobian: yes)" in out
+    for impl in ("dense", "chunked"):
+        assert f"impl={impl!r}: JVP check passed (full Jacobian: yes)" in out
+    hvp_line = next(line for line in out.splitlines() if line.startswith("HVP (chunked) vs central differences"))
+    assert float(hvp_line.rsplit(" ", 1)[1]) < 1e-7  # its relative error
+
+
+def test_second_order_layer_is_the_multihead_layer():
+    """The example's layer and its hand-written first derivatives are
+    npattn.mha_forward / mha_backward's (torch's convention: y = x W^T, zero
+    biases), so the second-order steps build on a correct chain rule."""
+    ns = _load("second_order")
+    rng = np.random.default_rng(5)
+    E, N = 8, ns["NUM_HEADS"]
+    w = ns["init_weights"](rng, E)
+    x, target = rng.standard_normal((2, 2, 6, E))  # (B, T, E) each
+    params = npattn.mha_init(E, N, seed=0)
+    params.update({f"{name}_weight": w[f"w{name[0]}"].T for name in ("q", "k", "v", "out")})
+    for impl in ("dense", "chunked"):
+        opts = {"impl": impl}
+        y, _ = ns["layer_forward"](w, x, opts)
+        ref, ref_res = npattn.mha_forward(params, x, num_heads=N, causal=True, impl=impl)
+        np.testing.assert_allclose(y, ref, rtol=0, atol=1e-13)
+        _, grads = ns["loss_and_grads"](w, x, target, opts)
+        ref_grads = npattn.mha_backward((ref - target) / ref.size, ref_res).dparams
+        for name in ("q", "k", "v", "out"):
+            np.testing.assert_allclose(grads[f"w{name[0]}"], ref_grads[f"{name}_weight"].T, rtol=0, atol=1e-13)
+
+
+def test_second_order_power_iteration_and_penalty_without_the_penalty():
+    ns = _load("second_order")
+    rng = np.random.default_rng(2)
+    basis, _ = np.linalg.qr(rng.standard_normal((6, 6)))  # a symmetric matrix with known eigenvalues
+    matrix = basis @ np.diag([0.5, -3.0, 1.0, 2.0, 0.1, -0.2]) @ basis.T
+    value, vector, steps = ns["power_iteration"](lambda w: matrix @ w, (6,), rng, tol=1e-14, max_iter=1000)
+    assert abs(value + 3.0) < 1e-10 and steps < 1000  # the largest magnitude, negative here
+    np.testing.assert_allclose(abs(vector @ basis[:, 1]), 1.0, atol=1e-6)
+    # lam = 0: J is L and its gradient the ordinary one.
+    w = ns["init_weights"](rng, 8)
+    x, target = rng.standard_normal((2, 2, 4, 8))
+    J, _, grads = ns["penalty_and_grads"](w, x, target, 0.0, {"impl": "dense"})
+    L, ref = ns["loss_and_grads"](w, x, target, {"impl": "dense"})
+    assert J == L
+    for name in ns["WEIGHTS"]:
+        np.testing.assert_allclose(grads[name], ref[name], rtol=0, atol=1e-15)
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
