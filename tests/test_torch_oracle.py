@@ -8,7 +8,11 @@ of issue 15, T5's relative-position bias (buckets by the transformers
 formula in torch, the bias gathered from the table by torch indexing, so
 autograd scatters d table) and a document mask given as ``mask_mod`` or as a
 ``block_mask``, on the dense path, the NumPy fast path and the generic
-chunked path."""
+chunked path; and for the derivative modes of issue 16, ``torch.func`` on
+plain float64 torch attention (matmul, masked_fill, softmax, GQA by
+``repeat_interleave``): ``jvp`` for ``attention_jvp``, ``jvp`` of the ``vjp``
+pullback for ``attention_backward_jvp`` and ``vjp`` of that pullback for
+``attention_double_backward``."""
 
 from __future__ import annotations
 
@@ -371,3 +375,123 @@ def test_user_modifications_match_torch_autograd(case, path, monkeypatch):
     for name, leaf in leaves.items():
         np.testing.assert_allclose(grads[name], leaf.grad.numpy(), rtol=1e-12, atol=1e-12, err_msg=name)
     assert set(dmods) == ({"relative_bias"} if relative is not None else set())
+
+
+# --- the derivative modes of issue 16, by torch.func over plain float64 torch ----------
+
+
+def _torch_plain_attention(q, k, v, bias, *, mask, causal, offset, scale, softcap):
+    """Attention in plain torch: matmul, masked_fill, softmax, GQA by
+    ``repeat_interleave``. Rows with no visible key give out 0 and lse 0
+    (npattn's lse is -inf there; those rows are compared on out and on
+    every derivative, all 0). Returns ``(out, lse)``."""
+    N, T, S = q.shape[-3], q.shape[-2], k.shape[-2]
+    G = N // k.shape[-3]
+    k, v = k.repeat_interleave(G, dim=-3), v.repeat_interleave(G, dim=-3)  # (B, N, S, H|Hv)
+    s = scale * (q @ k.transpose(-1, -2))  # (B, N, T, S)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias
+    visible = torch.ones(T, S, dtype=torch.bool)
+    if causal:
+        visible = torch.arange(S)[None, :] <= torch.arange(T)[:, None] + offset  # (T, S)
+    if mask is not None:
+        visible = visible & mask
+    visible = visible.expand(s.shape)
+    empty = ~visible.any(dim=-1)  # (B, N, T)
+    s = s.masked_fill(~visible, -torch.inf).masked_fill(empty[..., None], 0.0)  # empty rows: any finite value
+    p = torch.softmax(s, dim=-1)
+    lse = torch.logsumexp(s, dim=-1)
+    return (p @ v).masked_fill(empty[..., None], 0.0), lse.masked_fill(empty, 0.0)
+
+
+MODE_CASES = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "bool mask with a fully masked row": dict(mask=True),
+    "GQA causal bottom_right, T < S": dict(causal=True, K=2, S=7, align="bottom_right"),
+    "bias (N, T, S) + bool mask": dict(bias=(4, 5, 6), mask=True),
+    "softcap + bias (1, T, S) + GQA causal": dict(softcap=0.9, bias=(1, 5, 6), K=1, causal=True, align="top_left"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # inside torch.func
+@pytest.mark.parametrize("path", ["dense", "chunked", "generic"])
+@pytest.mark.parametrize("case", list(MODE_CASES))
+def test_derivative_modes_match_torch_func(case, path, monkeypatch):
+    """``npattn.attention_jvp`` against ``torch.func.jvp`` (out, lse and their
+    tangents), ``attention_backward_jvp`` against ``torch.func.jvp`` of the
+    ``torch.func.vjp`` pullback (tangents of dq, dk, dv, dbias along q, k, v,
+    bias, dout and dlse), and ``attention_double_backward`` against
+    ``torch.func.vjp`` of that pullback (cotangents of q, k, v, dout, bias,
+    dlse), on plain float64 torch attention."""
+    spec = MODE_CASES[case]
+    B, N, T, S, H, Hv = 2, 4, 5, spec.get("S", 6), 3, 2
+    K = spec.get("K", N)
+    rng = np.random.default_rng(len(case) + 16)
+    q, k, v = rng.standard_normal((B, N, T, H)), rng.standard_normal((B, K, S, H)), rng.standard_normal((B, K, S, Hv))
+    primals = [q, k, v]
+    if "bias" in spec:
+        primals.append(rng.standard_normal(spec["bias"]))
+    tangents = [rng.standard_normal(a.shape) for a in primals]
+    dd = [rng.standard_normal(a.shape) for a in primals]  # cotangents of dq, dk, dv[, dbias]
+    dout, dout_dot = rng.standard_normal((B, N, T, Hv)), rng.standard_normal((B, N, T, Hv))
+    dlse, dlse_dot = rng.standard_normal((B, N, T)), rng.standard_normal((B, N, T))
+    mask = None
+    if spec.get("mask"):
+        mask = rng.random((T, S)) < 0.7
+        mask[:, 0] = True
+        mask[2] = False  # a row that sees no key
+    align = spec.get("align", "top_left" if spec.get("causal") else None)
+    options = dict(causal=spec.get("causal", False), softcap=spec.get("softcap"), mask=mask, align=align)
+    if path == "generic":
+        monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")
+    options.update(impl="dense" if path == "dense" else "chunked", block_q=2, block_k=4)
+
+    out, lse, out_dot, lse_dot = npattn.attention_jvp(tuple(primals), tuple(tangents), **options)
+    _, res = npattn.attention_forward(q, k, v, bias=primals[3] if len(primals) == 4 else None, **options)
+    hvp = npattn.attention_backward_jvp(dout, res, tuple(tangents), dlse=dlse, dout_dot=dout_dot, dlse_dot=dlse_dot)
+    ddbias = dd[3] if len(dd) == 4 else None
+    cot = npattn.attention_double_backward(*dd[:3], res, dout, ddbias=ddbias, dlse=dlse)
+
+    def attention(q, k, v, *bias):
+        return _torch_plain_attention(
+            q,
+            k,
+            v,
+            bias[0] if bias else None,
+            mask=None if mask is None else torch.tensor(mask),
+            causal=options["causal"],
+            offset=S - T if align == "bottom_right" else 0,
+            scale=1 / math.sqrt(H),
+            softcap=options["softcap"],
+        )
+
+    def gradients(*args):  # (q, k, v[, bias], dout, dlse) -> (dq, dk, dv[, dbias])
+        *x, t_dout, t_dlse = args
+        _, pullback = torch.func.vjp(attention, *x)
+        return pullback((t_dout, t_dlse))
+
+    t = [torch.tensor(a) for a in primals]
+    t_dot = [torch.tensor(a) for a in tangents]
+    (t_out, t_lse), (t_out_dot, t_lse_dot) = torch.func.jvp(attention, tuple(t), tuple(t_dot))
+    cotangents = (torch.tensor(dout), torch.tensor(dlse))
+    _, t_hvp = torch.func.jvp(gradients, (*t, *cotangents), (*t_dot, torch.tensor(dout_dot), torch.tensor(dlse_dot)))
+    _, pullback = torch.func.vjp(gradients, *t, *cotangents)
+    t_cot = pullback(tuple(torch.tensor(a) for a in dd))
+
+    finite = np.isfinite(lse)
+    assert (~finite).any() == (mask is not None)
+    close = dict(rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(out, t_out.numpy(), **close, err_msg="out")
+    np.testing.assert_allclose(lse[finite], t_lse.numpy()[finite], **close, err_msg="lse")
+    np.testing.assert_allclose(out_dot, t_out_dot.numpy(), **close, err_msg="out'")
+    np.testing.assert_allclose(lse_dot, t_lse_dot.numpy(), **close, err_msg="lse'")
+    names = ["dq", "dk", "dv", "dbias"][: len(primals)]
+    for name, theirs in zip(names, t_hvp):
+        np.testing.assert_allclose(getattr(hvp, name), theirs.numpy(), **close, err_msg=f"{name}'")
+    mine = [cot.dq, cot.dk, cot.dv] + ([cot.dbias] if len(primals) == 4 else []) + [cot.ddout, cot.ddlse]
+    for name, value, theirs in zip(["q", "k", "v", "bias"][: len(primals)] + ["dout", "dlse"], mine, t_cot):
+        np.testing.assert_allclose(value, theirs.numpy(), **close, err_msg=f"cotangent of {name}")
+    assert (cot.dbias is None) == (len(primals) == 3)
