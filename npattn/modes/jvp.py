@@ -127,22 +127,22 @@ def _spec_and_tangents(primals, tangents, options: dict) -> tuple[AttentionSpec,
     spec = choose_impl(make_spec(*primals[:3], bias=bias, **options))
     xp = spec.xp
     q, k, v = (xp.astype(a, spec.compute_dtype, copy=False) for a in primals[:3])
-    dots = check_tangents(spec, [(tuple(a.shape), a.dtype) for a in primals], tangents)
+    dots = check_tangents(spec, [(tuple(a.shape), a.dtype) for a in primals], tangents, primals[0])
     return spec, (q, k, v), dots
 
 
 def check_tangents(
-    spec: AttentionSpec, expected: list[tuple[tuple, Any]], tangents: Any, what: str = "tangents"
+    spec: AttentionSpec, expected: list[tuple[tuple, Any]], tangents: Any, primal_q: Any, what: str = "tangents"
 ) -> tuple:
     """``tangents`` checked against the ``(shape, dtype)`` of each primal
-    ``(q, k, v[, bias])`` (same structure, shapes, dtypes and namespace) and
-    cast: ``(q', k', v', b')`` in the compute dtype, ``b'`` as the full-rank
-    view of the bias (or None)."""
+    ``(q, k, v[, bias])`` (same structure, shapes and dtypes, and the library
+    and device of ``primal_q``) and cast: ``(q', k', v', b')`` in the compute
+    dtype, ``b'`` as the full-rank view of the bias (or None)."""
     if not isinstance(tangents, (tuple, list)) or len(tangents) != len(expected):
         raise TypeError(f"{what} must be a tuple of {len(expected)} arrays, like the primals, got {tangents!r:.80}")
     xp = spec.xp
     named = {f"{what}[{i}] ({PRIMAL_NAMES[i]})": t for i, t in enumerate(tangents) if hasattr(t, "shape")}
-    resolve_namespace(named, xp)
+    resolve_namespace({"the primals' q": primal_q} | named, xp)
     cast = []
     for i, ((shape, dtype), tangent) in enumerate(zip(expected, tangents)):
         name = f"{what}[{i}] ({PRIMAL_NAMES[i]})"
@@ -199,6 +199,9 @@ def chunked_jvp(spec: AttentionSpec, q: Any, k: Any, v: Any, dots: tuple) -> tup
     xp = spec.xp
     bs, N, K, G = spec.batch_shape, spec.num_heads, spec.num_kv_heads, spec.group_size
     T, S, H, Hv = spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim
+    if spec.num_batch == 0 or T == 0:  # nothing to sweep
+        zeros = [xp.zeros(bs + (N, T) + tail, dtype=spec.compute_dtype, device=spec.device) for tail in ((Hv,), ())]
+        return zeros[0], xp.full(bs + (N, T), -xp.inf, dtype=spec.compute_dtype, device=spec.device), *zeros
     q_dot, k_dot, v_dot, bias_dot = dots
     qs, qs_dot = (xp.reshape(x, bs + (K, G, T, H)) * spec.scale for x in (q, q_dot))  # (..., K, G, T, H), scaled
     kT, kT_dot = (xp.matrix_transpose(xp.reshape(x, bs + (K, 1, S, H))) for x in (k, k_dot))  # (..., K, 1, H, S)

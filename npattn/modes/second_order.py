@@ -161,7 +161,7 @@ def attention_backward_jvp(dout, residuals, tangents, /, *, dlse=None, dout_dot=
     dl_dot = (
         None if dlse_dot is None else check_cotangent(residuals, "dlse_dot", dlse_dot, lse_shape, spec.compute_dtype)
     )
-    dots = check_tangents(spec, _expected_primals(residuals), tangents)
+    dots = check_tangents(spec, _expected_primals(residuals), tangents, residuals.q)
     args = (spec, residuals, dO, dl, dots, dO_dot, dl_dot)
     dq, dk, dv, dbias = (
         _dense_backward_jvp(*args) if isinstance(residuals, DenseResiduals) else _chunked_backward_jvp(*args)
@@ -236,6 +236,9 @@ def _chunked_backward_jvp(spec, res, dO, dl, dots, dO_dot, dl_dot) -> tuple:
     xp = spec.xp
     bs, N, K, G = spec.batch_shape, spec.num_heads, spec.num_kv_heads, spec.group_size
     T, S, H, Hv = spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim
+    empty = _empty_sizes(spec, bs + (N, T, H), bs + (K, S, H), bs + (K, S, Hv), spec.bias_shape)
+    if empty is not None:
+        return empty
     q_dot, k_dot, v_dot, bias_dot = dots
     lse = xp.where(res.lse == -xp.inf, xp.zeros_like(res.lse), res.lse)  # masked rows: S = -inf gives P = 0
     fast = res.kernel == "numpy" and numpy_kernels.supports(spec)
@@ -378,7 +381,7 @@ def attention_double_backward(ddq, ddk, ddv, residuals, dout, /, *, ddbias=None,
     given = (ddq, ddk, ddv) if spec.bias is None else (ddq, ddk, ddv, ddbias)
     if spec.bias is None and ddbias is not None:
         raise ValueError("ddbias was given, but the forward had no bias")
-    dd = check_tangents(spec, expected, given, what="cotangents (ddq, ddk, ddv[, ddbias])")
+    dd = check_tangents(spec, expected, given, residuals.q, what="cotangents (ddq, ddk, ddv[, ddbias])")
     args = (spec, residuals, dO, dl, dd)
     cq, ck, cv, cdout, cbias, cdlse = (
         _dense_double_backward(*args) if isinstance(residuals, DenseResiduals) else _chunked_double_backward(*args)
@@ -423,11 +426,25 @@ def _dense_double_backward(spec, res, dO, dl, dd) -> tuple:
     return cot_q, cot_k, cot_v, cot_dout, cot_bias, -g_D[..., 0]
 
 
+def _empty_sizes(spec: AttentionSpec, *shapes: tuple | None) -> tuple | None:
+    """Zeros of ``shapes`` (None stays None) when there is no query row or
+    batch element to sweep over, else None."""
+    if spec.num_batch and spec.q_len:
+        return None
+    xp = spec.xp
+    return tuple(None if s is None else xp.zeros(s, dtype=spec.compute_dtype, device=spec.device) for s in shapes)
+
+
 def _chunked_double_backward(spec, res, dO, dl, dd) -> tuple:
     """Reverse-over-reverse in two sweeps: ``g_D`` and ``r`` per row, then the cotangents."""
     xp = spec.xp
     bs, N, K, G = spec.batch_shape, spec.num_heads, spec.num_kv_heads, spec.group_size
     T, S, H, Hv = spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim
+    empty = _empty_sizes(
+        spec, bs + (N, T, H), bs + (K, S, H), bs + (K, S, Hv), bs + (N, T, Hv), spec.bias_shape, bs + (N, T)
+    )
+    if empty is not None:
+        return empty
     ddq, ddk, ddv, ddb = dd
     D, _ = _row_terms(spec, res.out, dO, dl, res.out, dO, None)  # (..., N, T, 1)
     lse = xp.where(res.lse == -xp.inf, xp.zeros_like(res.lse), res.lse)
