@@ -299,6 +299,7 @@ def backward_jvp(spec: AttentionSpec, res: Any, dO: Any, rows_terms: tuple, dots
         dq_b = np.zeros((T * G, H), dtype=dtype)
         for kj, (k0, k1) in enumerate(k_tiles):
             dk_j, dv_j = np.zeros((k1 - k0, H), dtype=dtype), np.zeros((k1 - k0, Hv), dtype=dtype)
+            kk_tile = np.concatenate([k3[b, kv, k0:k1], kd3[b, kv, k0:k1]])  # (2tk, H) = [K; K'] of the tile
             for plan in (row[kj] for row in plans):
                 for span in plan:
                     r, (c0, c1) = _rows(span, 0, G), span[2:4]
@@ -322,16 +323,18 @@ def backward_jvp(spec: AttentionSpec, res: Any, dO: Any, rows_terms: tuple, dots
                     dp -= D_b[r, None]  # dP - D
                     dp_dot -= D_dot_b[r, None]  # dP' - D'
                     dp_dot *= p
-                    ds_dot = sd * dp + dp_dot  # dS' = P' (dP - D) + P (dP' - D')
-                    dp *= p  # dS
+                    dr2 = np.empty((R, 2 * tk), dtype=dtype)  # [dR', dR], built in place
+                    ds_dot, ds = dr2[:, :tk], dr2[:, tk:]
+                    np.multiply(sd, dp, out=ds_dot)
+                    ds_dot += dp_dot  # dS' = P' (dP - D) + P (dP' - D')
+                    np.multiply(dp, p, out=ds)  # dS
                     if dbias_dot is not None:
                         item.add_dbias(dbias_dot, ds_dot, *span[:4])
-                    dr2 = np.empty((R, 2 * tk), dtype=dtype)  # [dR', dR]
-                    np.multiply(ds_dot, a, out=dr2[:, :tk])
-                    if spec.softcap is not None:
-                        dr2[:, :tk] += b2 * raw_dot * dp
-                    np.multiply(dp, a, out=dr2[:, tk:])
-                    kk = np.concatenate([k3[b, kv, c0:c1], kd3[b, kv, c0:c1]])  # (2tk, H) = [K; K']
+                    if spec.softcap is not None:  # dR' = a dS' + b R' dS, dR = a dS
+                        ds_dot *= a
+                        ds_dot += b2 * raw_dot * ds
+                        ds *= a
+                    kk = kk_tile if (c0, c1) == (k0, k1) else np.concatenate([k3[b, kv, c0:c1], kd3[b, kv, c0:c1]])
                     dq_b[r] += dr2 @ kk  # (R, 2tk) @ (2tk, H) -> dR' K + dR K'
                     dk_j[cols] += dr2[:, :tk].T @ qs[r] + dr2[:, tk:].T @ qds[r]  # (tk, R) @ (R, H)
             dk_dot[b, kv, k0:k1] = dk_j
