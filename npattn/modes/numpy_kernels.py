@@ -107,6 +107,25 @@ class _Tangents:
         return a, b, raw_dot
 
 
+class _Call:
+    """What every item of one call shares: the tiles and their plans, the
+    exact mode, the flushed ``exp``, the scale and the ALiBi distances."""
+
+    def __init__(self, spec: AttentionSpec):
+        dtype = spec.compute_dtype
+        self.spec, self.mode = spec, _Mode.exact(spec)
+        self.block_q, self.block_k = _blocks(spec)
+        self.q_tiles, self.k_tiles = tile_ranges(spec.q_len, self.block_q), tile_ranges(spec.kv_len, self.block_k)
+        self.plans = _plans(spec, self.q_tiles, self.k_tiles)
+        self.exp, self.scale = _Exp(False, dtype), dtype.type(spec.scale)
+        self.ones_k = np.ones(self.block_k, dtype=dtype)
+        self.distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, 1.0)
+
+    def item(self, b: int, kv: int) -> _Item:
+        """The (batch element, kv head) item ``(b, kv)``."""
+        return _Item(self.spec, b, kv, self.mode, self.distances)
+
+
 def _inputs(spec: AttentionSpec, q: Any, k: Any, v: Any, dots: tuple) -> tuple:
     """The inputs as ``(B, heads, L, D)`` and the keys' fused ``[K^T; K'^T]``."""
     Bf, N, K = spec.num_batch, spec.num_heads, spec.num_kv_heads
@@ -122,24 +141,26 @@ def forward_jvp(spec: AttentionSpec, q: Any, k: Any, v: Any, dots: tuple) -> tup
     :func:`npattn.modes.jvp.chunked_jvp`."""
     dtype = spec.compute_dtype
     Bf, N, K, G = spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.group_size
-    T, S, Hv = spec.q_len, spec.kv_len, spec.value_dim
+    T, Hv = spec.q_len, spec.value_dim
     q3, qd3, k3, kd3, v3, vd3 = _inputs(spec, q, k, v, dots)
     kTa = _augmented_transposed(k3, dtype)  # (B, K, H+1, S)
     kcat = _fused_right(k3, kd3, dtype)  # (B, K, 2H, S)
-    mode = _Mode.exact(spec)
     out, out_dot = np.zeros((Bf, N, T, Hv), dtype=dtype), np.zeros((Bf, N, T, Hv), dtype=dtype)
     lse, lse_dot = np.full((Bf, N, T), -np.inf, dtype=dtype), np.zeros((Bf, N, T), dtype=dtype)
-    block_q, block_k = _blocks(spec)
-    q_tiles, k_tiles = tile_ranges(T, block_q), tile_ranges(S, block_k)
-    plans = _plans(spec, q_tiles, k_tiles)
-    exp, scale = _Exp(False, dtype), dtype.type(spec.scale)
-    ones_k = np.ones(block_k, dtype=dtype)
-    distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, 1.0)
+    call = _Call(spec)
+    q_tiles, plans, exp, scale, ones_k, block_k = (
+        call.q_tiles,
+        call.plans,
+        call.exp,
+        call.scale,
+        call.ones_k,
+        call.block_k,
+    )
 
     def work(job):
         b, kv, qi = job
         q0, q1 = q_tiles[qi]
-        item = _Item(spec, b, kv, mode, distances)
+        item = call.item(b, kv)
         item.keep_inputs = bool(spec.score_mods)
         tangents = _Tangents(spec, item, dots[3])
         tq, rows = q1 - q0, G * (q1 - q0)
@@ -209,23 +230,25 @@ def tangent_rows(spec: AttentionSpec, res: Any, dots: tuple, lse_safe: Any) -> t
     as :func:`backward_jvp`'s first sweep."""
     dtype = spec.compute_dtype
     Bf, N, K, G = spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.group_size
-    T, S, Hv = spec.q_len, spec.kv_len, spec.value_dim
+    T, Hv = spec.q_len, spec.value_dim
     q3, qd3, k3, kd3, v3, vd3 = _inputs(spec, res.q, res.k, res.v, dots)
     o3, lse3 = np.reshape(res.out, (Bf, N, T, Hv)), np.reshape(lse_safe, (Bf, N, T))
     kTa, kcat = _augmented_transposed(k3, dtype), _fused_right(k3, kd3, dtype)  # (B, K, H+1|2H, S)
-    mode = _Mode.exact(spec)
     out_dot, lse_dot = np.empty((Bf, N, T, Hv), dtype=dtype), np.empty((Bf, N, T), dtype=dtype)
-    block_q, block_k = _blocks(spec)
-    q_tiles, k_tiles = tile_ranges(T, block_q), tile_ranges(S, block_k)
-    plans = _plans(spec, q_tiles, k_tiles)
-    exp, scale = _Exp(False, dtype), dtype.type(spec.scale)
-    ones_k = np.ones(block_k, dtype=dtype)
-    distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, 1.0)
+    call = _Call(spec)
+    q_tiles, plans, exp, scale, ones_k, block_k = (
+        call.q_tiles,
+        call.plans,
+        call.exp,
+        call.scale,
+        call.ones_k,
+        call.block_k,
+    )
 
     def work(job):
         b, kv, qi = job
         q0, q1 = q_tiles[qi]
-        item = _Item(spec, b, kv, mode, distances)
+        item = call.item(b, kv)
         tangents, heads = _Tangents(spec, item, dots[3]), item.head_slice
         tq, rows = q1 - q0, G * (q1 - q0)
         qa = _augmented_rows(q3[b, heads, q0:q1], 0, scale, dtype)  # (tq*G, H+1)
@@ -271,19 +294,15 @@ def backward_jvp(spec: AttentionSpec, res: Any, dO: Any, rows_terms: tuple, dots
     q3, qd3, k3, kd3, v3, vd3 = _inputs(spec, res.q, res.k, res.v, dots)
     do3, dod3 = (np.reshape(x, (Bf, N, T, Hv)) for x in (dO, dO_dot))  # (B, N, T, Hv)
     lse3, lse_dot3, D3, D_dot3 = (np.reshape(x, (Bf, N, T)) for x in rows_terms)  # (B, N, T)
-    mode = _Mode.exact(spec)
     dq_dot = np.empty((Bf, N, T, H), dtype=dtype)
     dk_dot, dv_dot = np.empty((Bf, K, S, H), dtype=dtype), np.empty((Bf, K, S, Hv), dtype=dtype)
     dbias_dot = None if spec.bias is None else np.zeros(spec.bias.shape, dtype=dtype)
-    block_q, block_k = _blocks(spec)
-    q_tiles, k_tiles = tile_ranges(T, block_q), tile_ranges(S, block_k)
-    plans = _plans(spec, q_tiles, k_tiles)
-    exp, scale = _Exp(False, dtype), dtype.type(spec.scale)
-    distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, 1.0)
+    call = _Call(spec)
+    k_tiles, plans, exp, scale = call.k_tiles, call.plans, call.exp, call.scale
 
     def work(job):
         b, kv = job
-        item = _Item(spec, b, kv, mode, distances)
+        item = call.item(b, kv)
         tangents, heads = _Tangents(spec, item, dots[3]), item.head_slice
         lse_b, lse_dot_b, D_b, D_dot_b = (_position_major(x[b, heads]) for x in (lse3, lse_dot3, D3, D_dot3))  # (T*G,)
         qa = _augmented_rows(q3[b, heads], 0, scale, dtype)  # (T*G, H+1)
