@@ -93,7 +93,7 @@ import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import array_api_compat
 import numpy as np
@@ -487,6 +487,15 @@ def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list[list[
     ]
 
 
+class ModState(NamedTuple):
+    """A span's score modifications: what each received, and the span's
+    :class:`~npattn.scores.mods.TileIndex` (built once, read again by their
+    backward or tangent)."""
+
+    inputs: list[Any]
+    index: Any
+
+
 class _Item:
     """One (batch element, kv head) of the problem: its G query heads stacked
     position-major (row ``t*G + g`` is head ``g`` at query ``t``), so that
@@ -531,13 +540,13 @@ class _Item:
 
     def scores(
         self, out: Any, qa: Any, kTa: Any, span: tuple, *, hide: bool = True, capped: Any = None
-    ) -> list[Any] | None:
+    ) -> ModState | None:
         """``out = qa @ kTa[:, c0:c1]``, then the softcap, the bias and ALiBi,
         the user score modifications and, with ``hide``, the span's hidden
         entries set to -inf. With a softcap and a ``capped`` buffer of
         ``out``'s shape (the backward's), the capped products (before step 3,
         for the softcap's derivative) are kept there. With modifications,
-        returns what each received (for their backward), else None.
+        returns their :class:`ModState` (for their backward), else None.
 
         The softcap is the pipeline's own :func:`~npattn.scores.softcap.softcap_forward`,
         in the scores' base: ``b c tanh(r / c) = (b c) tanh(b r / (b c))``, so
@@ -550,33 +559,31 @@ class _Item:
             if capped is not None:
                 np.copyto(capped, out)
         self.add_bias(out, p0, p1, c0, c1)
-        inputs = self.modify(out, p0, p1, c0, c1, keep=self.keep_inputs) if self.spec.score_mods else None
+        state = self.modify(out, p0, p1, c0, c1, keep=self.keep_inputs) if self.spec.score_mods else None
         if hide:
             self.fill_hidden(out, span, -np.inf)
-        return inputs
+        return state
 
-    def modify(self, s: Any, p0: int, p1: int, c0: int, c1: int, *, keep: bool) -> list[Any]:
+    def modify(self, s: Any, p0: int, p1: int, c0: int, c1: int, *, keep: bool) -> ModState:
         """Step 4 in place on the span's ``(tq*G, tk)`` scores, seen head-major
         as the rank-4 tile ``(1, G, tq, tk)``; returns what each modification
         received, valid after the call only with ``keep`` (the backward's:
-        then the first receives a copy, since ``s`` is overwritten)."""
+        then the first receives a copy, since ``s`` is overwritten), and the
+        span's index."""
         s4 = _head_major(s, p1 - p0, self.G)[None]  # (1, G, tq, tk), a view
-        result, inputs = mods_keeping_masked(self.spec, s4.copy() if keep else s4, self.index(p0, p1, c0, c1))
+        index = tile_index(self.spec, p0, p1, c0, c1, batch=self.b, heads=self.heads)
+        result, inputs = mods_keeping_masked(self.spec, s4.copy() if keep else s4, index)
         np.copyto(s4, result)
-        return inputs
+        return ModState(inputs, index)
 
-    def modify_backward(self, ds: Any, inputs: list[Any], p0: int, p1: int, c0: int, c1: int) -> None:
+    def modify_backward(self, ds: Any, state: ModState, p0: int, p1: int) -> None:
         """Step 4's chain rule in place on the span's ``dS (tq*G, tk)``; adds
         the parameter shares to :attr:`mod_grads`, in the span order."""
         ds4 = _head_major(ds, p1 - p0, self.G)[None]  # (1, G, tq, tk), a view
-        ds_in, shares = mods_backward(self.spec, ds4.copy(), inputs, self.index(p0, p1, c0, c1))
+        ds_in, shares = mods_backward(self.spec, ds4.copy(), state.inputs, state.index)
         np.copyto(ds4, ds_in)
         for name, share in shares.items():
             self.mod_grads[name] = share if name not in self.mod_grads else self.mod_grads[name] + share
-
-    def index(self, p0: int, p1: int, c0: int, c1: int) -> Any:
-        """The :class:`~npattn.scores.mods.TileIndex` of this item's span."""
-        return tile_index(self.spec, p0, p1, c0, c1, batch=self.b, heads=self.heads)
 
     def below_floor(self, row_bounds: Any, span: tuple, floor: float) -> bool:
         """Whether every score of the span, shifted by its row's reference, lies
@@ -1005,7 +1012,7 @@ def backward(
                         ds -= D_b[r, None]
                     ds *= p  # dS_ij = P_ij * (dP_ij - D_i)
                     if inputs is not None:  # dS3_ij: through the score modifications
-                        item.modify_backward(ds, inputs, *span[:4])
+                        item.modify_backward(ds, inputs, *span[:2])
                     if dbias is not None:
                         item.add_dbias(dbias, ds, *span[:4])
                     if alibi_grads is not None:

@@ -86,7 +86,7 @@ class _Tangents:
         spec, item = self.spec, self.item
         p0, p1, c0, c1, _ = span
         np.matmul(qcat, kcat[:, c0:c1], out=sd)  # (R, 2H) @ (2H, tk) -> R'
-        inputs = item.scores(s, qs, kTa, span, hide=False, capped=capped)
+        state = item.scores(s, qs, kTa, span, hide=False, capped=capped)
         a: Any = 1.0
         b: Any = 0.0
         raw_dot = sd
@@ -99,9 +99,9 @@ class _Tangents:
         if self.bias_dot is not None:
             tile = slice_tile(select_item(spec, self.bias_dot, item.b, item.heads), p0, p1, c0, c1)
             sd += item._as_rows(tile, p1 - p0, c1 - c0)
-        if inputs is not None:  # S' through the modifications (elementwise: their backward)
+        if state is not None:  # S' through the modifications (elementwise: their backward)
             sd4 = _head_major(sd, p1 - p0, item.G)[None]  # (1, G, tq, tk), a view
-            np.copyto(sd4, mods_jvp(spec, sd4.copy(), inputs, item.index(p0, p1, c0, c1)))
+            np.copyto(sd4, mods_jvp(spec, sd4.copy(), state.inputs, state.index))
         item.fill_hidden(s, span, -np.inf)
         item.fill_hidden(sd, span, 0)
         return a, b, raw_dot
@@ -126,6 +126,46 @@ class _Call:
         return _Item(self.spec, b, kv, self.mode, self.distances)
 
 
+class _QueryTile:
+    """One query-tile item ``(b, kv, qi)`` of :func:`forward_jvp` and
+    :func:`tangent_rows`: its rows ``[scale Q, 0]`` and ``[scale Q', scale Q]``
+    and one set of span buffers, and its spans with ``S`` and ``S'`` built."""
+
+    def __init__(self, call: _Call, job: tuple[int, int, int], inputs: tuple, dots: tuple, keep_inputs: bool):
+        spec, dtype = call.spec, call.spec.compute_dtype
+        b, kv, qi = job
+        q3, qd3, kTa, kcat = inputs  # (B, N, T, H) x 2, (B, K, H+1, S), (B, K, 2H, S)
+        self.call, self.b, self.kv, self.qi = call, b, kv, qi
+        self.q0, self.q1 = call.q_tiles[qi]
+        self.item = call.item(b, kv)
+        self.item.keep_inputs = keep_inputs
+        self.tangents = _Tangents(spec, self.item, dots[3])
+        heads, G = self.item.head_slice, spec.group_size
+        self.rows = G * (self.q1 - self.q0)
+        self.qa = _augmented_rows(q3[b, heads, self.q0 : self.q1], 0, call.scale, dtype)  # (tq*G, H+1)
+        self.qcat = _fused_left(qd3[b, heads, self.q0 : self.q1], q3[b, heads, self.q0 : self.q1], call.scale, dtype)
+        self.kTa, self.kcat = kTa[b, kv], kcat[b, kv]  # (H+1, S), (2H, S)
+        size = self.rows * call.block_k
+        self.flats = [np.empty(size, dtype=dtype) for _ in range(2 if spec.softcap is None else 3)]
+
+    def spans(self):
+        """``(span, r, s, s')`` for each span of the tile, ``s`` the scores and
+        ``s'`` their tangent, ``(R, tk)`` each, hidden entries -inf / 0."""
+        G = self.call.spec.group_size
+        for plan in self.call.plans[self.qi]:
+            for span in plan:
+                r, (c0, c1) = _rows(span, self.q0, G), span[2:4]
+                s, sd, *capped = (_buffer(flat, r.stop - r.start, c1 - c0) for flat in self.flats)
+                self.tangents.scores(
+                    s, sd, capped[0] if capped else None, self.qa[r], self.qcat[r], self.kTa, self.kcat, span
+                )
+                yield span, r, s, sd
+
+    def write(self, target: Any, rows: Any) -> None:
+        """Write ``rows (tq*G, ...)`` into ``target[b, heads, q0:q1]`` head-major."""
+        target[self.b, self.item.head_slice, self.q0 : self.q1] = _head_major(rows, self.q1 - self.q0, self.item.G)
+
+
 def _inputs(spec: AttentionSpec, q: Any, k: Any, v: Any, dots: tuple) -> tuple:
     """The inputs as ``(B, heads, L, D)`` and the keys' fused ``[K^T; K'^T]``."""
     Bf, N, K = spec.num_batch, spec.num_heads, spec.num_kv_heads
@@ -148,70 +188,49 @@ def forward_jvp(spec: AttentionSpec, q: Any, k: Any, v: Any, dots: tuple) -> tup
     out, out_dot = np.zeros((Bf, N, T, Hv), dtype=dtype), np.zeros((Bf, N, T, Hv), dtype=dtype)
     lse, lse_dot = np.full((Bf, N, T), -np.inf, dtype=dtype), np.zeros((Bf, N, T), dtype=dtype)
     call = _Call(spec)
-    q_tiles, plans, exp, scale, ones_k, block_k = (
-        call.q_tiles,
-        call.plans,
-        call.exp,
-        call.scale,
-        call.ones_k,
-        call.block_k,
-    )
 
     def work(job):
-        b, kv, qi = job
-        q0, q1 = q_tiles[qi]
-        item = call.item(b, kv)
-        item.keep_inputs = bool(spec.score_mods)
-        tangents = _Tangents(spec, item, dots[3])
-        tq, rows = q1 - q0, G * (q1 - q0)
-        qa = _augmented_rows(q3[b, item.head_slice, q0:q1], 0, scale, dtype)  # (tq*G, H+1) = [scale Q, 0]
-        qcat = _fused_left(qd3[b, item.head_slice, q0:q1], q3[b, item.head_slice, q0:q1], scale, dtype)  # (tq*G, 2H)
+        tile = _QueryTile(call, job, (q3, qd3, kTa, kcat), dots, keep_inputs=bool(spec.score_mods))
+        b, kv, rows = tile.b, tile.kv, tile.rows
         m = np.full(rows, -np.inf, dtype=dtype)
         l, c = np.zeros(rows, dtype=dtype), np.zeros(rows, dtype=dtype)
         acc, acc_dot = np.zeros((rows, Hv), dtype=dtype), np.zeros((rows, Hv), dtype=dtype)
-        s_flat, sd_flat = np.empty(rows * block_k, dtype=dtype), np.empty(rows * block_k, dtype=dtype)
-        capped_flat = None if spec.softcap is None else np.empty(rows * block_k, dtype=dtype)
-        for plan in plans[qi]:
-            for span in plan:
-                r, (c0, c1) = _rows(span, q0, G), span[2:4]
-                R, tk = r.stop - r.start, c1 - c0
-                s, sd = _buffer(s_flat, R, tk), _buffer(sd_flat, R, tk)
-                capped = None if capped_flat is None else _buffer(capped_flat, R, tk)
-                tangents.scores(s, sd, capped, qa[r], qcat[r], kTa[b, kv], kcat[b, kv], span)
-                m_new = np.maximum(m[r], s.max(axis=1))  # (R,)
-                m_safe = np.where(m_new == -np.inf, 0, m_new).astype(dtype, copy=False)  # no exp(-inf - -inf)
-                if np.any(m_new > m[r]):
-                    alpha = np.exp(m[r] - m_safe)  # (R,): 0 where nothing was seen yet
-                    l[r] *= alpha
-                    c[r] *= alpha
-                    acc[r] *= alpha[:, None]
-                    acc_dot[r] *= alpha[:, None]
-                    m[r] = m_new
-                s -= m_safe[:, None]
-                exp.flushed(s)  # P~ (R, tk): exact 0 where hidden, never subnormal
-                l[r] += s @ ones_k[:tk]  # (R, tk) @ (tk,)
-                sd *= s  # P~ S'
-                c[r] += sd @ ones_k[:tk]
-                drop = item.dropout_scale(*span[:4])
-                if drop is not None:
-                    s *= drop
-                    sd *= drop
-                vj, vdj = v3[b, kv, c0:c1], vd3[b, kv, c0:c1]  # (tk, Hv)
-                acc[r] += s @ vj  # (R, tk) @ (tk, Hv)
-                acc_dot[r] += sd @ vj + s @ vdj
+        for span, r, s, sd in tile.spans():
+            c0, c1 = span[2:4]
+            m_new = np.maximum(m[r], s.max(axis=1))  # (R,)
+            m_safe = np.where(m_new == -np.inf, 0, m_new).astype(dtype, copy=False)  # no exp(-inf - -inf)
+            if np.any(m_new > m[r]):
+                alpha = np.exp(m[r] - m_safe)  # (R,): 0 where nothing was seen yet
+                l[r] *= alpha
+                c[r] *= alpha
+                acc[r] *= alpha[:, None]
+                acc_dot[r] *= alpha[:, None]
+                m[r] = m_new
+            s -= m_safe[:, None]
+            call.exp.flushed(s)  # P~ (R, tk): exact 0 where hidden, never subnormal
+            l[r] += s @ call.ones_k[: c1 - c0]  # (R, tk) @ (tk,)
+            sd *= s  # P~ S'
+            c[r] += sd @ call.ones_k[: c1 - c0]
+            drop = tile.item.dropout_scale(*span[:4])
+            if drop is not None:
+                s *= drop
+                sd *= drop
+            vj, vdj = v3[b, kv, c0:c1], vd3[b, kv, c0:c1]  # (tk, Hv)
+            acc[r] += s @ vj  # (R, tk) @ (tk, Hv)
+            acc_dot[r] += sd @ vj + s @ vdj
         empty = l == 0
         l[empty] = 1
         o = acc / l[:, None]  # (tq*G, Hv)
-        row_lse = np.where(empty, -np.inf, m + np.log(l))
         row_lse_dot = c / l
-        heads = item.head_slice
-        out[b, heads, q0:q1] = _head_major(o, tq, G)  # (G, tq, Hv)
-        out_dot[b, heads, q0:q1] = _head_major(acc_dot / l[:, None] - row_lse_dot[:, None] * o, tq, G)
-        lse[b, heads, q0:q1] = _head_major(row_lse, tq, G)
-        lse_dot[b, heads, q0:q1] = _head_major(row_lse_dot, tq, G)
+        tile.write(out, o)
+        tile.write(out_dot, acc_dot / l[:, None] - row_lse_dot[:, None] * o)
+        tile.write(lse, np.where(empty, -np.inf, m + np.log(l)))
+        tile.write(lse_dot, row_lse_dot)
 
     _run(
-        [(b, kv, qi) for qi in range(len(q_tiles)) for b in range(Bf) for kv in range(K) if G], work, spare_thread=True
+        [(b, kv, qi) for qi in range(len(call.q_tiles)) for b in range(Bf) for kv in range(K) if G],
+        work,
+        spare_thread=True,
     )
     bs = spec.batch_shape
     return (
@@ -236,49 +255,31 @@ def tangent_rows(spec: AttentionSpec, res: Any, dots: tuple, lse_safe: Any) -> t
     kTa, kcat = _augmented_transposed(k3, dtype), _fused_right(k3, kd3, dtype)  # (B, K, H+1|2H, S)
     out_dot, lse_dot = np.empty((Bf, N, T, Hv), dtype=dtype), np.empty((Bf, N, T), dtype=dtype)
     call = _Call(spec)
-    q_tiles, plans, exp, scale, ones_k, block_k = (
-        call.q_tiles,
-        call.plans,
-        call.exp,
-        call.scale,
-        call.ones_k,
-        call.block_k,
-    )
 
     def work(job):
-        b, kv, qi = job
-        q0, q1 = q_tiles[qi]
-        item = call.item(b, kv)
-        tangents, heads = _Tangents(spec, item, dots[3]), item.head_slice
-        tq, rows = q1 - q0, G * (q1 - q0)
-        qa = _augmented_rows(q3[b, heads, q0:q1], 0, scale, dtype)  # (tq*G, H+1)
-        qcat = _fused_left(qd3[b, heads, q0:q1], q3[b, heads, q0:q1], scale, dtype)  # (tq*G, 2H)
-        lse_i = _position_major(lse3[b, heads, q0:q1])  # (tq*G,)
-        c, acc_dot = np.zeros(rows, dtype=dtype), np.zeros((rows, Hv), dtype=dtype)
-        s_flat, sd_flat = np.empty(rows * block_k, dtype=dtype), np.empty(rows * block_k, dtype=dtype)
-        capped_flat = None if spec.softcap is None else np.empty(rows * block_k, dtype=dtype)
-        for plan in plans[qi]:
-            for span in plan:
-                r, (c0, c1) = _rows(span, q0, G), span[2:4]
-                R, tk = r.stop - r.start, c1 - c0
-                p, sd = _buffer(s_flat, R, tk), _buffer(sd_flat, R, tk)
-                capped = None if capped_flat is None else _buffer(capped_flat, R, tk)
-                tangents.scores(p, sd, capped, qa[r], qcat[r], kTa[b, kv], kcat[b, kv], span)
-                p -= lse_i[r, None]
-                exp.flushed(p)  # P (R, tk)
-                sd *= p  # P S'
-                c[r] += sd @ ones_k[:tk]
-                drop = item.dropout_scale(*span[:4])
-                if drop is not None:
-                    p *= drop
-                    sd *= drop
-                acc_dot[r] += sd @ v3[b, kv, c0:c1] + p @ vd3[b, kv, c0:c1]  # (R, tk) @ (tk, Hv)
-        o = _position_major(o3[b, heads, q0:q1])  # (tq*G, Hv)
-        out_dot[b, heads, q0:q1] = _head_major(acc_dot - c[:, None] * o, tq, G)
-        lse_dot[b, heads, q0:q1] = _head_major(c, tq, G)
+        tile = _QueryTile(call, job, (q3, qd3, kTa, kcat), dots, keep_inputs=False)
+        b, kv, heads = tile.b, tile.kv, tile.item.head_slice
+        lse_i = _position_major(lse3[b, heads, tile.q0 : tile.q1])  # (tq*G,)
+        c, acc_dot = np.zeros(tile.rows, dtype=dtype), np.zeros((tile.rows, Hv), dtype=dtype)
+        for span, r, p, sd in tile.spans():
+            c0, c1 = span[2:4]
+            p -= lse_i[r, None]
+            call.exp.flushed(p)  # P (R, tk)
+            sd *= p  # P S'
+            c[r] += sd @ call.ones_k[: c1 - c0]
+            drop = tile.item.dropout_scale(*span[:4])
+            if drop is not None:
+                p *= drop
+                sd *= drop
+            acc_dot[r] += sd @ v3[b, kv, c0:c1] + p @ vd3[b, kv, c0:c1]  # (R, tk) @ (tk, Hv)
+        o = _position_major(o3[b, heads, tile.q0 : tile.q1])  # (tq*G, Hv)
+        tile.write(out_dot, acc_dot - c[:, None] * o)
+        tile.write(lse_dot, c)
 
     _run(
-        [(b, kv, qi) for qi in range(len(q_tiles)) for b in range(Bf) for kv in range(K) if G], work, spare_thread=True
+        [(b, kv, qi) for qi in range(len(call.q_tiles)) for b in range(Bf) for kv in range(K) if G],
+        work,
+        spare_thread=True,
     )
     return out_dot.reshape(spec.batch_shape + (N, T, Hv)), lse_dot.reshape(spec.batch_shape + (N, T))
 

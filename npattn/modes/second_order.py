@@ -452,18 +452,16 @@ def _chunked_double_backward(spec, res, dO, dl, dd) -> tuple:
     r = _grouped_arrays(spec, dO=dO, out=res.out, lse=lse, D=xp.reshape(D, D.shape[:-1]))
     block_q, block_k = default_blocks(spec)
     q_tiles, k_tiles = tile_ranges(T, block_q), tile_ranges(S, block_k)
-    visits = [
-        (i, j)
-        for j in range(len(k_tiles))
-        for i in range(len(q_tiles))
-        if classify_tile(spec, *q_tiles[i], *k_tiles[j]) != NONE
-    ]
+    kinds = {
+        (i, j): classify_tile(spec, *q_tiles[i], *k_tiles[j]) for j in range(len(k_tiles)) for i in range(len(q_tiles))
+    }
+    visits = [(i, j) for (i, j), kind in kinds.items() if kind != NONE]  # key tiles outside, as the backward
 
     def tile(i: int, j: int) -> dict[str, Any]:
         """The terms of tile ``(i, j)`` both sweeps read (``(..., K, G, tq, tk)``)."""
         (q0, q1), (k0, k1) = q_tiles[i], k_tiles[j]
         rows, cols = slice(q0, q1), slice(k0, k1)
-        kind = classify_tile(spec, q0, q1, k0, k1)
+        kind = kinds[i, j]
         qs, kT = g.qs[..., rows, :], xp.matrix_transpose(g.k[..., cols, :])  # (..., K, G, tq, H), (..., K, 1, H, tk)
         raw = qs @ kT
         s, _ = tile_scores_jvp(spec, raw, raw, None, (q0, q1, k0, k1), kind)

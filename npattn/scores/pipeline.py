@@ -138,7 +138,7 @@ def transform_jvp(
     if spec.score_mods:
         xp = spec.xp
         s, inputs = _mods_on(spec, s, tile)
-        s_dot4 = xp.reshape(s_dot + xp.zeros_like(raw), _rank4(spec, tile))  # (B, N, tq, tk)
+        s_dot4 = xp.reshape(s_dot, _rank4(spec, tile))  # (B, N, tq, tk): raw_dot's full shape
         s_dot = xp.reshape(mods_jvp(spec, s_dot4, inputs, tile_index(spec, *tile)), tuple(raw.shape))
     return s, s_dot
 
