@@ -25,6 +25,7 @@ __all__ = [
     "attention_forward",
     "attention_backward",
     "choose_impl",
+    "forward_from_spec",
     "AttentionGrads",
     "AttentionResiduals",
     "DenseResiduals",
@@ -289,6 +290,16 @@ def attention_forward(
         block_mask=block_mask,
         xp=xp,
     )
+    out, residuals = forward_from_spec(spec, q, k, v)
+    return spec.xp.astype(out, spec.dtype, copy=False), residuals
+
+
+def forward_from_spec(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, AttentionResiduals]:
+    """The forward for a validated ``spec``, on the path :func:`choose_impl`
+    picks: ``(out, residuals)`` with ``out (..., N, T, Hv)`` in the compute
+    dtype. For callers that build or adjust the spec themselves (ring
+    attention's shard pairs); :func:`attention_forward` is this after
+    :func:`~npattn.options.make_spec`."""
     spec = choose_impl(spec)
     xp = spec.xp
     qc, kc, vc = (xp.astype(a, spec.compute_dtype, copy=False) for a in (q, k, v))
@@ -303,7 +314,7 @@ def attention_forward(
         kernel = chunked_kernel(spec)
         out, lse, _ = apply_sinks(spec, *_CHUNKED_KERNELS[kernel][0](spec, qc, kc, vc))
         residuals = ChunkedResiduals(spec, qc, kc, vc, out, lse, kernel)
-    return xp.astype(out, spec.dtype, copy=False), residuals
+    return out, residuals
 
 
 def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:

@@ -53,7 +53,8 @@ def keep_tile(
     heads: tuple[int, int] | None = None,
     batch: int | None = None,
 ) -> Any:
-    """Boolean keep mask of shape ``(..., N, q1 - q0, k1 - k0)``.
+    """Boolean keep mask of shape ``(..., N, q1 - q0, k1 - k0)``, for rows
+    and columns counted from ``spec.index_origin``.
 
     ``heads=(h0, h1)`` restricts it to query heads ``[h0, h1)``; ``batch=b``
     to the one batch element of flat index ``b`` (the batch axes are dropped).
@@ -65,8 +66,9 @@ def keep_tile(
             xp.arange(spec.num_batch, dtype=xp.int64, device=dev), spec.batch_shape + (1, 1, 1)
         )  # (..., 1, 1, 1)
     head = xp.reshape(xp.arange(h0, h1, dtype=xp.int64, device=dev), (h1 - h0, 1, 1))  # (N, 1, 1)
-    rows = xp.reshape(xp.arange(q0, q1, dtype=xp.int64, device=dev), (q1 - q0, 1))  # (tq, 1)
-    cols = xp.reshape(xp.arange(k0, k1, dtype=xp.int64, device=dev), (1, k1 - k0))  # (1, tk)
+    row0, col0 = spec.index_origin  # nonzero for a ring shard: the full sequence's indices
+    rows = xp.reshape(xp.arange(row0 + q0, row0 + q1, dtype=xp.int64, device=dev), (q1 - q0, 1))  # (tq, 1)
+    cols = xp.reshape(xp.arange(col0 + k0, col0 + k1, dtype=xp.int64, device=dev), (1, k1 - k0))  # (1, tk)
     assert spec.seed is not None, "make_spec requires a seed whenever dropout_p > 0"
     h = mix32(batch ^ _seed_hash(spec.seed))  # (..., 1, 1, 1)
     h = mix32(h ^ head)  # (..., N, 1, 1)

@@ -23,7 +23,7 @@ import numpy as np
 
 from .namespace import array_device, check_floating, compute_dtype, resolve_namespace, to_numpy
 
-__all__ = ["AttentionSpec", "make_spec", "check_int", "IMPLS", "ALIGNS"]
+__all__ = ["AttentionSpec", "make_spec", "check_int", "check_lengths", "IMPLS", "ALIGNS"]
 
 IMPLS = ("auto", "dense", "chunked")
 ALIGNS = ("top_left", "bottom_right")
@@ -95,7 +95,10 @@ class AttentionSpec:
     :class:`~npattn.scores.mods.ScoreMod`, their parameters by name in the
     compute dtype in ``mod_params``, ``mask_mod`` the user's callable (from
     ``block_mask`` when one is given) and ``block_mask`` a
-    :class:`~npattn.scores.block_mask.BlockMask` or None.
+    :class:`~npattn.scores.block_mask.BlockMask` or None. ``index_origin``
+    is the (row, column) index that query 0 and key 0 have in the dropout
+    hash: ``(0, 0)``, except for ring attention's shards
+    (:mod:`npattn.distributed`), which draw the full sequence's bits.
     """
 
     xp: Any
@@ -142,6 +145,7 @@ class AttentionSpec:
     mod_params: dict[str, Any] = field(default_factory=dict)
     mask_mod: Any = None
     block_mask: Any = None
+    index_origin: tuple[int, int] = (0, 0)
 
     @property
     def group_size(self) -> int:
@@ -220,7 +224,7 @@ def check_int(name: str, value: Any, *, minimum: int, allow_none: bool = False) 
     return int(value)
 
 
-def _check_lengths(xp, name, lengths, batch_shape, limit, device):
+def check_lengths(xp, name, lengths, batch_shape, limit, device):
     """Validate ``q_lengths``/``kv_lengths``; returns (array, (min, max))."""
     if lengths is None:
         return None, (limit, limit)
@@ -626,8 +630,8 @@ def _check_positions(xp, device, band, lengths, batch_shape, sizes, readers: lis
     align = _check_align(align, positional, T, S)
     for reader in readers:
         align = _check_align(align, True, T, S, what=reader)
-    q_lengths, q_len_bounds = _check_lengths(xp, "q_lengths", lengths[0], batch_shape, T, device)
-    kv_lengths, kv_len_bounds = _check_lengths(xp, "kv_lengths", lengths[1], batch_shape, S, device)
+    q_lengths, q_len_bounds = check_lengths(xp, "q_lengths", lengths[0], batch_shape, T, device)
+    kv_lengths, kv_len_bounds = check_lengths(xp, "kv_lengths", lengths[1], batch_shape, S, device)
     bottom_right = (positional or bool(readers)) and align == "bottom_right"
     q_offset, offset_bounds = _query_offset(xp, bottom_right, q_lengths, kv_lengths, batch_shape, T, S)
     return {
