@@ -1,6 +1,6 @@
 """Ring attention on 1, 2 and 4 MPI ranks: time per ring step and bytes moved per rank.
 
-    python benchmarks/bench_ring.py [--seq 2048] [--heads 8] [--dim 64] [--ranks 1 2 4]
+    python benchmarks/bench_ring.py [--seq 2048] [--heads 8] [--dim 64] [--ranks 1 2 4] [--documents 16]
 
 A correctness-and-scaling demonstration, not a speed claim: the global
 problem is fixed (strong scaling) and split into equal shards; every rank
@@ -10,11 +10,14 @@ pair runs the chunked path with the same tiles at every rank count, so the
 arithmetic per query/key tile is the same. The driver launches
 ``mpiexec -n P python benchmarks/bench_ring.py --worker ...`` for each P
 with one BLAS/OpenMP thread per rank (more ranks than cores is allowed: MPICH
-oversubscribes, slowly). Columns:
+oversubscribes, slowly). Three workloads: full attention, causal, and causal
+packed documents (``--documents`` documents of seeded random lengths that
+cross shard boundaries, passed as segment ids; steps whose documents cannot
+meet are skipped). Columns:
 
     fwd/bwd ms       forward / backward wall time (median, slowest rank)
     ms/step          that time divided by the P ring steps
-    steps run        pairs computed out of P*P (causal skips hidden ones)
+    steps run        pairs computed out of P*P (causal and packed documents skip hidden ones)
     MiB sent/rank    forward / backward bytes each rank sends (max over ranks)
     max err          max |ring out - single-process out| over the sequence
 
@@ -41,6 +44,15 @@ def _mpiexec() -> str:
     return found
 
 
+def document_ids(T: int, documents: int):
+    """``(1, T)`` int64 ids of ``documents`` packed documents of seeded random
+    lengths (each at least one token), in order."""
+    import numpy as np
+
+    cuts = np.sort(np.random.default_rng(1).choice(np.arange(1, T), size=documents - 1, replace=False))
+    return np.searchsorted(cuts, np.arange(T), side="right")[None].astype(np.int64)  # (1, T)
+
+
 def worker(args: argparse.Namespace) -> None:
     import numpy as np
     from mpi4py import MPI
@@ -59,7 +71,14 @@ def worker(args: argparse.Namespace) -> None:
     v = rng.standard_normal((1, N, T, H)).astype(args.dtype)
     shard = slice(rank * T // P, (rank + 1) * T // P)
     q_r, k_r, v_r = (np.ascontiguousarray(a[..., shard, :]) for a in (q, k, v))
-    options = dict(causal=args.causal, impl="chunked", block_q=args.block, block_k=args.block)
+    options = dict(causal=args.mode != "full", impl="chunked", block_q=args.block, block_k=args.block)
+    local = {}
+    if args.mode == "packed":
+        ids = document_ids(T, args.documents)  # (1, T)
+        options.update(q_segment_ids=ids, kv_segment_ids=ids)
+        local = dict(
+            q_segment_ids=np.ascontiguousarray(ids[:, shard]), kv_segment_ids=np.ascontiguousarray(ids[:, shard])
+        )
     dout = np.ones_like(q_r)
 
     forward_s, backward_s = [], []
@@ -67,7 +86,7 @@ def worker(args: argparse.Namespace) -> None:
         comm.Barrier()
         t0 = time.perf_counter()
         fwd_stats, bwd_stats = {}, {}
-        out, res = dist.ring_attention_forward(q_r, k_r, v_r, comm=comm, stats=fwd_stats, **options)
+        out, res = dist.ring_attention_forward(q_r, k_r, v_r, comm=comm, stats=fwd_stats, **(options | local))
         t1 = time.perf_counter()
         dist.ring_attention_backward(dout, res, stats=bwd_stats)
         t2 = time.perf_counter()
@@ -103,8 +122,9 @@ def driver(args: argparse.Namespace) -> None:
         f"(block {args.block}), {os.cpu_count()} CPU cores, 1 BLAS thread per rank, "
         f"median of {args.repeats} after a warm-up"
     )
-    for causal in (False, True):
-        print(f"\ncausal={causal}")
+    for mode in ("full", "causal", "packed"):
+        title = {"full": "full", "causal": "causal", "packed": f"causal, {args.documents} packed documents"}
+        print(f"\n{title[mode]}")
         header = (
             f"{'ranks':>5} {'shard':>6} {'fwd ms':>8} {'ms/step':>8} {'bwd ms':>8} {'ms/step':>8} "
             f"{'steps run':>9} {'fwd MiB sent/rank':>17} {'bwd MiB sent/rank':>17} {'max err':>8}"
@@ -131,9 +151,11 @@ def driver(args: argparse.Namespace) -> None:
                 str(args.block),
                 "--repeats",
                 str(args.repeats),
+                "--mode",
+                mode,
+                "--documents",
+                str(args.documents),
             ]
-            if causal:
-                command.append("--causal")
             proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
             if proc.returncode != 0:
                 raise SystemExit(f"{' '.join(command)} failed:\n{proc.stdout}\n{proc.stderr}")
@@ -156,7 +178,8 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--causal", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--documents", type=int, default=16, help="documents in the packed row")
+    parser.add_argument("--mode", default="full", choices=["full", "causal", "packed"], help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     worker(args) if args.worker else driver(args)
