@@ -8,13 +8,18 @@ against the independent oracle tests/reference.py too. They skip, saying
 why, where mpi4py or an ``mpiexec`` is missing (``pip install "npattn[mpi]"``
 brings both; MPICH's wheel puts ``mpiexec`` beside the Python executable).
 
-Without MPI: the per-pair masking plan against brute force, and the
-ImportError when mpi4py is missing.
+The cases cover every option of attention_forward but user score mods:
+global lengths (shards all padding included), packed documents (segment ids
+crossing shard boundaries or inside one rank), dropout on global indices,
+the three bias layouts (with broadcast query and head axes), softcap, ALiBi
+and sinks, alone and together; their gradients (this rank's dbias in its own
+bias's shape, dsinks and dalibi_slopes in full on every rank) are checked too.
+
+Without MPI: the ImportError when mpi4py is missing.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import pathlib
@@ -22,14 +27,8 @@ import subprocess
 import sys
 
 import mpi_ring_worker as worker
-import numpy as np
 import pytest
 from mpi_support import find_mpiexec, mpi_skip_reason, run_mpi
-
-import npattn
-from npattn.distributed import RingLayout, _pair_mask, _pair_options
-from npattn.options import make_spec
-from npattn.scores.visibility import visible_tile
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKER = pathlib.Path(worker.__file__).resolve()
@@ -59,7 +58,8 @@ def run_worker(P: int, mode: str, path: pathlib.Path, names: list[str] = ()) -> 
     return result
 
 
-P1_CASES = [n for n, c in worker.CASES.items() if c.get("lengths", "equal") in ("equal", "unequal")]
+P1_CASES = [n for n, c in worker.CASES.items() if not isinstance(c.get("lengths"), dict) or 1 in c["lengths"]["q"]]
+PARAM_GRADS = {"bias": "dbias", "sinks": "dsinks", "alibi": "dalibi_slopes"}  # case key -> gradient
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +96,13 @@ def test_ring_equals_single_process_attention(ring_results, P, name):
         if "skipped" in result:
             pytest.skip(result["skipped"])
         assert "exception" not in result, f"rank {r} raised:\n{result.get('exception')}"
-        for key in ("out", "lse", "dq", "dk", "dv", "out_oracle", "lse_oracle"):
+        case = worker.CASES[name]
+        params = [grad for key, grad in PARAM_GRADS.items() if key in case]
+        for key in ("out", "lse", "dq", "dk", "dv", "out_oracle", "lse_oracle", *params):
             assert result[key] <= tol, f"rank {r}: max |ring - single process| of {key} is {result[key]:.3g}"
+        assert result["unexpected_grads"] == [], f"rank {r} returned gradients of inputs it was not given"
         assert result["out_dtype"] == dtype and result["grad_dtype"] == dtype
+        assert result["dbias_dtype"] == (dtype if "bias" in case else None)
         backend = worker.CASES[name].get("backend", "numpy")
         expected_library = {"cupy": "cupy", "torch": "torch"}.get(
             backend, "numpy" if backend.startswith("numpy") else "array_api_strict"
@@ -121,13 +125,47 @@ def test_causal_skips_hidden_steps_and_counts_bytes(ring_results, P):
         assert res["noncausal-equal"]["forward"]["computed"] == P
 
 
+def _computed(res: dict, name: str) -> list:
+    fwd, bwd = res[name]["forward"], res[name]["backward"]
+    return [(fwd["steps"], fwd["computed"], fwd["skipped"]), (bwd["steps"], bwd["computed"], bwd["skipped"])]
+
+
+@needs_mpi
+@pytest.mark.parametrize("P", [2, 4])
+def test_packed_documents_skip_steps_whose_documents_cannot_meet(ring_results, P):
+    """Case "segments-aligned": shards of 3, documents of 6, 3, 3 tokens, not
+    causal. At P = 4 ranks 0-1 hold document 0, rank 2 document 1, rank 3
+    document 2: each rank computes only the steps with a shard of its own
+    document. At P = 2 one document covers everything."""
+    ranks = ring_results(P)["ranks"]
+    computed = {2: [2, 2], 4: [2, 2, 1, 1]}[P]
+    for r, res in enumerate(ranks):
+        expected = (P, computed[r], P - computed[r])
+        assert _computed(res, "segments-aligned") == [expected, expected], f"rank {r}"
+
+
+@needs_mpi
+@pytest.mark.parametrize("P", [2, 4])
+def test_all_padding_shards_are_skipped(ring_results, P):
+    """Case "padding-shards": shards of 3, not causal; the global q_lengths end
+    before rank P/2 and kv_lengths before rank P-1. Ranks from P/2 on compute
+    nothing, forward or backward; the others skip only the step with rank
+    P-1's keys."""
+    ranks = ring_results(P)["ranks"]
+    for r, res in enumerate(ranks):
+        computed = P - 1 if r < P // 2 else 0
+        expected = (P, computed, P - computed)
+        assert _computed(res, "padding-shards") == [expected, expected], f"rank {r}"
+
+
 @needs_mpi
 def test_fully_masked_rows_cross_the_ring(ring_results):
     ranks = ring_results(4)["ranks"]
     assert sum(res["causal-bottom-right-T>S"]["fully_masked_rows"] for res in ranks) > 0
 
 
-# What every rank must raise (type, part of the message); the worker runs each on 2 ranks.
+# What every rank must raise (type, part of the message or a tuple of parts); the
+# worker runs each on 2 ranks.
 EXPECTED_ERRORS = {
     "head-dim-mismatch": ("ValueError", "q/k head dim H (axis -1) differs across ranks: rank 0 has 4, rank 1 has 2"),
     "dtype-mismatch": ("ValueError", "rank 0 has float64, rank 1 has float32"),
@@ -145,6 +183,23 @@ EXPECTED_ERRORS = {
     "bad-transport": ("ValueError", "transport must be one of"),
     "backward-bad-dout-one-rank": ("ValueError", "rank 0: dout must have the forward's shape"),
     "backward-not-residuals": ("TypeError", "residuals must come from ring_attention_forward"),
+    "q_lengths-differ": ("ValueError", ("q_lengths", "differs across ranks")),
+    "kv_lengths-differ": ("ValueError", ("kv_lengths", "differs across ranks")),
+    "q_lengths-past-total": ("ValueError", ("q_lengths", "[0, 6]")),
+    "q_lengths-negative": ("ValueError", "q_lengths"),
+    "segment-ids-some-ranks": ("ValueError", ("segment ids", "on some ranks")),
+    "bias-fits-no-layout": ("ValueError", "bias"),
+    "bias-fits-no-layout-one-rank": ("ValueError", ("bias", "rank 1: (1, 2, 3, 2)")),
+    "bias-some-ranks": ("ValueError", "bias"),
+    "bias-layouts-differ": ("ValueError", "bias"),
+    "bias-leading-axes-differ": ("ValueError", "bias"),
+    "dropout-seed-differs": ("ValueError", ("seed", "differs across ranks")),
+    "dropout-p-differs": ("ValueError", "differs across ranks"),
+    "softcap-differs": ("ValueError", "differs across ranks"),
+    "alibi-slopes-differ": ("ValueError", "differs across ranks"),
+    "sinks-differ": ("ValueError", "differs across ranks"),
+    "sinks-some-ranks": ("ValueError", "sinks"),
+    "alibi-T!=S-no-align": ("ValueError", "needs an explicit alignment"),
     "still-works-afterwards": None,
 }
 
@@ -164,50 +219,12 @@ def test_bad_input_raises_on_every_rank(error_results, name):
             assert got is None, f"rank {r} raised {got}"
             continue
         assert got is not None, f"rank {r} raised nothing"
-        assert got[0] == expected[0] and expected[1] in got[1], f"rank {r}: {got}"
+        parts = (expected[1],) if isinstance(expected[1], str) else expected[1]
+        assert got[0] == expected[0] and all(part in got[1] for part in parts), f"rank {r}: {got}"
     assert error_results["ranks"][0][name] == error_results["ranks"][1][name]  # the same error everywhere
 
 
 # --- without MPI ------------------------------------------------------------------
-
-
-def _visibility(options, T, S):
-    """The (T, S) visibility a pair's options produce."""
-    if options is None:
-        return np.zeros((T, S), bool)
-    if "mask" in options:
-        return np.asarray(
-            _pair_mask(npattn.namespace.resolve_namespace({"x": np.zeros(1)}), None, T, S, *options["mask"])
-        )
-    q, k = np.zeros((1, T, 1)), np.zeros((1, S, 1))
-    spec = make_spec(q, k, k, **options)
-    visible = visible_tile(spec, 0, T, 0, S)
-    return np.ones((T, S), bool) if visible is None else np.broadcast_to(np.asarray(visible), (1, T, S))[0]
-
-
-def test_pair_masking_plan_matches_brute_force():
-    """Every (T_r, S_s, offset, window) pair: skipped / no mask / local window /
-    bool mask, each exactly the global-position visibility; all four occur."""
-    kinds = set()
-    for T, S, d, left, right in itertools.product(
-        range(1, 5), range(1, 5), range(-6, 7), (None, 0, 1, 3), (None, 0, 1, 3)
-    ):
-        layout = RingLayout(0, 1, (T,), (S,), (d,), (0,), 0)  # query i at global d + i, key j at j
-        options = _pair_options(layout, left, right, 0, 0)
-        i, j = np.arange(T)[:, None], np.arange(S)[None, :]
-        expected = np.ones((T, S), bool)
-        if left is not None:
-            expected &= j >= d + i - left
-        if right is not None:
-            expected &= j <= d + i + right
-        got = _visibility(options, T, S)
-        np.testing.assert_array_equal(got, expected, err_msg=f"T={T} S={S} d={d} window=({left}, {right}): {options}")
-        kinds.add("skip" if options is None else next(iter(options), "all"))
-        if options is None:
-            assert not expected.any()
-        if options == {}:
-            assert expected.all()
-    assert kinds == {"skip", "all", "window", "mask"}
 
 
 def test_import_needs_no_mpi4py_and_calling_names_the_extra():
