@@ -225,7 +225,9 @@ def check_int(name: str, value: Any, *, minimum: int, allow_none: bool = False) 
 
 
 def check_lengths(xp, name, lengths, batch_shape, limit, device):
-    """Validate ``q_lengths``/``kv_lengths``; returns (array, (min, max))."""
+    """Validate ``q_lengths``/``kv_lengths``; returns (array, (min, max)).
+    ``limit=None`` checks the type and shape only (ring attention checks
+    the values once it knows the total length)."""
     if lengths is None:
         return None, (limit, limit)
     if isinstance(lengths, numbers.Integral) and not isinstance(lengths, bool):
@@ -241,7 +243,7 @@ def check_lengths(xp, name, lengths, batch_shape, limit, device):
     if math.prod(batch_shape) == 0:
         return xp.astype(lengths, xp.int64), (limit, limit)
     lo, hi = int(xp.min(lengths)), int(xp.max(lengths))
-    if lo < 0 or hi > limit:
+    if limit is not None and (lo < 0 or hi > limit):
         raise ValueError(f"{name} must lie in [0, {limit}], got values in [{lo}, {hi}]")
     return xp.astype(lengths, xp.int64), (lo, hi)
 

@@ -186,7 +186,7 @@ EXPECTED_ERRORS = {
     "q_lengths-differ": ("ValueError", ("q_lengths", "differs across ranks")),
     "kv_lengths-differ": ("ValueError", ("kv_lengths", "differs across ranks")),
     "q_lengths-past-total": ("ValueError", ("q_lengths", "[0, 6]")),
-    "q_lengths-negative": ("ValueError", "q_lengths"),
+    "q_lengths-negative": ("ValueError", "q_lengths must lie in [0, 6]"),
     "segment-ids-some-ranks": ("ValueError", ("segment ids", "on some ranks")),
     "bias-fits-no-layout": ("ValueError", "bias"),
     "bias-fits-no-layout-one-rank": ("ValueError", ("bias", "rank 1: (1, 2, 3, 2)")),

@@ -187,7 +187,7 @@ def _describe_shard(q: Any, k: Any, v: Any, bias: Any, options: dict) -> dict:
     # The rank's own pair checks shapes, dtypes and options (align given: T_r != S_r is fine here).
     spec = make_spec(q, k, v, align=options["align"] or "top_left", xp=xp, **{n: options[n] for n in _SPEC_OPTIONS})
     lengths = {
-        name: _host_list(check_lengths(xp, name, options[name], spec.batch_shape, 2**62, array_device(q))[0])
+        name: _host_list(check_lengths(xp, name, options[name], spec.batch_shape, None, array_device(q))[0])
         for name in ("q_lengths", "kv_lengths")
     }
     return {
@@ -205,10 +205,10 @@ def _describe_shard(q: Any, k: Any, v: Any, bias: Any, options: dict) -> dict:
         "align": options["align"],
         "scale": None if options["scale"] is None else float(options["scale"]),
         **lengths,
-        "segments": spec.segment_host is not None or None,
+        "segments": True if spec.segment_host is not None else None,
         "kv_segment_ids": None if spec.segment_host is None else spec.segment_host[1],  # (B, S_r)
         "dropout_p": spec.dropout_p,
-        "seed": spec.seed,
+        "seed": spec.seed if spec.dropout_p > 0 else None,  # unread without dropout
         "softcap": spec.softcap,
         "alibi_slopes": _host_list(options["alibi_slopes"]),
         "sinks": _host_list(options["sinks"]),
