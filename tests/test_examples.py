@@ -253,7 +253,8 @@ def test_ring_attention_quick_on_two_ranks(tmp_path):
     proc = run_mpi(2, EXAMPLES / "ring_attention.py", ["--quick"], env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "on 2 rank(s), shards of 21, 43 tokens" in proc.stdout  # 64 tokens, shares 1:2
-    assert proc.stdout.count("max |ring - single process|") == 5
+    assert proc.stdout.count("max |ring - single process|") == 6  # out, lse, dq, dk, dv, dsinks
+    assert "4 packed documents, 4 padding tokens, sinks" in proc.stdout
 
 
 def test_every_example_takes_quick():
