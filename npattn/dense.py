@@ -44,6 +44,8 @@ __all__ = [
     "dense_scores",
     "expand_kv_heads",
     "reduce_kv_heads",
+    "by_kv_head",
+    "by_query_head",
     "raw_scores",
     "dropout_scale",
 ]
@@ -73,6 +75,22 @@ def reduce_kv_heads(xp: Any, dx: Any, num_kv_heads: int) -> Any:
     return xp.sum(dx, axis=-3)  # (..., K, S, D)
 
 
+def by_kv_head(xp: Any, x: Any, num_kv_heads: int) -> Any:
+    """Stack the ``G = N // K`` query heads of each kv head along the rows:
+    ``(..., N, T, D) -> (..., K, G*T, D)`` (a view of a contiguous ``x``).
+    Products of the stack with a kv head's ``K``/``V`` are then one matmul
+    per kv head, with no copy of K or V per query head (GQA, MQA, decoding).
+    """
+    *lead, N, T, D = x.shape
+    return xp.reshape(x, (*lead, num_kv_heads, (N // num_kv_heads) * T, D))  # (..., K, G*T, D)
+
+
+def by_query_head(xp: Any, x: Any, num_heads: int, rows: int) -> Any:
+    """Inverse of :func:`by_kv_head`: ``(..., K, G*T, D) -> (..., N, T, D)``
+    with ``N = num_heads`` and ``T = rows``."""
+    return xp.reshape(x, (*x.shape[:-3], num_heads, rows, x.shape[-1]))  # (..., N, T, D)
+
+
 def dropout_scale(spec: AttentionSpec) -> Any | None:
     """``keep / (1 - p)`` over the whole ``(..., N, T, S)``, or None without dropout."""
     if spec.dropout_p == 0:
@@ -85,8 +103,8 @@ def dropout_scale(spec: AttentionSpec) -> Any | None:
 def raw_scores(spec: AttentionSpec, q: Any, k: Any) -> Any:
     """``R = scale * Q K^T`` over the whole ``(..., N, T, S)``."""
     xp = spec.xp
-    k_heads = expand_kv_heads(xp, k, spec.group_size)  # (..., N, S, H)
-    return spec.scale * (q @ xp.matrix_transpose(k_heads))  # (..., N, T, S)
+    products = by_kv_head(xp, q, spec.num_kv_heads) @ xp.matrix_transpose(k)  # (..., K, G*T, S)
+    return spec.scale * by_query_head(xp, products, spec.num_heads, spec.q_len)  # (..., N, T, S)
 
 
 def dense_scores(spec: AttentionSpec, q: Any, k: Any) -> Any:
@@ -105,7 +123,8 @@ def dense_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any
     p, lse = masked_softmax(xp, s, visible_tile(spec, 0, spec.q_len, 0, spec.kv_len))
     drop = dropout_scale(spec)
     p_dropped = p if drop is None else p * drop  # (..., N, T, S)
-    out = p_dropped @ expand_kv_heads(xp, v, spec.group_size)  # (..., N, T, Hv)
+    out = by_kv_head(xp, p_dropped, spec.num_kv_heads) @ v  # (..., K, G*T, Hv)
+    out = by_query_head(xp, out, spec.num_heads, spec.q_len)  # (..., N, T, Hv)
     return out, lse, p
 
 
@@ -117,12 +136,12 @@ def dense_backward(
     :class:`~npattn.scores.pipeline.ScoreParamGrads`). ``p`` is the saved
     pre-dropout probabilities."""
     xp = spec.xp
-    G = spec.group_size
+    N, K = spec.num_heads, spec.num_kv_heads
     drop = dropout_scale(spec)
     p_dropped = p if drop is None else p * drop  # (..., N, T, S)
-    K = spec.num_kv_heads
-    dv = reduce_kv_heads(xp, xp.matrix_transpose(p_dropped) @ dout, K)  # (..., K, S, Hv)
-    dp = dout @ xp.matrix_transpose(expand_kv_heads(xp, v, G))  # (..., N, T, S)
+    dout_g = by_kv_head(xp, dout, K)  # (..., K, G*T, Hv)
+    dv = xp.matrix_transpose(by_kv_head(xp, p_dropped, K)) @ dout_g  # (..., K, S, Hv)
+    dp = by_query_head(xp, dout_g @ xp.matrix_transpose(v), N, spec.q_len)  # (..., N, T, S)
     if drop is not None:
         dp = dp * drop
     D = xp.sum(p * dp, axis=-1, keepdims=True)  # (..., N, T, 1)
@@ -138,6 +157,7 @@ def dense_backward(
         ds, ds_raw = transform_backward(spec, ds, None, None, whole, params)  # both dS: step 3 is a sum
     dbias = None if spec.bias_shape is None else sum_to_shape(xp, ds, spec.bias_shape)
     ds = ds_raw
-    dq = spec.scale * (ds @ expand_kv_heads(xp, k, G))  # (..., N, T, H)
-    dk = reduce_kv_heads(xp, spec.scale * (xp.matrix_transpose(ds) @ q), K)  # (..., K, S, H)
+    ds_g = by_kv_head(xp, ds, K)  # (..., K, G*T, S)
+    dq = spec.scale * by_query_head(xp, ds_g @ k, N, spec.q_len)  # (..., N, T, H)
+    dk = spec.scale * (xp.matrix_transpose(ds_g) @ by_kv_head(xp, q, K))  # (..., K, S, H)
     return dq, dk, dv, dbias, params.result()

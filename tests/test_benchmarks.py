@@ -118,3 +118,10 @@ def test_modes_benchmark_quick_prints_every_mode(capsys):
 def test_benchmarks_reject_bad_arguments(script, argv, capsys):
     assert _run_script(script, argv) == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_decode_benchmark_quick_prints_its_rows(capsys):
+    assert _run_script("bench_decode.py", ["--quick", "--no-torch"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["512", "64"] and all(row[1] == "dense" for row in rows)
