@@ -33,6 +33,7 @@ DOCS_KV = ((2, 1, 3), (1, 4))  # key documents of the T != S cases (paired by id
 Q_LENGTHS = lambda T, S: [T - 2, (T + 1) // 2]  # noqa: E731
 KV_LENGTHS = lambda T, S: [S, max(S - 3, 0)]  # noqa: E731
 
+
 # name -> options. "lengths": per-P query/kv shard lengths ("equal", "unequal"
 # or explicit {"q": {P: [...]}, "kv": {P: [...]}}); "shape": (B, N, K, H, Hv)
 # with B=None for 3-D inputs (a tuple B for several batch axes). Options built from recipes (global arrays for the
@@ -47,6 +48,14 @@ KV_LENGTHS = lambda T, S: [S, max(S - 3, 0)]  # noqa: E731
 #       put -inf entries in it};
 #   "alibi": True (npattn.alibi_slopes(N)); "sinks": True (random, per head);
 # anything else goes to ring_attention_forward as it is.
+def _all_options(**overrides) -> dict:
+    """Every option at once: causal, packed documents crossing shards, global
+    lengths, dropout, softcap, ALiBi and sinks (a case adds its bias, seed,
+    shape, backend...)."""
+    defaults = dict(lengths="unequal", causal=True, segments=DOCS, q_lengths=Q_LENGTHS, kv_lengths=KV_LENGTHS)
+    return defaults | dict(dropout_p=0.2, softcap=2.0, alibi=True, sinks=True) | overrides
+
+
 CASES = {
     "noncausal-equal": dict(lengths="equal"),
     "causal-equal": dict(lengths="equal", causal=True),
@@ -143,19 +152,10 @@ CASES = {
         bias=dict(layout="shard", lead="BN"),  # its gradient travels through the skipped steps too
     ),
     # --- combinations ---
-    "all-options-gqa": dict(
-        lengths="unequal",
+    "all-options-gqa": _all_options(
         shape=(2, 4, 2, 3, 2),
-        causal=True,
-        segments=DOCS,
-        q_lengths=Q_LENGTHS,
-        kv_lengths=KV_LENGTHS,
-        dropout_p=0.2,
         seed=5,
         bias=dict(layout="shard", lead="B1"),
-        softcap=2.0,
-        alibi=True,
-        sinks=True,
     ),
     "all-options-bottom-right-T>S-chunked": dict(
         lengths={"q": {1: [5], 2: [4, 3], 4: [3, 2, 1, 3]}, "kv": {1: [3], 2: [2, 3], 4: [1, 2, 2, 1]}},
@@ -187,19 +187,10 @@ CASES = {
         alibi=True,
         sinks=True,
     ),
-    "all-options-permuted-starts": dict(
-        lengths="unequal",
+    "all-options-permuted-starts": _all_options(
         permute=True,
-        causal=True,
-        segments=DOCS,
-        q_lengths=Q_LENGTHS,
-        kv_lengths=KV_LENGTHS,
-        dropout_p=0.2,
         seed=7,
         bias=dict(layout="shard", lead="BN"),
-        softcap=2.0,
-        alibi=True,
-        sinks=True,
     ),
     "all-options-3d-mqa": dict(
         lengths="unequal",
@@ -215,20 +206,11 @@ CASES = {
         alibi=True,
         sinks=True,
     ),
-    "all-options-float32-chunked": dict(
-        lengths="unequal",
+    "all-options-float32-chunked": _all_options(
         dtype="float32",
         shape=(2, 4, 2, 3, 2),
-        causal=True,
-        segments=DOCS,
-        q_lengths=Q_LENGTHS,
-        kv_lengths=KV_LENGTHS,
-        dropout_p=0.2,
         seed=9,
         bias=dict(layout="rows", lead="BN"),
-        softcap=2.0,
-        alibi=True,
-        sinks=True,
         impl="chunked",
         block_q=2,
         block_k=3,
@@ -248,48 +230,21 @@ CASES = {
         alibi=True,
         sinks=True,
     ),
-    "all-options-float16": dict(
-        lengths="unequal",
+    "all-options-float16": _all_options(
         dtype="float16",
-        causal=True,
-        segments=DOCS,
-        q_lengths=Q_LENGTHS,
-        kv_lengths=KV_LENGTHS,
-        dropout_p=0.2,
         seed=13,
         bias=dict(layout="shard", lead="BN"),
-        softcap=2.0,
-        alibi=True,
-        sinks=True,
     ),
-    "all-options-torch": dict(
-        lengths="unequal",
+    "all-options-torch": _all_options(
         backend="torch",
-        causal=True,
-        segments=DOCS,
-        q_lengths=Q_LENGTHS,
-        kv_lengths=KV_LENGTHS,
-        dropout_p=0.2,
         seed=14,
         bias=dict(layout="rows", lead="B1", query="one"),
-        softcap=2.0,
-        alibi=True,
-        sinks=True,
     ),
-    "all-options-array-api-strict-device1": dict(
-        lengths="unequal",
+    "all-options-array-api-strict-device1": _all_options(
         backend="strict-device1",
         transport="host",
-        causal=True,
-        segments=DOCS,
-        q_lengths=Q_LENGTHS,
-        kv_lengths=KV_LENGTHS,
-        dropout_p=0.2,
         seed=10,
         bias=dict(layout="shard", lead="B1", query="one"),
-        softcap=2.0,
-        alibi=True,
-        sinks=True,
     ),
 }
 
