@@ -101,6 +101,7 @@ def _plan(r, q_shards, kv_shards, order, options, full) -> RingPlan:
         if kv_ids is None
         else tuple(kv_ids[:, s0 : s0 + n] for s0, n in zip(layout.kv_starts, kv_shards)),
         bias_layout=None,
+        bias_shape=None,
     )
 
 

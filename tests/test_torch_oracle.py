@@ -75,6 +75,20 @@ def test_matches_torch_sdpa_outputs_and_gradients(case, impl):
 # --- the variants of issue 14, as plain float64 torch autograd ---------------------------
 
 
+def _backprop_and_compare(out, lse, grads, t_out, t_lse, leaves, dout, dlse) -> None:
+    """Back-propagate ``<dout, out> + <dlse, lse>`` (finite lse only) through
+    torch's graph; check npattn's out, lse (its -inf rows included) and each
+    leaf's gradient against torch's to 1e-12."""
+    finite = torch.isfinite(t_lse)
+    loss = (t_out * torch.tensor(dout)).sum() + torch.where(finite, t_lse * torch.tensor(dlse), 0.0).sum()
+    loss.backward()
+    np.testing.assert_allclose(out, t_out.detach().numpy(), rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(lse), ~finite.numpy())
+    np.testing.assert_allclose(lse[finite.numpy()], t_lse[finite].detach().numpy(), rtol=0, atol=1e-12)
+    for name, leaf in leaves.items():
+        np.testing.assert_allclose(grads[name], leaf.grad.numpy(), rtol=1e-12, atol=1e-12, err_msg=name)
+
+
 def _torch_attention(
     q, k, v, *, scale, bias, mask, softcap, slopes, offset, sinks, q_ids, kv_ids, q_len, kv_len, causal
 ):
@@ -187,16 +201,8 @@ def test_variants_match_torch_autograd(case, path, monkeypatch):
         kv_len=kv_len,
         causal=options["causal"],
     )
-    finite = torch.isfinite(t_lse)
-    loss = (t_out * torch.tensor(dout)).sum() + torch.where(finite, t_lse * torch.tensor(dlse), 0.0).sum()
-    loss.backward()
-
-    np.testing.assert_allclose(out, t_out.detach().numpy(), rtol=0, atol=1e-12)
-    np.testing.assert_array_equal(np.isneginf(res.lse), ~finite.numpy())
-    np.testing.assert_allclose(res.lse[finite.numpy()], t_lse[finite].detach().numpy(), rtol=0, atol=1e-12)
     grads = dict(q=g.dq, k=g.dk, v=g.dv, bias=g.dbias, sinks=g.dsinks, alibi_slopes=g.dalibi_slopes)
-    for name, leaf in leaves.items():
-        np.testing.assert_allclose(grads[name], leaf.grad.numpy(), rtol=1e-12, atol=1e-12, err_msg=name)
+    _backprop_and_compare(out, res.lse, grads, t_out, t_lse, leaves, dout, dlse)
     for name in ("bias", "sinks", "alibi_slopes"):
         if name not in leaves:
             assert grads[name] is None, name
@@ -361,19 +367,11 @@ def test_user_modifications_match_torch_autograd(case, path, monkeypatch):
         kv_len=kv_len,
         causal=options["causal"],
     )
-    finite = torch.isfinite(t_lse)
-    loss = (t_out * torch.tensor(dout)).sum() + torch.where(finite, t_lse * torch.tensor(dlse), 0.0).sum()
-    loss.backward()
-
-    np.testing.assert_allclose(out, t_out.detach().numpy(), rtol=0, atol=1e-12)
-    np.testing.assert_array_equal(np.isneginf(res.lse), ~finite.numpy())
-    np.testing.assert_allclose(res.lse[finite.numpy()], t_lse[finite].detach().numpy(), rtol=0, atol=1e-12)
-    if hidden_row is not None:
-        assert not finite[:, :, hidden_row].any()  # the case's hidden row is fully masked
     dmods = g.dmods or {}
     grads = dict(q=g.dq, k=g.dk, v=g.dv, bias=g.dbias, alibi_slopes=g.dalibi_slopes, **dmods)
-    for name, leaf in leaves.items():
-        np.testing.assert_allclose(grads[name], leaf.grad.numpy(), rtol=1e-12, atol=1e-12, err_msg=name)
+    _backprop_and_compare(out, res.lse, grads, t_out, t_lse, leaves, dout, dlse)
+    if hidden_row is not None:
+        assert np.isneginf(res.lse[:, :, hidden_row]).all()  # the case's hidden row is fully masked
     assert set(dmods) == ({"relative_bias"} if relative is not None else set())
 
 

@@ -320,7 +320,8 @@ class RingPlan:
     ``q_lengths``/``kv_lengths`` are the global lengths on the host (int64,
     batch shape); ``kv_segment_ids`` every rank's key ids on the host
     (``(B, S_s)`` each) and ``q_segment_ids`` this rank's query ids as given;
-    ``bias_layout`` one of :data:`BIAS_LAYOUTS` or None.
+    ``bias_layout`` one of :data:`BIAS_LAYOUTS` or None, and
+    ``bias_shape`` this rank's bias shape at rank >= 2.
     """
 
     layout: RingLayout
@@ -342,6 +343,7 @@ class RingPlan:
     q_segment_ids: Any
     kv_segment_ids: tuple[np.ndarray, ...] | None
     bias_layout: str | None
+    bias_shape: tuple[int, ...] | None
 
     @property
     def positional(self) -> bool:
@@ -490,4 +492,5 @@ def plan_ring(ring: Any, q: Any, k: Any, v: Any, bias: Any, options: dict) -> Ri
         q_segment_ids=options["q_segment_ids"],
         kv_segment_ids=None if first["segments"] is None else tuple(m["kv_segment_ids"] for m in metas),
         bias_layout=_bias_layout(metas, layout),
+        bias_shape=metas[layout.rank]["bias"],
     )

@@ -264,7 +264,7 @@ def _forward(MPI: Any, ring: Any, options: dict) -> tuple[Any, RingResiduals]:
     qc, kc, vc = (xp.astype(a, cdtype, copy=False) for a in (q, k, v))
     bias_c = None
     if bias is not None:  # at rank >= 2, in the compute dtype
-        bias_c = xp.astype(xp.reshape(bias, (1,) * max(0, 2 - bias.ndim) + tuple(bias.shape)), cdtype, copy=False)
+        bias_c = xp.astype(xp.reshape(bias, plan.bias_shape), cdtype, copy=False)
     wire = Transport(MPI, ring, xp, plan.device, cdtype, options["transport"], kc)
 
     bs, N, T_r, Hv = tuple(q.shape[:-3]), q.shape[-3], q.shape[-2], v.shape[-1]
