@@ -9,7 +9,6 @@ validated options, so the backward always follows the forward that made them.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -418,7 +417,7 @@ def choose_impl(spec: AttentionSpec) -> AttentionSpec:
     scores = spec.num_batch * spec.num_heads * spec.q_len * spec.kv_len  # entries of (..., N, T, S)
     large = scores > AUTO_CHUNKED_MIN_SCORES
     fast = spec.q_len * spec.kv_len >= AUTO_FAST_MIN_SCORES_PER_HEAD and fast_numpy.supports(spec)
-    return dataclasses.replace(spec, impl="chunked" if large or fast else "dense")
+    return spec.replace(impl="chunked" if large or fast else "dense")
 
 
 def chunked_kernel(spec: AttentionSpec) -> str:

@@ -2,7 +2,7 @@
 
 Forward (per batch element and query head ``n``, kv head ``n // G``)::
 
-    R   = scale * Q K^T                      (..., N, T, S), the raw products
+    R   = (scale Q) K^T                      (..., N, T, S), the raw products
     S   = pipeline(R)                        mods(softcap, + bias - ALiBi) (npattn.scores)
     P   = masked_softmax(S)                  hidden -> 0, fully masked row -> 0
     lse = logsumexp(S over visible keys)     (..., N, T), -inf if none visible
@@ -101,10 +101,13 @@ def dropout_scale(spec: AttentionSpec) -> Any | None:
 
 
 def raw_scores(spec: AttentionSpec, q: Any, k: Any) -> Any:
-    """``R = scale * Q K^T`` over the whole ``(..., N, T, S)``."""
+    """``R = (scale * Q) K^T`` over the whole ``(..., N, T, S)``: Q is scaled
+    before the product, as on the chunked paths (one pass over ``T x H``
+    rather than over ``T x S``, and the same rounding as theirs)."""
     xp = spec.xp
-    products = by_kv_head(xp, q, spec.num_kv_heads) @ xp.matrix_transpose(k)  # (..., K, G*T, S)
-    return spec.scale * by_query_head(xp, products, spec.num_heads, spec.q_len)  # (..., N, T, S)
+    qs = by_kv_head(xp, spec.scale * q, spec.num_kv_heads)  # (..., K, G*T, H)
+    products = qs @ xp.matrix_transpose(k)  # (..., K, G*T, S)
+    return by_query_head(xp, products, spec.num_heads, spec.q_len)  # (..., N, T, S)
 
 
 def dense_scores(spec: AttentionSpec, q: Any, k: Any) -> Any:

@@ -35,6 +35,10 @@ __all__ = [
 ]
 
 
+#: The namespace of NumPy arrays, as ``array_api_compat.array_namespace`` returns it.
+_NUMPY = array_api_compat.array_namespace(np.empty(0))
+
+
 def _library_name(x: Any) -> str:
     """A short human name for the library an array comes from."""
     module = type(x).__module__.split(".")[0]
@@ -73,6 +77,8 @@ def resolve_namespace(named_arrays: dict[str, Any], xp: Any = None) -> Any:
     'array_api_compat.numpy'
     """
     present = {name: a for name, a in named_arrays.items() if a is not None}
+    if xp is None and present and all(type(a) is np.ndarray for a in present.values()):
+        return _NUMPY  # the common case, decided without a namespace lookup per array (all on "cpu")
     first_name: str = ""
     first_ns: Any = None
     first_device: Any = None
@@ -116,7 +122,7 @@ def resolve_namespace(named_arrays: dict[str, Any], xp: Any = None) -> Any:
 
 def array_device(x: Any) -> Any:
     """The device ``x`` lives on, for ``device=`` of new arrays."""
-    return array_api_compat.device(x)
+    return "cpu" if type(x) is np.ndarray else array_api_compat.device(x)
 
 
 def compute_dtype(xp: Any, dtype: Any) -> Any:
@@ -133,6 +139,8 @@ def compute_dtype(xp: Any, dtype: Any) -> Any:
 
 def check_floating(xp: Any, name: str, x: Any) -> None:
     """Raise ``TypeError`` unless ``x`` has a real floating dtype."""
+    if type(x) is np.ndarray and x.dtype.kind == "f":  # NumPy's "real floating", without isdtype's parsing
+        return
     if not xp.isdtype(x.dtype, "real floating"):
         raise TypeError(f"{name} must have a real floating dtype, got {x.dtype}")
 

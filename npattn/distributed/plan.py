@@ -36,7 +36,6 @@ rank's query / key shard lengths, T / S their totals, H head dim, Hv value dim.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -398,7 +397,7 @@ class RingPlan:
             block_k=self.block_k,
             xp=xp,
         )
-        spec = dataclasses.replace(spec, index_origin=(q_start, kv_start), **self._positions(q_start, kv_start))
+        spec = spec.replace(index_origin=(q_start, kv_start), **self._positions(q_start, kv_start))
         return None if classify_tile(spec, 0, T_r, 0, S_s) == NONE else spec
 
     def sinks_spec(self, q: Any, k: Any, v: Any) -> AttentionSpec | None:

@@ -17,7 +17,6 @@ pair: ``P_rs = exp(S_rs - lse_r)`` is the global softmax restricted to shard
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -387,8 +386,8 @@ def _pair_backward(spec: Any, res: RingResiduals, k: Any, v: Any, dout: Any, dls
     """One pair's gradients, on the chunked path from the global out and lse."""
     spec = choose_impl(spec)  # the path the forward took for this pair
     if spec.impl == "dense":  # one tile: the dense computation
-        spec = dataclasses.replace(spec, block_q=max(spec.q_len, 1), block_k=spec.kv_len)
-    spec = dataclasses.replace(spec, impl="chunked")
+        spec = spec.replace(block_q=max(spec.q_len, 1), block_k=spec.kv_len)
+    spec = spec.replace(impl="chunked")
     pair_res = ChunkedResiduals(spec, res.q, k, v, res.out, res.lse, chunked_kernel(spec))
     return attention_backward(dout, pair_res, dlse=dlse)
 
