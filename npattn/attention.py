@@ -190,7 +190,7 @@ def attention_forward(
         ``npattn.options.AUTO_CHUNKED_MIN_SCORES`` (2**24) entries, and on
         NumPy (float32/float64, where the chunked path is the fast path of
         :mod:`npattn.fast_numpy`) also once ``T * S`` reaches
-        ``npattn.options.AUTO_FAST_MIN_SCORES_PER_HEAD`` (2**18), from where
+        ``npattn.options.AUTO_FAST_MIN_SCORES_PER_HEAD`` (2**17), from where
         that path is the faster. Pass ``"dense"`` to get ``probs`` back.
     block_q, block_k : int, optional
         Tile sizes of the chunked path; given ones always win. Defaults

@@ -35,12 +35,14 @@ AUTO_CHUNKED_MIN_SCORES = 2**24
 
 #: Where the chunked path runs the NumPy fast path (:mod:`npattn.fast_numpy`),
 #: ``impl="auto"`` also picks it once each (batch element, head) pair has
-#: ``T * S`` of at least this many scores (one 512 x 512 tile): from there it
-#: beats the dense path in time as well as memory. Measured forward+backward
-#: on 2 cores, N=8, H=64, float32 (chunked / dense time): 0.38 at T=S=1024,
-#: 0.55-0.63 at T=S=512, parity at T=1024, S=256 and at H=128, 1.49 at
-#: T=S=384 (below it), 2.1 at T=S=128.
-AUTO_FAST_MIN_SCORES_PER_HEAD = 2**18
+#: ``T * S`` of at least this many scores (T = S >= 363): from there it beats
+#: the dense path in time as well as memory. Measured on 2 cores, N=8, H=64,
+#: float32, interleaved in one process (chunked / dense time, forward and
+#: forward+backward): 0.53-0.67 and 0.77-1.01 at T=S=512, 0.63-0.69 and
+#: 0.90-1.05 at T=S=384; below it 0.82-0.86 and 1.13-1.22 at T=S=320,
+#: 0.65-0.85 and 0.95-1.11 at T=S=256 (the backward loses what the forward
+#: wins), 1.35-2.0 and 2.0-2.3 at T=S=128 (B=32: per-item overhead).
+AUTO_FAST_MIN_SCORES_PER_HEAD = 2**17
 
 #: Tile sizes of the generic chunked path on the CPU (array-api-strict on any
 #: device, torch CPU tensors) when ``block_q``/``block_k`` are None. On an

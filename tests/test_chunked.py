@@ -566,16 +566,16 @@ def test_auto_switches_to_chunked_above_the_threshold(monkeypatch):
         assert choose_impl(make_spec(q, q, q)).impl == expected
 
 
-def test_auto_picks_the_numpy_fast_path_from_one_512x512_tile_per_head(monkeypatch):
+def test_auto_picks_the_numpy_fast_path_from_2_to_the_17_scores_per_head(monkeypatch):
     def impl(T, S, dtype=np.float32, N=3):
         q = np.broadcast_to(np.zeros((), dtype=dtype), (2, N, T, 4))  # no memory behind it
         k = np.broadcast_to(np.zeros((), dtype=dtype), (2, N, S, 4))
         return choose_impl(make_spec(q, k, k)).impl
 
-    assert AUTO_FAST_MIN_SCORES_PER_HEAD == 512 * 512
-    assert impl(512, 512) == impl(1024, 256) == impl(512, 512, np.float64) == impl(512, 512, np.float16) == "chunked"
-    assert impl(511, 512) == impl(384, 384) == impl(4096, 1) == "dense"  # per head, not in total
-    assert impl(511, 512, N=40) == "chunked"  # 2*40*511*512 > 2**24: the size rule still applies
+    assert AUTO_FAST_MIN_SCORES_PER_HEAD == 2**17
+    assert impl(363, 363) == impl(512, 256) == impl(384, 384, np.float64) == impl(384, 384, np.float16) == "chunked"
+    assert impl(362, 362) == impl(255, 512) == impl(4096, 1) == "dense"  # per head, not in total
+    assert impl(362, 362, N=70) == "chunked"  # 2*70*362*362 > 2**24: the size rule still applies
     monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")
     assert impl(512, 512) == "dense"
     xps = pytest.importorskip("array_api_strict")
