@@ -99,7 +99,7 @@ def _measure(q, k, v, dout, impl, causal, repeats):
     def forward_backward():
         if impl == "dense":
             spec, out, lse, probs = forward()
-            return dense_backward(spec, q, k, v, probs, dout, None)
+            return dense_backward(spec, q, k, v, probs, out, dout, None)
         spec, out, lse = forward()
         return kernels[impl][1](spec, q, k, v, out, lse, dout, None)
 

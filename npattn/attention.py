@@ -366,7 +366,7 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
         dlse_c = check_cotangent(residuals, "dlse", dlse, tuple(residuals.lse.shape), spec.compute_dtype)
     if isinstance(residuals, DenseResiduals):
         dq, dk, dv, dbias, params = dense_backward(
-            spec, residuals.q, residuals.k, residuals.v, residuals.probs, dout_c, dlse_c
+            spec, residuals.q, residuals.k, residuals.v, residuals.probs, residuals.out, dout_c, dlse_c
         )
     else:
         dq, dk, dv, dbias, params = _CHUNKED_KERNELS[residuals.kernel][1](

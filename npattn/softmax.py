@@ -18,9 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 import array_api_compat
-import numpy as np
 
-__all__ = ["masked_softmax"]
+from . import dense_numpy
+
+__all__ = ["masked_softmax", "softmax_backward"]
 
 
 def masked_softmax(xp: Any, s: Any, visible: Any | None) -> tuple[Any, Any]:
@@ -32,8 +33,8 @@ def masked_softmax(xp: Any, s: Any, visible: Any | None) -> tuple[Any, Any]:
     >>> p[0].tolist(), float(lse[0])
     ([0.0, 0.0], -inf)
     """
-    if array_api_compat.is_numpy_namespace(xp) and s.dtype in (np.float32, np.float64):
-        return _masked_softmax_numpy(s, visible)
+    if array_api_compat.is_numpy_namespace(xp) and dense_numpy.handles(s.dtype):
+        return dense_numpy.masked_softmax(s, visible)
     if visible is not None:
         s = xp.where(visible, s, -xp.inf)
     m = xp.max(s, axis=-1, keepdims=True)  # (..., T, 1)
@@ -47,21 +48,14 @@ def masked_softmax(xp: Any, s: Any, visible: Any | None) -> tuple[Any, Any]:
     return p, lse[..., 0]
 
 
-def _masked_softmax_numpy(s: np.ndarray, visible: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`masked_softmax` for NumPy: the same arithmetic in the same order,
-    hence the same bits, on one fresh ``(..., T, S)`` buffer updated in place
-    (``out=``) rather than a new temporary per step, and with the per-row
-    fix-ups done on the ``(..., T, 1)`` vectors only. ``s`` is not modified."""
-    e = np.where(visible, s, -np.inf) if visible is not None else None  # (..., T, S), a fresh buffer
-    m = np.maximum.reduce(s if e is None else e, axis=-1, keepdims=True)  # (..., T, 1), np.max minus its wrapper
-    np.copyto(m, 0, where=m == -np.inf)  # fully masked rows: any finite m works
-    e = np.subtract(s if e is None else e, m, out=e)  # (..., T, S); in place when masked
-    np.exp(e, out=e)  # exactly 0 where hidden
-    l = np.add.reduce(e, axis=-1, keepdims=True)  # (..., T, 1), np.sum minus its wrapper
-    empty = l == 0
-    np.copyto(l, 1, where=empty)
-    e /= l
-    lse = np.log(l)
-    lse += m
-    np.copyto(lse, -np.inf, where=empty)
-    return e, lse[..., 0]
+def softmax_backward(xp: Any, p: Any, dp: Any, D: Any) -> Any:
+    """``dS = P * (dP - D)``: the softmax's backward, ``D (..., T, 1)`` the
+    row sums ``rowsum(P * dP) - dlse`` (``= rowsum(dO * O) - dlse``).
+
+    >>> import numpy as np, array_api_compat.numpy as xp
+    >>> softmax_backward(xp, np.array([[0.5, 0.5]]), np.array([[1.0, 3.0]]), np.array([[2.0]])).tolist()
+    [[-0.5, 0.5]]
+    """
+    if array_api_compat.is_numpy_namespace(xp) and dense_numpy.handles(dp.dtype):
+        return dense_numpy.softmax_backward(p, dp, D)
+    return p * (dp - D)

@@ -1,4 +1,4 @@
-"""npattn.softmax: the NumPy in-place masked softmax against the generic one.
+"""npattn.softmax: the NumPy in-place kernels (npattn.dense_numpy) against the generic ones.
 
 The NumPy version is a fast path of the dense path's softmax: the same
 arithmetic in the same order, so its results must be the generic version's
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from npattn.softmax import masked_softmax
+from npattn.softmax import masked_softmax, softmax_backward
 
 
 @st.composite
@@ -52,3 +52,19 @@ def test_numpy_softmax_fully_masked_rows_are_zero_with_lse_minus_infinity(dtype)
     assert lse[1] == -np.inf and lse[2] == -np.inf
     np.testing.assert_allclose(p[0], [1 / (1 + np.e), np.e / (1 + np.e), 0.0], rtol=1e-6)
     np.testing.assert_allclose(lse[0], np.logaddexp(1.0, 2.0), rtol=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(scores_and_masks(), st.integers(0, 2**32 - 1))
+def test_numpy_softmax_backward_matches_the_generic_one_bit_for_bit(case, seed):
+    s, visible = case
+    p, _ = masked_softmax(xnp, s, visible)
+    rng = np.random.default_rng(seed)
+    dp = rng.standard_normal(s.shape).astype(s.dtype)
+    D = rng.standard_normal(s.shape[:-1] + (1,)).astype(s.dtype)
+    before = (p.copy(), dp.copy(), D.copy())
+    ds = softmax_backward(xnp, p, dp, D)
+    ds_ref = softmax_backward(xs, xs.asarray(p), xs.asarray(dp), xs.asarray(D))
+    np.testing.assert_array_equal(ds, np.asarray(ds_ref))
+    for a, b in zip((p, dp, D), before):
+        np.testing.assert_array_equal(a, b)  # inputs are never mutated
