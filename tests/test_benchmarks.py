@@ -120,8 +120,18 @@ def test_benchmarks_reject_bad_arguments(script, argv, capsys):
     assert "must be >= 1" in capsys.readouterr().err
 
 
-def test_decode_benchmark_quick_prints_its_rows(capsys):
-    assert _run_script("bench_decode.py", ["--quick", "--no-torch"]) == 0
+def test_workloads_benchmark_quick_prints_every_row_with_its_path(capsys):
+    assert _run_script("bench_workloads.py", ["--quick", "--no-torch"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line and line[0].isalpha()][2:]
+    names = {" ".join(row[:-7]) for row in rows}  # then mode, path, ms, torch ms, ratio, GFLOP/s, load
+    assert names == {"decode S=512", "B2 N4 T64 causal", "tiny", "MHA E64"}
+    assert all(row[-6] in ("dense", "fast", "generic") and float(row[-5]) > 0 for row in rows)
+    assert sum(row[-7] == "fwd+bwd" for row in rows) == 3  # decoding runs forward only
+
+
+def test_workloads_benchmark_times_a_base_revision_beside(capsys):
+    assert _run_script("bench_workloads.py", ["--quick", "--no-torch", "--rows", "tiny", "--base", "worktree"]) == 0
     out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines()[2:]]
-    assert [row[0] for row in rows] == ["512", "64"] and all(row[1] == "dense" for row in rows)
+    assert "base ms" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("tiny")]
+    assert len(rows) == 2 and all(row[-2].endswith("x") for row in rows)

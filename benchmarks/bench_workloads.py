@@ -1,0 +1,356 @@
+"""Every CPU workload of issue 17 in one table: npattn against torch, side by side.
+
+    python benchmarks/bench_workloads.py                 # every row
+    python benchmarks/bench_workloads.py --rows decode   # rows whose name contains "decode"
+    python benchmarks/bench_workloads.py --base HEAD~1   # also that git revision of npattn, A/B
+    python benchmarks/bench_workloads.py --quick         # small shapes, a smoke run
+
+Rows (float32; torch's 2.x CPU kernels limited to the same threads):
+
+========================  ==========================================================
+decode S=8192 / S=512     T=1 query, N=32 query heads on K=8 kv heads, H=128, forward
+                          (torch: SDPA with ``enable_gqa=True``)
+B8 N12 T512 causal        B=8, N=12, T=S=512, H=64, causal
+B32 N8 T128               B=32, N=8, T=S=128, H=64, full
+tiny                      B=1, N=1, T=S=16, H=16, full: the per-call floor
+MHA E512                  the layer, E=512, 8 heads, B=8, T=256, self-attention
+                          (torch: ``nn.MultiheadAttention``, the same weights)
+headline T4096            B=1, N=8, T=S=4096, H=64, full
+========================  ==========================================================
+
+Each row but decoding runs forward and forward+backward. npattn runs
+``impl="auto"`` and the ``path`` column says which path that chose. The calls
+of a row alternate (npattn, torch, npattn, ...) in one process; each time is
+the median over samples, a sample being several calls where one call is
+shorter than a millisecond. GFLOP/s counts ``4 B N T S H`` for the forward
+(the visible half for causal), 3.5x that with the backward (the layer's
+projections included for MHA).
+
+``load`` is how many cores *other* processes kept busy during the row (from
+``/proc/stat``, less this process's own CPU time). A row with more than
+``--max-load`` is run again, at most twice, and marked ``*`` if it stayed
+disturbed.
+
+``--base REV`` loads the ``npattn`` package of that git revision (or a
+folder holding a copy of the package, ``worktree`` for the files on disk) as
+a second module and times it in the same interleaving: the columns ``base
+ms`` and ``÷ base`` then attribute a change to it, measured A/B in one
+process, which separate runs cannot on a machine whose speed drifts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import npattn
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Workload:
+    """One row of the table: a name, the shapes, and how to make its calls."""
+
+    name: str
+    shape: str
+    flops_forward: float
+    make: Callable[[Any, Any, np.random.Generator], dict[str, dict[str, Callable[[], Any]]]]
+    backward: bool = True
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+def _busy_seconds() -> float | None:
+    """CPU seconds all processes have spent busy since boot (None off Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """Cores kept busy by other processes between ``start()`` and ``stop()``."""
+
+    def start(self) -> None:
+        self.busy, self.own, self.wall = _busy_seconds(), time.process_time(), time.perf_counter()
+
+    def stop(self) -> float | None:
+        busy = _busy_seconds()
+        if busy is None or self.busy is None:
+            return None
+        others = (busy - self.busy) - (time.process_time() - self.own)
+        return max(others, 0.0) / (time.perf_counter() - self.wall)
+
+
+# --- the calls of each workload ---------------------------------------------
+
+
+def _attention_calls(lib, torch, q, k, v, dout, causal: bool) -> dict:
+    """``{"forward": {...}, "fwd+bwd": {...}}``, each mapping a side to a call."""
+
+    def fwd():
+        return lib.attention_forward(q, k, v, causal=causal)
+
+    def fwd_bwd():
+        return lib.attention_backward(dout, fwd()[1])
+
+    calls: dict = {"forward": {"npattn": fwd}, "fwd+bwd": {"npattn": fwd_bwd}}
+    if torch is not None:
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        gqa = q.shape[-3] != k.shape[-3]
+        tq, tk, tv = (torch.from_numpy(a.copy()).requires_grad_() for a in (q, k, v))
+        tdout = torch.from_numpy(dout)
+
+        def t_fwd():
+            with torch.no_grad():
+                return sdpa(tq, tk, tv, is_causal=causal, enable_gqa=gqa)
+
+        def t_fwd_bwd():
+            sdpa(tq, tk, tv, is_causal=causal, enable_gqa=gqa).backward(tdout)
+            tq.grad = tk.grad = tv.grad = None
+
+        calls["forward"]["torch"], calls["fwd+bwd"]["torch"] = t_fwd, t_fwd_bwd
+    return calls
+
+
+def attention_workload(name: str, B: int, N: int, K: int, T: int, S: int, H: int, causal=False, backward=True):
+    """A row of :func:`npattn.attention_forward` on ``(B, N, T, H)`` queries
+    against ``(B, K, S, H)`` keys and values."""
+    visible = 0.5 if causal and T == S else 1.0
+
+    def make(lib, torch, rng):
+        q = rng.standard_normal((B, N, T, H), dtype=np.float32)  # (B, N, T, H)
+        k = rng.standard_normal((B, K, S, H), dtype=np.float32)  # (B, K, S, H)
+        v = rng.standard_normal((B, K, S, H), dtype=np.float32)  # (B, K, S, Hv)
+        dout = rng.standard_normal((B, N, T, H), dtype=np.float32)  # (B, N, T, Hv)
+        return _attention_calls(lib, torch, q, k, v, dout, causal)
+
+    kv = f" on K={K}" if K != N else ""
+    shape = f"B={B} N={N}{kv} T={T} S={S} H={H}{' causal' if causal else ''}"
+    return Workload(name, shape, 4 * B * N * T * S * H * visible, make, backward)
+
+
+def mha_workload(name: str, B: int, T: int, E: int, heads: int) -> Workload:
+    """A row of the layer, :func:`npattn.mha_forward`, self-attention against
+    torch's ``nn.MultiheadAttention`` holding the same weights."""
+
+    def make(lib, torch, rng):
+        params = lib.mha_init(E, heads, dtype=np.float32, seed=0)
+        x = rng.standard_normal((B, T, E), dtype=np.float32)  # (B, T, E)
+        dy = rng.standard_normal((B, T, E), dtype=np.float32)  # (B, T, E)
+
+        def fwd():
+            return lib.mha_forward(params, x, num_heads=heads)
+
+        def fwd_bwd():
+            return lib.mha_backward(dy, fwd()[1])
+
+        calls: dict = {"forward": {"npattn": fwd}, "fwd+bwd": {"npattn": fwd_bwd}}
+        if torch is not None:
+            layer = torch.nn.MultiheadAttention(E, heads, batch_first=True)
+            state = lib.mha_params_to_torch(params)
+            layer.load_state_dict({key: torch.from_numpy(np.asarray(a)) for key, a in state.items()})
+            tx, tdy = torch.from_numpy(x.copy()).requires_grad_(), torch.from_numpy(dy)
+
+            def t_fwd():
+                with torch.no_grad():
+                    return layer(tx, tx, tx, need_weights=False)
+
+            def t_fwd_bwd():
+                layer(tx, tx, tx, need_weights=False)[0].backward(tdy)
+                layer.zero_grad(set_to_none=True)
+                tx.grad = None
+
+            calls["forward"]["torch"], calls["fwd+bwd"]["torch"] = t_fwd, t_fwd_bwd
+        return calls
+
+    projections = 2 * B * T * E * E * 4  # q, k, v and out projections
+    attention = 4 * B * T * T * E
+    return Workload(name, f"B={B} T={T} E={E} heads={heads}", projections + attention, make)
+
+
+def workloads(quick: bool) -> list[Workload]:
+    if quick:
+        return [
+            attention_workload("decode S=512", 1, 8, 2, 1, 512, 32, backward=False),
+            attention_workload("B2 N4 T64 causal", 2, 4, 4, 64, 64, 16, causal=True),
+            attention_workload("tiny", 1, 1, 1, 16, 16, 16),
+            mha_workload("MHA E64", 2, 32, 64, 4),
+        ]
+    return [
+        attention_workload("decode S=8192", 1, 32, 8, 1, 8192, 128, backward=False),
+        attention_workload("decode S=512", 1, 32, 8, 1, 512, 128, backward=False),
+        attention_workload("B8 N12 T512 causal", 8, 12, 12, 512, 512, 64, causal=True),
+        attention_workload("B32 N8 T128", 32, 8, 8, 128, 128, 64),
+        attention_workload("tiny", 1, 1, 1, 16, 16, 16),
+        mha_workload("MHA E512", 8, 256, 512, 8),
+        attention_workload("headline T4096", 1, 8, 8, 4096, 4096, 64),
+    ]
+
+
+# --- timing -----------------------------------------------------------------
+
+
+def _calls_per_sample(fn: Callable[[], Any]) -> int:
+    """Calls per timed sample: enough to fill about a millisecond."""
+    start = time.perf_counter()
+    fn()
+    return max(1, int(1e-3 / max(time.perf_counter() - start, 1e-7)))
+
+
+def interleaved_medians(calls: dict[str, Callable[[], Any]], budget_s: float, min_samples: int) -> dict[str, float]:
+    """Median seconds per call of each of ``calls``, the sides alternating
+    sample by sample, each leading a round in turn; samples continue until ``budget_s`` is spent (at least
+    ``min_samples`` each)."""
+    for fn in calls.values():
+        fn()  # warm-up
+    per_sample = {name: _calls_per_sample(fn) for name, fn in calls.items()}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    deadline = time.perf_counter() + budget_s
+    names = list(calls)
+    medians_so_far: dict[str, float] = {}
+    while len(times[names[0]]) < min_samples or time.perf_counter() < deadline:
+        first = len(times[names[0]]) % len(names)  # each side leads in turn: no side always follows another
+        for name in names[first:] + names[:first]:
+            time.sleep(min(max(1e-3, medians_so_far.get(name, 0.0)), 0.1))  # the other side's threads settle
+            start = time.perf_counter()
+            for _ in range(per_sample[name]):
+                calls[name]()
+            times[name].append((time.perf_counter() - start) / per_sample[name])
+            medians_so_far[name] = times[name][-1]
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def timed_row(calls: dict, args) -> tuple[dict[str, float], float | None, bool]:
+    """Times of one row, rerun while other processes load the machine."""
+    load = OtherLoad()
+    for _attempt in range(3):
+        load.start()
+        medians = interleaved_medians(calls, args.budget, args.min_samples)
+        other = load.stop()
+        if other is None or other <= args.max_load:
+            return medians, other, False
+    return medians, other, True
+
+
+def npattn_path(residuals: Any) -> str:
+    """The path ``impl="auto"`` took (with the chunked kernel's name)."""
+    residuals = getattr(residuals, "attention", residuals)  # the layer's core
+    if residuals.spec.impl == "dense":
+        return "dense"
+    return "fast" if getattr(residuals, "kernel", "numpy") == "numpy" else "generic"
+
+
+# --- the base revision ------------------------------------------------------
+
+
+def load_base(revision: str) -> Any:
+    """The ``npattn`` package of ``revision`` as a module named ``npattn_base``:
+    ``git archive`` of that revision (or the folder ``revision/npattn``, or
+    this checkout's files for ``worktree``) copied under a new name. The
+    package uses relative imports only, so the copy imports itself."""
+    folder = Path(tempfile.mkdtemp(prefix="npattn_base_"))
+    target = folder / "npattn_base"
+    if revision == "worktree":
+        subprocess.run(["cp", "-r", str(ROOT / "npattn"), str(target)], check=True)
+    elif Path(revision, "npattn").is_dir():
+        subprocess.run(["cp", "-r", str(Path(revision, "npattn")), str(target)], check=True)
+    else:
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", revision, "npattn"], check=True, capture_output=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+        (folder / "npattn").rename(target)
+    sys.path.insert(0, str(folder))
+    return importlib.import_module("npattn_base")
+
+
+# --- the table --------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="", help="only rows whose name contains this text")
+    parser.add_argument("--base", help="a git revision (or folder, or 'worktree') of npattn to time beside")
+    parser.add_argument("--budget", type=float, default=2.0, help="seconds of samples per row (default 2)")
+    parser.add_argument("--min-samples", type=int, default=7)
+    parser.add_argument("--max-load", type=float, default=0.2, help="other processes' cores before a rerun")
+    parser.add_argument("--quick", action="store_true", help="small shapes, short rows")
+    parser.add_argument("--no-torch", action="store_true", help="npattn only")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.budget, args.min_samples = min(args.budget, 0.05), 2
+    torch = None
+    if not args.no_torch:
+        try:
+            import torch
+
+            torch.set_num_threads(os.cpu_count() or 1)
+        except ImportError:
+            print("torch is not installed: npattn only")
+    libraries = {"npattn": npattn}
+    if args.base:
+        libraries["base"] = load_base(args.base)
+    print(f"{cpu_model()}, {os.cpu_count()} cores, float32, torch {torch.__version__ if torch else '-'}")
+    header = (
+        f"{'workload':<20} {'mode':<8} {'path':<6} {'npattn ms':>10} {'torch ms':>9} {'ratio':>6} {'GFLOP/s':>8}"
+        + (f" {'base ms':>9} {'÷ base':>6}" if args.base else "")
+        + f" {'load':>5}"
+    )
+    print(header)
+    print("-" * len(header))
+    for workload in workloads(args.quick):
+        if args.rows in workload.name:
+            print_workload(workload, libraries, torch, args)
+    return 0
+
+
+def print_workload(workload: Workload, libraries: dict, torch: Any, args) -> None:
+    rng = np.random.default_rng(0)
+    by_library = {name: workload.make(lib, torch if name == "npattn" else None, rng) for name, lib in libraries.items()}
+    print(f"# {workload.name}: {workload.shape}")
+    for mode in ("forward", "fwd+bwd") if workload.backward else ("forward",):
+        calls = dict(by_library["npattn"][mode])
+        if "base" in by_library:
+            calls["base"] = by_library["base"][mode]["npattn"]
+        medians, other, disturbed = timed_row(calls, args)
+        path = npattn_path(by_library["npattn"]["forward"]["npattn"]()[1])
+        flops = workload.flops_forward * (3.5 if mode == "fwd+bwd" else 1.0)
+        ms = medians["npattn"] * 1e3
+        torch_ms = f"{medians['torch'] * 1e3:>9.3f}" if "torch" in medians else f"{'-':>9}"
+        ratio = f"{medians['npattn'] / medians['torch']:>5.2f}x" if "torch" in medians else f"{'-':>6}"
+        base = ""
+        if "base" in medians:
+            base = f" {medians['base'] * 1e3:>9.3f} {medians['npattn'] / medians['base']:>5.2f}x"
+        load = f"{other:>5.2f}" if other is not None else f"{'-':>5}"
+        print(
+            f"{workload.name:<20} {mode:<8} {path:<6} {ms:>10.3f} {torch_ms} {ratio} "
+            f"{flops / medians['npattn'] / 1e9:>8.1f}{base} {load}{'*' if disturbed else ''}"
+        )
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
