@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import pathlib
@@ -582,6 +583,16 @@ def test_auto_picks_the_numpy_fast_path_from_2_to_the_17_scores_per_head(monkeyp
     monkeypatch.delenv("NPATTN_FAST_NUMPY")
     x = xps.zeros((1, 512, 4), dtype=xps.float32)
     assert choose_impl(make_spec(x, x, x)).impl == "dense"  # no fast path for other namespaces
+
+
+def test_spec_replace_is_dataclasses_replace_without_init():
+    x = np.zeros((2, 3, 5, 4))
+    spec = make_spec(x, x, x, causal=True, q_lengths=np.array([5, 3]))
+    fast, slow = spec.replace(impl="dense", block_q=7), dataclasses.replace(spec, impl="dense", block_q=7)
+    assert all(getattr(fast, f.name) is getattr(slow, f.name) for f in dataclasses.fields(spec))
+    assert spec.impl == "auto" and spec.block_q is None  # the original is untouched
+    with pytest.raises(TypeError, match=r"AttentionSpec has no fields \['impll'\]"):
+        spec.replace(impll="dense")
 
 
 def test_benchmark_quick_smoke(capsys):
