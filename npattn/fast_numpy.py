@@ -25,6 +25,29 @@ NumPy on a multi-core CPU:
   the generic path, so the backward recomputes exactly the forward's scores.
   Fused, the scores are kept in base 2 (``log2 e`` folded into the scale) and
   exponentiated with ``exp2``, about twice as fast as ``exp`` in float32.
+  Neither costs float32 accuracy to speak of (issue 17): the BLAS adds the
+  shift column last, as a separate subtraction would (the same bits), and
+  ``P`` has the same error per entry in base 2 as in base e. ``lse`` stored
+  as one float32 does: the backward's ``P = exp(S - lse)`` carries that
+  rounding on every entry of a row (the dense path's ``P`` does not). So
+  each rounding happens once: the forward sums ``m + log l`` in float64,
+  the backward converts ``lse`` to base 2 in float64, and both scale Q by
+  the same float32 ``scale * log2 e`` (:func:`_base_scale`; the backward's
+  own rounding of it differed for scales that are not powers of 2).
+- **float32 sums in the backward.** ``dV_j`` and ``dK_j`` sum over the
+  item's ``tq * G`` stacked rows. On a causal diagonal a key's largest
+  ``P_ij`` come first and the G heads make the sum G times longer, so each
+  later term rounds at their size: dV's error was up to 1.9x the dense
+  path's (8 heads on one kv head, H=128, T=S=200). Partly visible spans sum
+  in products of :data:`ROW_CHUNK` rows, last rows first, and the query
+  tiles and spans of a key tile run last first (:func:`_add_row_products`):
+  0.9x, at no measurable cost, since fully visible spans, most of the work,
+  stay one product. ``D = rowsum(dO * O)`` (FlashAttention-2's, and the
+  dense path's) is not the ``rowsum(P * dP)`` of the ``P`` and ``dP`` that
+  ``dS`` uses, whose rounding it would cancel: with it, dQ's error on a
+  causal mask is 1.2-1.6x smaller (as the dense path's was until issue
+  17), but the correction needs ``P K`` summed beside ``dS K``, one more
+  product per span (24-47% more backward time when tried).
 - **tile skipping** as the generic path (:func:`npattn.scores.visibility.classify_tile`),
   and within a partly visible tile, spans that skip what no row can see
   (:func:`plan_tile`).
@@ -139,6 +162,11 @@ FLUSH_EXPONENT = {np.dtype(np.float32): -100, np.dtype(np.float64): -1000}
 #: ``log2(e)``: fused passes work in base 2 (``exp2`` is about twice as fast
 #: as ``exp`` in NumPy's float32 loops), as FlashAttention's kernels do.
 LOG2E = 1.4426950408889634
+
+#: In a partly visible span, the backward sums ``dV_j`` and ``dK_j`` over
+#: the query rows in products of at most this many rows, the last rows
+#: first (see :func:`_add_row_products`).
+ROW_CHUNK = 128
 
 
 # --- the thread pool and the BLAS limit ------------------------------------------------
@@ -353,6 +381,16 @@ class _Mode:
             reach = max(spec.q_len - 1 + omax, spec.kv_len - 1 - omin, 0)
             bound += float(np.abs(slopes).max()) * reach
         return LOG2E * bound
+
+
+def _base_scale(spec: AttentionSpec, mode: _Mode) -> tuple[Any, float]:
+    """``(c, b)``: the products' scale in the compute dtype, ``c = scale *
+    base`` rounded once, and the base it gives the scores, ``b = c / scale``
+    (``log2 e`` but for that rounding; 1 in base e). The forward and the
+    backward both multiply by ``c``, so that the backward recomputes the
+    forward's scores bit for bit, and convert ``lse`` with ``b``."""
+    c = spec.compute_dtype.type(spec.scale * mode.base)
+    return c, (float(c) / spec.scale if mode.base2 and spec.scale else mode.base)
 
 
 #: Positions transposed at a time by :func:`_augmented_transposed`: a
@@ -710,6 +748,27 @@ def _key_order(spec: AttentionSpec, row: list, q0: int, k_tiles: list) -> list:
     return [row[j] for j in sorted(range(len(row)), key=lambda j: (distance[j], j))]
 
 
+def _add_row_products(acc: Any, a: Any, b: Any, tmp: Any, chunked: bool) -> None:
+    """``acc += a^T b`` for ``a (R, n)`` and ``b (R, m)``; with ``chunked``,
+    as products of :data:`ROW_CHUNK` rows, the last rows first.
+
+    A float32 product adds its R terms one after another, each rounded at
+    the size of the sum so far. In a partly visible span (a causal
+    diagonal), key j's largest ``P_ij`` and ``dS_ij`` are in the first rows,
+    just after it: summed first, they make every later term of ``dV_j`` and
+    ``dK_j`` round at their size. Short products, last rows first, keep those
+    roundings few (see the module docstring)."""
+    R = a.shape[0]
+    if not chunked or R <= ROW_CHUNK:
+        np.matmul(a.T, b, out=tmp)  # (n, R) @ (R, m) -> (n, m)
+        acc += tmp
+        return
+    for i0 in range((R - 1) // ROW_CHUNK * ROW_CHUNK, -1, -ROW_CHUNK):
+        rows = slice(i0, i0 + ROW_CHUNK)
+        np.matmul(a[rows].T, b[rows], out=tmp)  # (n, chunk) @ (chunk, m) -> (n, m)
+        acc += tmp
+
+
 def _rows(span: tuple, q0: int, G: int) -> slice:
     """The item rows of a span's query positions (position-major stacking)."""
     return slice((span[0] - q0) * G, (span[1] - q0) * G)
@@ -758,7 +817,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     # allows; otherwise in base e, exactly as the generic path.
     base = mode.base
     exp = _Exp(mode.base2, dtype)
-    scale = dtype.type(spec.scale * base)
+    scale, b_eff = _base_scale(spec, mode)  # the scores are b_eff * (spec.scale q_i . k_j)
     threshold = RESCALE_THRESHOLD * base
     ones_k = np.ones(block_k, dtype=dtype)
     k_norm_max = [[_RangeMax(k_norms[b, kv]) for kv in range(K)] for b in range(Bf)]  # read only when upper
@@ -872,7 +931,9 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
         np.divide(
             _head_major(acc, tq, G), _head_major(l, tq, G)[..., None], out=out[b, item.head_slice, q0:q1]
         )  # (G, tq, Hv) / (G, tq, 1)
-        row_lse = (m + np.log(l) * base) / base if mode.base2 else m + np.log(l)  # lse = (m + log2 l) ln 2, base 2
+        # lse = (m + log_b l) / b in nats, summed in float64 and rounded once
+        m64, l64 = m.astype(np.float64), l.astype(np.float64)
+        row_lse = ((m64 + np.log2(l64)) / b_eff if mode.base2 else m64 + np.log(l64)).astype(dtype)  # (R,)
         row_lse[empty] = -np.inf
         lse[b, item.head_slice, q0:q1] = _head_major(row_lse, tq, G)  # (G, tq)
 
@@ -930,6 +991,7 @@ def backward(
     base = mode.base  # as in the forward
     exp = _Exp(mode.base2, dtype)
     scale = dtype.type(spec.scale)
+    base_scale, b_eff = _base_scale(spec, mode)  # the forward's own scale and base of the scores
     one = dtype.type(1)
     fold_D = mode.base2 and spec.dropout_p == 0
     distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, base)
@@ -945,10 +1007,11 @@ def backward(
         # The item's query side, all T positions stacked position-major: row t*G + g.
         lse_b = _position_major(lse3[b, heads])  # (T*G,)
         D_b = _position_major(D[b, heads])  # (T*G,)
-        qa = _augmented_rows(q3[b, heads], -base * lse_b if fused else 0, scale * base, dtype)  # (T*G, H+1)
+        # lse in the scores' base, b_eff lse, rounded once (from float64)
+        lse_shift = (lse_b.astype(np.float64) * b_eff).astype(dtype) if base != 1.0 else lse_b  # (T*G,)
+        qa = _augmented_rows(q3[b, heads], -lse_shift if fused else 0, base_scale, dtype)  # (T*G, H+1)
         doa = _augmented_rows(do3[b, heads], -D_b if fold_D else 0, one, dtype)  # (T*G, Hv+1)
         qs, do_b = qa[:, :H], doa[:, :Hv]  # (T*G, H), (T*G, Hv) views
-        lse_shift = lse_b * dtype.type(base) if base != 1.0 else lse_b  # (T*G,) lse in the scores' base
         alibi_g = np.zeros(G, dtype=dtype)  # this item's slope gradients, base-scaled
         kTa = _augmented_transposed(k3[b, kv], dtype)  # (H+1, S), built here, in parallel
         vTa = _augmented_transposed(v3[b, kv], dtype)  # (Hv+1, S)
@@ -972,11 +1035,13 @@ def backward(
         dq_tmp = np.empty((G * block_q, H), dtype=dtype)
         # Key tiles outside, query tiles inside (FlashAttention-2's order): dK_j and
         # dV_j accumulate in small buffers that stay in cache, written out once.
+        # The query tiles and spans run last first: a causal mask's largest P_ij
+        # are on the diagonal, then added last (see _add_row_products).
         for kj, (k0, k1) in enumerate(k_tiles):
             dk_j[:] = 0
             dv_j[:] = 0
-            for plan, (q_norm_max, lse_min, lse_max) in zip((row[kj] for row in plans), bounds):
-                for span in plan:
+            for plan, (q_norm_max, lse_min, lse_max) in reversed(list(zip((row[kj] for row in plans), bounds))):
+                for span in reversed(plan):
                     r, (c0, c1) = _rows(span, 0, G), span[2:4]
                     R, tk, cols = r.stop - r.start, c1 - c0, slice(c0 - k0, c1 - k0)
                     # As in the forward: where ALiBi takes every S_ij - lse_i of the span
@@ -1002,8 +1067,8 @@ def backward(
                         exp.flushed(p)
                     drop = item.dropout_scale(*span[:4])
                     p_dropped = p if drop is None else p * drop
-                    np.matmul(p_dropped.T, do_b[r], out=dv_tmp[:tk])  # (tk, R) @ (R, Hv) -> (tk, Hv)
-                    dv_j[cols] += dv_tmp[:tk]
+                    partial = bool(span[4])  # some entries hidden: a diagonal, an edge
+                    _add_row_products(dv_j[cols], p_dropped, do_b[r], dv_tmp[:tk], partial)  # (tk, R) @ (R, Hv)
                     ds = _buffer(dp_flat, R, tk)
                     np.matmul(doa[r], vTa[:, c0:c1], out=ds)  # (R, Hv+1) @ (Hv+1, tk) -> dP [- D]
                     if drop is not None:
@@ -1021,8 +1086,7 @@ def backward(
                         softcap_backward(np, capped, mode.cap, ds, out=ds)
                     np.matmul(ds, k3[b, kv, c0:c1], out=dq_tmp[:R])  # (R, tk) @ (tk, H) -> (R, H)
                     dq_b[r] += dq_tmp[:R]
-                    np.matmul(ds.T, qs[r], out=dk_tmp[:tk])  # (tk, R) @ (R, H) -> (tk, H)
-                    dk_j[cols] += dk_tmp[:tk]
+                    _add_row_products(dk_j[cols], ds, qs[r], dk_tmp[:tk], partial)  # (tk, R) @ (R, H)
             if base != 1.0:
                 dk_j /= dtype.type(base)  # qs carried base * scale * Q
             dk[b, kv, k0:k1] = dk_j[: k1 - k0]
