@@ -230,16 +230,16 @@ def interleaved_medians(calls: dict[str, Callable[[], Any]], budget_s: float, mi
     times: dict[str, list[float]] = {name: [] for name in calls}
     deadline = time.perf_counter() + budget_s
     names = list(calls)
-    medians_so_far: dict[str, float] = {}
+    last_sample: dict[str, float] = {}  # each side's latest time, to size the pause before it
     while len(times[names[0]]) < min_samples or time.perf_counter() < deadline:
         first = len(times[names[0]]) % len(names)  # each side leads in turn: no side always follows another
         for name in names[first:] + names[:first]:
-            time.sleep(min(max(1e-3, medians_so_far.get(name, 0.0)), 0.1))  # the other side's threads settle
+            time.sleep(min(max(1e-3, last_sample.get(name, 0.0)), 0.1))  # the other side's threads settle
             start = time.perf_counter()
             for _ in range(per_sample[name]):
                 calls[name]()
             times[name].append((time.perf_counter() - start) / per_sample[name])
-            medians_so_far[name] = times[name][-1]
+            last_sample[name] = times[name][-1]
     return {name: float(np.median(t)) for name, t in times.items()}
 
 

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import array_api_compat
 import numpy as np
 
 __all__ = ["handles", "masked_softmax", "softmax_backward"]
 
 
-def handles(dtype: Any) -> bool:
-    """Whether arrays of ``dtype`` take these kernels (float32 and float64)."""
-    return dtype in (np.float32, np.float64)
+def handles(xp: Any, dtype: Any) -> bool:
+    """Whether arrays of namespace ``xp`` and ``dtype`` take these kernels:
+    NumPy in float32 or float64."""
+    return array_api_compat.is_numpy_namespace(xp) and dtype in (np.float32, np.float64)
 
 
 def masked_softmax(s: np.ndarray, visible: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
