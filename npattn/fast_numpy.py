@@ -62,8 +62,9 @@ NumPy on a multi-core CPU:
   that ``dK_j`` and ``dV_j`` accumulate in cache-resident buffers.
 
 The variants of the score pipeline (:mod:`npattn.scores`) call its units:
-the softcap is :func:`~npattn.scores.softcap.softcap_forward` on each span's
-products and :func:`~npattn.scores.softcap.softcap_backward` on its ``dS``;
+the softcap is :func:`~npattn.scores.softcap.softcap_forward_inplace` on
+each span's products and :func:`~npattn.scores.softcap.softcap_backward_inplace`
+on its ``dS``;
 bias and ALiBi are :func:`~npattn.scores.pipeline.additive_tile`, with each
 span's ``|p_i - j|`` built once per call and shared (:class:`_AlibiDistances`);
 the slope gradients are :func:`~npattn.scores.alibi.alibi_slopes_grad_tile`
@@ -75,8 +76,11 @@ tricks each variant keeps is decided per call (:class:`_Mode`):
 
 - **softcap**: base 2 (the cap scales with the scores: ``b c tanh(r/c) =
   (b c) tanh(b r / (b c))``) and both bounds, now ``min(|scale q_i| |k_j|, c)``;
-  the shifts leave the GEMMs, since they would enter ``tanh``. Rows whose
-  reference maximum stays 0 skip the subtraction that replaces them.
+  the shifts leave the GEMMs, since they would enter ``tanh``. ``Q`` carries
+  ``1 / c`` in its scale, so the product is ``s / c`` and ``tanh`` follows
+  it directly; the backward keeps ``t = tanh(s / c)`` for ``1 - t^2``. Within
+  :data:`ZERO_REFERENCE_BOUND` (Gemma 2's cap of 50 is) the forward needs no
+  running maximum at all (see :func:`forward`).
 - **ALiBi**: the fused shifts and base 2 while the slopes times the largest
   ``|p_i - j|`` keep every score under :func:`_fused_shift_limit` (the term
   joins the bound), and the upper bound when every slope is >= 0 (the term is
@@ -112,6 +116,7 @@ CPUs available, plus one spare in the forward, see :func:`_run`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -129,7 +134,7 @@ from .options import AttentionSpec
 from .scores.alibi import alibi_distance, alibi_min_distance, alibi_slopes_grad_tile
 from .scores.mods import mods_backward, tile_index
 from .scores.pipeline import additive_tile, mods_keeping_masked, param_grads_from_heads
-from .scores.softcap import softcap_backward, softcap_forward
+from .scores.softcap import softcap_backward_inplace, softcap_forward_inplace
 from .scores.tiles import select_item
 from .scores.visibility import ALL, NONE, classify_tile, segments_hide_nothing, visible_tile
 
@@ -339,9 +344,13 @@ class _Mode:
     Cauchy-Schwarz bound ``|scale q_i| |k_j|`` (a softcap lowers it to
     ``min(bound, c)``): both need no bias; ALiBi keeps the upper one when
     every slope is >= 0 (its term is then <= 0) and loses the lower one.
-    ``cap``: the softcap in the scores' base (inf without one). User score
-    modifications turn off all four, as a bias does: they may move any score
-    anywhere, and they read scores in nats.
+    ``cap``: the softcap in the scores' base, in the compute dtype (inf
+    without one); ``ratio``: whether ``Q`` carries ``1 / softcap`` in its
+    scale, so that the products already are ``s / c`` (see
+    :func:`_base_scale`). User score modifications turn off the bounds and
+    base 2, as a bias does: they may move any score anywhere, and they read
+    scores in nats. ``bound``: a bound on every ``|S_ij|`` of the call, in
+    base 2 (:meth:`_score_bound`).
     """
 
     def __init__(self, spec: AttentionSpec, q_norms: Any, k_norms: Any):
@@ -349,12 +358,12 @@ class _Mode:
         plain = spec.bias is None and not spec.score_mods  # a user modification may move any score anywhere
         self.upper = plain and (slopes is None or bool(np.all(slopes >= 0)))
         self.lower = plain and slopes is None
-        self.base2 = plain and self._score_bound(spec, q_norms, k_norms, slopes) < _fused_shift_limit(
-            spec.compute_dtype
-        )
+        self.bound = self._score_bound(spec, q_norms, k_norms, slopes)
+        self.base2 = plain and self.bound < _fused_shift_limit(spec.compute_dtype)
         self.fused = self.base2 and spec.softcap is None
         self.base = LOG2E if self.base2 else 1.0
-        self.cap = np.inf if spec.softcap is None else spec.softcap * self.base
+        self.ratio = spec.softcap is not None
+        self.cap = np.inf if spec.softcap is None else spec.compute_dtype.type(spec.softcap * self.base)
 
     @classmethod
     def exact(cls, spec: AttentionSpec) -> _Mode:
@@ -362,8 +371,8 @@ class _Mode:
         modes' kernels (:mod:`npattn.modes.numpy_kernels`), whose tangents no
         bound covers."""
         mode = cls.__new__(cls)
-        mode.upper = mode.lower = mode.base2 = mode.fused = False
-        mode.base = 1.0
+        mode.upper = mode.lower = mode.base2 = mode.fused = mode.ratio = False
+        mode.base, mode.bound = 1.0, np.inf
         mode.cap = np.inf if spec.softcap is None else spec.softcap
         return mode
 
@@ -384,12 +393,19 @@ class _Mode:
 
 
 def _base_scale(spec: AttentionSpec, mode: _Mode) -> tuple[Any, float]:
-    """``(c, b)``: the products' scale in the compute dtype, ``c = scale *
-    base`` rounded once, and the base it gives the scores, ``b = c / scale``
-    (``log2 e`` but for that rounding; 1 in base e). The forward and the
-    backward both multiply by ``c``, so that the backward recomputes the
-    forward's scores bit for bit, and convert ``lse`` with ``b``."""
-    c = spec.compute_dtype.type(spec.scale * mode.base)
+    """``(c, b)``: the factor ``Q`` is multiplied by before the products, in
+    the compute dtype, and the base that gives the scores, ``b`` (``log2 e``
+    but for rounding; 1 in base e). Without a softcap ``c = scale * base``,
+    rounded once, and ``b = c / scale``; with one (``mode.ratio``) ``c =
+    scale / softcap``, so that the products are ``s / softcap``, and ``b =
+    mode.cap / softcap``. The forward and the backward both multiply by
+    ``c``, so that the backward recomputes the forward's scores bit for
+    bit, and convert ``lse`` with ``b``."""
+    dtype = spec.compute_dtype
+    if mode.ratio:
+        assert spec.softcap is not None, "a ratio mode has a softcap"
+        return dtype.type(spec.scale / spec.softcap), (float(mode.cap) / spec.softcap if mode.base2 else 1.0)
+    c = dtype.type(spec.scale * mode.base)
     return c, (float(c) / spec.scale if mode.base2 and spec.scale else mode.base)
 
 
@@ -399,12 +415,12 @@ def _base_scale(spec: AttentionSpec, mode: _Mode) -> tuple[Any, float]:
 TRANSPOSE_CHUNK = 128
 
 
-def _augmented_transposed(x3: Any, dtype: Any) -> Any:
-    """``[x^T; 1]``: ``(..., L, D) -> (..., D + 1, L)``, contiguous, with a
-    row of ones appended, so that ``[a, c] @ [x^T; 1] = a x^T + c`` adds a
-    per-row constant ``c`` inside the matrix product."""
+def _augmented_transposed(x3: Any, dtype: Any, out: Any = None) -> Any:
+    """``[x^T; 1]``: ``(..., L, D) -> (..., D + 1, L)``, contiguous (or into
+    ``out``), with a row of ones appended, so that ``[a, c] @ [x^T; 1] = a
+    x^T + c`` adds a per-row constant ``c`` inside the matrix product."""
     *lead, L, D = x3.shape
-    xt = np.empty((*lead, D + 1, L), dtype=dtype)
+    xt = np.empty((*lead, D + 1, L), dtype=dtype) if out is None else out
     xt[..., D, :] = 1
     for start in range(0, L, TRANSPOSE_CHUNK):
         chunk = slice(start, start + TRANSPOSE_CHUNK)
@@ -548,6 +564,7 @@ class _Item:
         self.mod_grads: dict[str, Any] = {}  # the score modifications' parameter cotangents, summed over spans
         self.keep_inputs = False  # the backward sets it: the modifications' inputs are read after scores()
         self.slope_min: float | None = None  # min_n m_n over this item's heads, in the scores' base
+        self.additive = spec.bias is not None or spec.alibi_slopes is not None  # step 3 adds a term
         if spec.alibi_slopes is not None:
             slopes = select_item(spec, spec.alibi_slopes, b, self.heads)  # (G|1, 1, 1)
             self.slope_min = float(np.min(slopes)) * mode.base
@@ -577,26 +594,30 @@ class _Item:
             np.copyto(s[:, j0 - c0 : j1 - c0], value, where=rows_hidden)
 
     def scores(
-        self, out: Any, qa: Any, kTa: Any, span: tuple, *, hide: bool = True, capped: Any = None
+        self, out: Any, qa: Any, kTa: Any, span: tuple, *, hide: bool = True, tanh: Any = None
     ) -> ModState | None:
         """``out = qa @ kTa[:, c0:c1]``, then the softcap, the bias and ALiBi,
         the user score modifications and, with ``hide``, the span's hidden
-        entries set to -inf. With a softcap and a ``capped`` buffer of
-        ``out``'s shape (the backward's), the capped products (before step 3,
-        for the softcap's derivative) are kept there. With modifications,
-        returns their :class:`ModState` (for their backward), else None.
+        entries set to -inf. With a softcap and a ``tanh`` buffer of
+        ``out``'s shape (the backward's), ``t = tanh(s / c)`` is kept there
+        for the softcap's derivative. With modifications, returns their
+        :class:`ModState` (for their backward), else None.
 
-        The softcap is the pipeline's own :func:`~npattn.scores.softcap.softcap_forward`,
-        in the scores' base: ``b c tanh(r / c) = (b c) tanh(b r / (b c))``, so
-        the base-``b`` products take the cap ``b c``.
+        The softcap is the pipeline's own
+        :func:`~npattn.scores.softcap.softcap_forward_inplace`, in the
+        scores' base: ``b c tanh(r / c) = (b c) tanh(b r / (b c))``, so the
+        base-``b`` products take the cap ``b c``; in ``ratio`` mode the
+        product already is ``s / c`` (see :func:`_base_scale`).
         """
         p0, p1, c0, c1, _ = span
-        np.matmul(qa, kTa[:, c0:c1], out=out)  # (R, H+1) @ (H+1, tk) -> (R, tk)
-        if self.spec.softcap is not None:
-            softcap_forward(np, out, self.mode.cap, out=out)  # (R, tk), in place
-            if capped is not None:
-                np.copyto(capped, out)
-        self.add_bias(out, p0, p1, c0, c1)
+        if self.spec.softcap is None:
+            np.matmul(qa, kTa[:, c0:c1], out=out)  # (R, H+1) @ (H+1, tk) -> (R, tk)
+        else:
+            t = out if tanh is None else tanh
+            np.matmul(qa, kTa[:, c0:c1], out=t)  # (R, H+1) @ (H+1, tk) -> (R, tk): s, or s / c
+            softcap_forward_inplace(np, t, self.mode.cap, out=out, ratio=self.mode.ratio)  # t, out = c t
+        if self.additive:
+            self.add_bias(out, p0, p1, c0, c1)
         state = self.modify(out, p0, p1, c0, c1, keep=self.keep_inputs) if self.spec.score_mods else None
         if hide:
             self.fill_hidden(out, span, -np.inf)
@@ -785,71 +806,163 @@ def _buffer(flat: Any, rows: int, cols: int) -> Any:
 def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     """Online-softmax forward; same contract as :func:`npattn.chunked.chunked_forward`.
 
-    Each row keeps a reference maximum ``m``, updated lazily. Per span of a
-    key tile (see :func:`plan_tile`), with the shifted scores ``S_ij - m``
-    (from one GEMM when fused, see the module docstring) and
-    ``t = rowmax``: rows whose ``t`` exceeds :data:`RESCALE_THRESHOLD` (or
-    that saw nothing yet) move ``m`` up by ``t`` and rescale ``l`` and
-    ``acc`` by ``exp(-t)`` (FlashAttention-2's rescale, done only when
-    needed; where the Cauchy-Schwarz bound ``|S_ij| <= |scale q_i| |k_j|``
-    proves that no row can need it, ``t`` is not computed, and rows whose
-    first keys all score within the threshold of 0 keep ``m = 0``); then
-    ``P~ = exp(.)``, ``l += rowsum(P~)`` and ``acc += P~ V_j``. At the end
+    One item per (batch element, kv head, query tile), each running the spans
+    of its key tiles (see :func:`plan_tile`) in one of two loops:
+
+    - **at the zero reference**, when the Cauchy-Schwarz bound
+      ``|S_ij| <= |scale q_i| |k_j|`` (or the softcap) keeps every score of
+      the call within :data:`ZERO_REFERENCE_BOUND` of 0 and no bias, ALiBi or
+      score modification can move it (:class:`_Forward`): ``P~ = exp(S)``
+      with no running maximum, rescaling or flush, hidden entries zeroed
+      after the ``exp``; ``l = rowsum(P~)``, ``acc = P~ V``.
+    - **with a running maximum** otherwise: each row keeps a reference
+      maximum ``m``, updated lazily. Per span, with the shifted scores
+      ``S_ij - m`` (from one GEMM when fused, see the module docstring) and
+      ``t = rowmax``: rows whose ``t`` exceeds :data:`RESCALE_THRESHOLD` (or
+      that saw nothing yet) move ``m`` up by ``t`` and rescale ``l`` and
+      ``acc`` by ``exp(-t)`` (FlashAttention-2's rescale, done only when
+      needed; where the bound proves that no row can need it, ``t`` is not
+      computed, and rows whose first keys all score within the threshold of
+      0 keep ``m = 0``); then ``P~ = exp(.)``, flushed where it could be
+      subnormal.
+
+    Then ``l += rowsum(P~)`` and ``acc += P~ V`` (:class:`_Sums`). At the end
     ``O = acc / l`` and ``lse = m + log l``, all in the scores' base (2 when
     fused, with ``lse`` converted to nats).
     """
-    dtype = spec.compute_dtype
-    Bf, N, K, G = spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.group_size
-    T, S, H, Hv = spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim
-    q3 = np.reshape(q, (Bf, N, T, H))  # (B, N, T, H), B = flattened batch axes
-    k3 = np.reshape(k, (Bf, K, S, H))  # (B, K, S, H)
-    v3 = np.reshape(v, (Bf, K, S, Hv))  # (B, K, S, Hv)
-    kTa = _augmented_transposed(k3, dtype)  # (B, K, H+1, S)
-    q_norms3, k_norms = _row_norms(q3), _row_norms(k3)  # (B, N, T), (B, K, S): for the bounds below
-    mode = _Mode(spec, q_norms3, k_norms)
-    fused, upper, lower = mode.fused, mode.upper, mode.lower
-    out = np.zeros((Bf, N, T, Hv), dtype=dtype)
-    lse = np.full((Bf, N, T), -np.inf, dtype=dtype)
-    block_q, block_k = _blocks(spec)
-    q_tiles, k_tiles = tile_ranges(T, block_q), tile_ranges(S, block_k)
-    plans = _plans(spec, q_tiles, k_tiles)
-    # In base 2 (log2(e) folded into the scale, exp2 for exp) where the mode
-    # allows; otherwise in base e, exactly as the generic path.
-    base = mode.base
-    exp = _Exp(mode.base2, dtype)
-    scale, b_eff = _base_scale(spec, mode)  # the scores are b_eff * (spec.scale q_i . k_j)
-    threshold = RESCALE_THRESHOLD * base
-    ones_k = np.ones(block_k, dtype=dtype)
-    k_norm_max = [[_RangeMax(k_norms[b, kv]) for kv in range(K)] for b in range(Bf)]  # read only when upper
-    distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, base)
+    call = _Forward(spec, q, k, v)
+    # Costliest query tiles first, so that no thread is left with a long one at the end.
+    cost = [sum((p1 - p0) * (c1 - c0) for plan in row for p0, p1, c0, c1, _ in plan) for row in call.plans]
+    order = sorted(range(len(call.q_tiles)), key=lambda qi: -cost[qi])
+    Bf, K, G = spec.num_batch, spec.num_kv_heads, spec.group_size
+    items = [(b, kv, qi) for qi in order for b in range(Bf) for kv in range(K) if cost[qi] and G]  # G=0: no rows
+    _run(items, call.work, spare_thread=True)
+    for qi in (qi for qi in order if not cost[qi]):  # query tiles that see no key: fully masked rows
+        q0, q1 = call.q_tiles[qi]
+        call.out[:, :, q0:q1] = 0
+        call.lse[:, :, q0:q1] = -np.inf
+    bs, N, T = spec.batch_shape, spec.num_heads, spec.q_len
+    return call.out.reshape(bs + (N, T, spec.value_dim)), call.lse.reshape(bs + (N, T))
 
-    def work(job):
+
+#: The forward keeps every row's reference at 0 (no running maximum) when
+#: every score of the call lies within +-this bound, in base 2: ``exp2``
+#: then stays within ``[2**-bound, 2**bound]``, never subnormal nor flushed,
+#: and P~ carries the same relative rounding as ``exp2(S - m)`` would (the
+#: product's own error is relative to ``|q_i| |k_j|`` either way). Gemma 2's
+#: softcap of 50 (72 in base 2) is within it. The sums must also stay finite,
+#: which :func:`_zero_reference_fits` checks against ``S`` and ``max |v|``.
+ZERO_REFERENCE_BOUND = {np.dtype(np.float32): 80.0, np.dtype(np.float64): 900.0}
+
+
+def _zero_reference_fits(bound: float, S: int, v_max: float, dtype: Any) -> bool:
+    """Whether the forward may keep every row at the zero reference:
+    ``bound`` (base 2, on every ``|S_ij|``) is within
+    :data:`ZERO_REFERENCE_BOUND`, and ``l <= S 2**bound`` and
+    ``|acc| <= S 2**bound max|v|`` (``v_max``) stay two binades below the
+    dtype's overflow."""
+    if not bound <= ZERO_REFERENCE_BOUND[np.dtype(dtype)]:  # also False for a NaN bound
+        return False
+    return bound + math.log2(max(S, 1)) + math.log2(max(v_max, 1.0)) <= np.finfo(dtype).maxexp - 2
+
+
+class _Forward:
+    """One forward call: what its (batch element, kv head, query tile) items
+    share, and the loops an item runs (see :func:`forward`)."""
+
+    def __init__(self, spec: AttentionSpec, q: Any, k: Any, v: Any):
+        dtype = spec.compute_dtype
+        Bf, N, K = spec.num_batch, spec.num_heads, spec.num_kv_heads
+        T, S, H, Hv = spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim
+        self.spec, self.dtype, self.G, self.Hv = spec, dtype, spec.group_size, Hv
+        self.q3 = np.reshape(q, (Bf, N, T, H))  # (B, N, T, H), B = flattened batch axes
+        self.k3 = np.reshape(k, (Bf, K, S, H))  # (B, K, S, H)
+        self.v3 = np.reshape(v, (Bf, K, S, Hv))  # (B, K, S, Hv)
+        self.q_norms3, self.k_norms = _row_norms(self.q3), _row_norms(self.k3)  # (B, N, T), (B, K, S): for the bounds
+        self.mode = mode = _Mode(spec, self.q_norms3, self.k_norms)
+        v_max = float(max(np.max(v), -np.min(v))) if v.size else 0.0
+        self.zero_reference = mode.lower and _zero_reference_fits(mode.bound, S, v_max, dtype)
+        # [K^T; 1] per (batch element, kv head), built by its first item, in
+        # parallel and while K is in cache (_keys).
+        self.keys: list[Any] = [None] * (Bf * K)
+        # Every item writes its rows; query tiles that see no key are filled in forward().
+        self.out = np.empty((Bf, N, T, Hv), dtype=dtype)
+        self.lse = np.empty((Bf, N, T), dtype=dtype)
+        block_q, self.block_k = _blocks(spec)
+        self.q_tiles, self.k_tiles = tile_ranges(T, block_q), tile_ranges(S, self.block_k)
+        self.plans = _plans(spec, self.q_tiles, self.k_tiles)
+        # In base 2 (log2(e) folded into the scale, exp2 for exp) where the mode
+        # allows; otherwise in base e, exactly as the generic path.
+        self.exp = _Exp(mode.base2, dtype)
+        self.scale, self.b_eff = _base_scale(spec, mode)  # Q's factor; the scores are b_eff times theirs in nats
+        self.norm_scale = abs(spec.scale) * mode.base  # |S_ij| <= norm_scale |q_i| |k_j|, in the scores' base
+        self.threshold = RESCALE_THRESHOLD * mode.base
+        self.ones_k = np.ones(self.block_k, dtype=dtype)
+        self.k_norm_max = [[_RangeMax(self.k_norms[b, kv]) for kv in range(K)] for b in range(Bf)]  # read if upper
+        self.distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, mode.base)
+
+    def _keys(self, b: int, kv: int) -> Any:
+        """``[K^T; 1] (H+1, S)`` of ``(b, kv)``, built by the first item that
+        asks (threads may build it twice; both copies are equal)."""
+        slot = b * self.spec.num_kv_heads + kv
+        found = self.keys[slot]
+        if found is None:
+            found = self.keys[slot] = _augmented_transposed(self.k3[b, kv], self.dtype)
+        return found
+
+    def work(self, job: tuple[int, int, int]) -> None:
+        """The item ``(b, kv, qi)``: its spans, then its rows of ``out`` and ``lse``."""
         b, kv, qi = job
-        q0, q1 = q_tiles[qi]
-        item = _Item(spec, b, kv, mode, distances)
-        tq, rows = q1 - q0, G * (q1 - q0)
+        q0, q1 = self.q_tiles[qi]
+        item = _Item(self.spec, b, kv, self.mode, self.distances)
+        qa = _augmented_rows(self.q3[b, item.head_slice, q0:q1], 0, self.scale, self.dtype)  # (tq*G, H+1) = [Q_i, -m]
+        sums = _Sums(qa.shape[0], self.Hv, self.dtype)
+        if self.zero_reference:
+            self._spans_at_zero_reference(item, qi, q0, qa, sums)
+            m = None
+        else:
+            m = self._spans_with_running_max(item, qi, q0, qa, sums)
+        self._finish(item, q0, q1, sums, m)
+
+    def _spans_at_zero_reference(self, item: _Item, qi: int, q0: int, qa: Any, sums: _Sums) -> None:
+        """The spans of one query tile with every row's reference at 0."""
+        kTa, v_bk = self._keys(item.b, item.kv), self.v3[item.b, item.kv]  # (H+1, S), (S, Hv)
+        s_flat = np.empty(qa.shape[0] * self.block_k, dtype=self.dtype)  # one score tile, reused
+        for plan in self.plans[qi]:
+            for span in plan:
+                r, (c0, c1) = _rows(span, q0, self.G), span[2:4]
+                s = _buffer(s_flat, r.stop - r.start, c1 - c0)  # (R, tk)
+                item.scores(s, qa[r], kTa, span, hide=False)  # scale Q K^T, softcapped
+                self.exp.fast(s, out=s)  # P~_ij = exp(S_ij): bounded, so never subnormal or inf
+                item.fill_hidden(s, span, 0)
+                sums.add(s, r, self.ones_k[: c1 - c0], v_bk[c0:c1], item.dropout_scale(*span[:4]))
+
+    def _spans_with_running_max(self, item: _Item, qi: int, q0: int, qa: Any, sums: _Sums) -> Any:
+        """The spans of one query tile with a reference maximum ``m`` per
+        row, updated lazily (see :func:`forward`); returns ``m``."""
+        spec, mode, dtype, exp, G = self.spec, self.mode, self.dtype, self.exp, self.G
+        fused, upper, lower, threshold = mode.fused, mode.upper, mode.lower, self.threshold
+        b, kv, H = item.b, item.kv, qa.shape[1] - 1
+        kTa, v_bk = self._keys(b, kv), self.v3[b, kv]  # (H+1, S), (S, Hv)
+        rows = qa.shape[0]
         m = np.zeros(rows, dtype=dtype)  # reference row maximum
-        qa = _augmented_rows(q3[b, item.head_slice, q0:q1], 0, scale, dtype)  # (tq*G, H+1) = [base scale Q_i, -m]
+        l = sums.l
         unset = np.ones(rows, dtype=bool)  # rows that have seen no visible key yet
-        q_norms = _position_major(q_norms3[b, item.head_slice, q0:q1]) * abs(scale)  # (tq*G,) |base scale q_i|
-        s_flat = np.empty(rows * block_k, dtype=dtype)  # one score tile, reused
-        pv = np.empty((rows, Hv), dtype=dtype)
-        row_sum = np.empty(rows, dtype=dtype)
-        l = np.zeros(rows, dtype=dtype)  # running row sum
-        acc = np.zeros((rows, Hv), dtype=dtype)  # unnormalized output
+        q_norms = _position_major(self.q_norms3[b, item.head_slice, q0 : q0 + rows // G]) * self.norm_scale
+        s_flat = np.empty(rows * self.block_k, dtype=dtype)  # one score tile, reused
         # Python scalars for the cheap form of the bounds below: max_i |scale q_i|,
         # min_i and max_i of m over all rows (unset rows keep m = 0, which only
         # widens them), and whether any row is unset (refreshed when m moves).
         q_norm_max = float(q_norms.max()) if upper and rows else 0.0
         m_min, m_max, any_unset = 0.0, 0.0, True
-        for plan in _key_order(spec, plans[qi], q0, k_tiles):
+        for plan in _key_order(spec, self.plans[qi], q0, self.k_tiles):
             for span in plan:
                 r, (c0, c1) = _rows(span, q0, G), span[2:4]
                 s = _buffer(s_flat, r.stop - r.start, c1 - c0)  # (R, tk)
                 m_r, unset_r = m[r], unset[r]  # views
                 span_unset = any_unset and bool(unset_r.any())
                 if upper:  # Cauchy-Schwarz: S_ij <= |scale q_i| |k_j| <= bound, and S_ij >= -bound if lower
-                    k_max = k_norm_max[b][kv][c0, c1]
+                    k_max = self.k_norm_max[b][kv][c0, c1]
                     bound = min(q_norm_max * k_max, mode.cap)  # a softcap bounds |S_ij| too
                 else:
                     k_max = bound = np.inf
@@ -883,7 +996,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                 # zeroed after it rather than set to -inf before (two passes fewer than
                 # the flushed exp, which -inf needs).
                 exp_then_hide = settled and lower and bound + m_max < -exp.floor
-                item.scores(s, qa[r], kTa[b, kv], span, hide=not exp_then_hide)  # scale Q K^T [- m]
+                item.scores(s, qa[r], kTa, span, hide=not exp_then_hide)  # scale Q K^T [- m]
                 if settled:
                     grow = None
                 else:
@@ -893,11 +1006,9 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                     grow = (growth > threshold) | (unset_r & (t > -np.inf))
                 if grow is not None and grow.any():
                     m_new = np.where(grow, m_r + t if fused else t, m_r).astype(dtype, copy=False)  # (R,)
-                    alpha = exp.fast(np.where(unset_r, 0, m_r - m_new)).astype(
-                        dtype, copy=False
-                    )  # nothing to rescale yet
+                    alpha = exp.fast(np.where(unset_r, 0, m_r - m_new)).astype(dtype, copy=False)  # 1 if unset
                     l[r] *= alpha
-                    acc[r] *= alpha[:, None]
+                    sums.acc[r] *= alpha[:, None]
                     if fused:
                         s -= (m_new - m_r)[:, None]
                         qa[r, H] = -m_new
@@ -916,33 +1027,48 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
                     exp.fast(s, out=s)
                 else:
                     exp.flushed(s)
-                np.matmul(s, ones_k[: c1 - c0], out=row_sum[r])  # (R, tk) @ (tk,): a GEMV, 4x faster than s.sum(axis=1)
-                l[r] += row_sum[r]
+                sums.add(s, r, self.ones_k[: c1 - c0], v_bk[c0:c1], item.dropout_scale(*span[:4]))
                 if provisional is not None:
                     unset_r |= provisional & (l[r] == 0)
                 any_unset = any_unset and bool(unset.any())
-                drop = item.dropout_scale(*span[:4])
-                if drop is not None:
-                    s *= drop
-                np.matmul(s, v3[b, kv, c0:c1], out=pv[r])  # (R, tk) @ (tk, Hv) -> (R, Hv)
-                acc[r] += pv[r]
+        return m
+
+    def _finish(self, item: _Item, q0: int, q1: int, sums: _Sums, m: Any | None) -> None:
+        """``O = acc / l`` and ``lse = (m + log_b l) / b`` in nats (``m = 0``
+        at the zero reference; -inf where ``l = 0``), summed in float64 and
+        rounded once, written head-major."""
+        tq, G, heads, l = q1 - q0, self.G, item.head_slice, sums.l
         empty = l == 0
         l[empty] = 1
         np.divide(
-            _head_major(acc, tq, G), _head_major(l, tq, G)[..., None], out=out[b, item.head_slice, q0:q1]
+            _head_major(sums.acc, tq, G), _head_major(l, tq, G)[..., None], out=self.out[item.b, heads, q0:q1]
         )  # (G, tq, Hv) / (G, tq, 1)
-        # lse = (m + log_b l) / b in nats, summed in float64 and rounded once
-        m64, l64 = m.astype(np.float64), l.astype(np.float64)
-        row_lse = ((m64 + np.log2(l64)) / b_eff if mode.base2 else m64 + np.log(l64)).astype(dtype)  # (R,)
+        m64, l64 = (0.0 if m is None else m.astype(np.float64)), l.astype(np.float64)
+        row_lse = ((m64 + np.log2(l64)) / self.b_eff if self.mode.base2 else m64 + np.log(l64)).astype(self.dtype)
         row_lse[empty] = -np.inf
-        lse[b, item.head_slice, q0:q1] = _head_major(row_lse, tq, G)  # (G, tq)
+        self.lse[item.b, heads, q0:q1] = _head_major(row_lse, tq, G)  # (G, tq)
 
-    # Costliest query tiles first, so that no thread is left with a long one at the end.
-    cost = [sum((p1 - p0) * (c1 - c0) for plan in row for p0, p1, c0, c1, _ in plan) for row in plans]
-    order = sorted(range(len(q_tiles)), key=lambda qi: -cost[qi])
-    items = [(b, kv, qi) for qi in order for b in range(Bf) for kv in range(K) if cost[qi] and G]  # G=0: no rows
-    _run(items, work, spare_thread=True)
-    return out.reshape(spec.batch_shape + (N, T, Hv)), lse.reshape(spec.batch_shape + (N, T))
+
+class _Sums:
+    """A forward item's running sums, ``l = rowsum(P~)`` and ``acc = P~ V``,
+    with the buffers of their products."""
+
+    def __init__(self, rows: int, Hv: int, dtype: Any):
+        self.l = np.zeros(rows, dtype=dtype)  # (rows,)
+        self.acc = np.zeros((rows, Hv), dtype=dtype)  # (rows, Hv)
+        self.row_sum = np.empty(rows, dtype=dtype)
+        self.pv = np.empty((rows, Hv), dtype=dtype)
+
+    def add(self, p: Any, r: slice, ones: Any, v_rows: Any, drop: Any | None) -> None:
+        """``l[r] += rowsum(P~)`` and ``acc[r] += Pd~ V`` for ``P~ = p (R, tk)``
+        and the span's ``V (tk, Hv)``; with dropout (``drop``, ``keep / (1 -
+        p)``), ``Pd~ = P~ * drop`` overwrites ``p``."""
+        np.matmul(p, ones, out=self.row_sum[r])  # (R, tk) @ (tk,): a GEMV, 4x faster than p.sum(axis=1)
+        self.l[r] += self.row_sum[r]
+        if drop is not None:
+            p *= drop
+        np.matmul(p, v_rows, out=self.pv[r])  # (R, tk) @ (tk, Hv) -> (R, Hv)
+        self.acc[r] += self.pv[r]
 
 
 # --- backward ---------------------------------------------------------------------------
@@ -1029,7 +1155,7 @@ def backward(
         k_norm_max = _RangeMax(k_norms[b, kv])  # read only when lower
         s_flat = np.empty(G * block_q * block_k, dtype=dtype)  # scores, then P, of one span
         dp_flat = np.empty_like(s_flat)  # dP - D, then dS, of one span
-        capped_flat = None if spec.softcap is None else np.empty_like(s_flat)  # softcapped products of one span
+        tanh_flat = None if spec.softcap is None else np.empty_like(s_flat)  # tanh(s / c) of one span
         dk_j, dv_j = np.empty((block_k, H), dtype=dtype), np.empty((block_k, Hv), dtype=dtype)
         dk_tmp, dv_tmp = np.empty_like(dk_j), np.empty_like(dv_j)
         dq_tmp = np.empty((G * block_q, H), dtype=dtype)
@@ -1056,8 +1182,8 @@ def backward(
                     # The lower bound is needed for every entry, the upper one for the hidden.
                     bound = min(q_norm_max * k_norm_max[c0, c1], mode.cap) if mode.lower else np.inf
                     exp_then_hide = bound + lse_max < -exp.floor and (not span[4] or bound - lse_min < -exp.floor)
-                    capped = None if capped_flat is None else _buffer(capped_flat, R, tk)
-                    inputs = item.scores(p, qa[r], kTa, span, hide=not exp_then_hide, capped=capped)  # S_ij [- lse_i]
+                    t = None if tanh_flat is None else _buffer(tanh_flat, R, tk)
+                    inputs = item.scores(p, qa[r], kTa, span, hide=not exp_then_hide, tanh=t)  # S_ij [- lse_i]
                     if not fused:
                         p -= lse_shift[r, None]
                     if exp_then_hide:
@@ -1082,12 +1208,14 @@ def backward(
                         item.add_dbias(dbias, ds, *span[:4])
                     if alibi_grads is not None:
                         alibi_g += item.alibi_grad(ds, *span[:4])
-                    if capped is not None:  # dR_ij: through the softcap (the pipeline's derivative)
-                        softcap_backward(np, capped, mode.cap, ds, out=ds)
+                    if t is not None:  # dR_ij: through the softcap (the pipeline's derivative)
+                        softcap_backward_inplace(np, t, ds)
                     np.matmul(ds, k3[b, kv, c0:c1], out=dq_tmp[:R])  # (R, tk) @ (tk, H) -> (R, H)
                     dq_b[r] += dq_tmp[:R]
                     _add_row_products(dk_j[cols], ds, qs[r], dk_tmp[:tk], partial)  # (tk, R) @ (R, H)
-            if base != 1.0:
+            if mode.ratio:
+                dk_j *= dtype.type(spec.softcap)  # qs carried scale * Q / softcap
+            elif base != 1.0:
                 dk_j /= dtype.type(base)  # qs carried base * scale * Q
             dk[b, kv, k0:k1] = dk_j[: k1 - k0]
             dv[b, kv, k0:k1] = dv_j[: k1 - k0]

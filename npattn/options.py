@@ -17,13 +17,13 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Literal, overload
+from typing import Any, Literal, NamedTuple, overload
 
 import numpy as np
 
 from .namespace import array_device, check_floating, compute_dtype, resolve_namespace, to_numpy
 
-__all__ = ["AttentionSpec", "make_spec", "check_int", "check_lengths", "IMPLS", "ALIGNS"]
+__all__ = ["AttentionSpec", "SegmentHost", "make_spec", "check_int", "check_lengths", "IMPLS", "ALIGNS"]
 
 IMPLS = ("auto", "dense", "chunked")
 ALIGNS = ("top_left", "bottom_right")
@@ -64,6 +64,18 @@ ACCELERATOR_TILE_SCORES = 2**25
 #: they are clipped to the sequence lengths.
 ACCELERATOR_BLOCK_MIN = 128
 ACCELERATOR_BLOCK_MAX = 2048
+
+
+class SegmentHost(NamedTuple):
+    """Host (NumPy) copies of the segment ids, flattened to ``q (B, T)`` and
+    ``kv (B, S)``, for classifying tiles without a device sync; ``extremes``
+    memoizes each batch element's (min, max) id over the ranges asked for
+    (filled by :mod:`npattn.scores.visibility`: a call classifies the same
+    query and key ranges over and over)."""
+
+    q: Any
+    kv: Any
+    extremes: dict
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,7 +154,7 @@ class AttentionSpec:
     sinks_dtype: Any = None
     q_segment_ids: Any = None
     kv_segment_ids: Any = None
-    segment_host: tuple[Any, Any] | None = None
+    segment_host: SegmentHost | None = None
     score_mods: tuple[Any, ...] = ()
     mod_params: dict[str, Any] = field(default_factory=dict)
     mask_mod: Any = None
@@ -550,7 +562,7 @@ def _check_segment_ids(xp, q_segment_ids, kv_segment_ids, batch_shape: tuple[int
             raise ValueError(f"{name} must have shape {expected} (batch axes, then length), got {tuple(ids.shape)}")
         checked.append(xp.astype(ids, xp.int64))
     B = math.prod(batch_shape)
-    host = (to_numpy(checked[0]).reshape(B, T), to_numpy(checked[1]).reshape(B, S))  # (B, T), (B, S)
+    host = SegmentHost(to_numpy(checked[0]).reshape(B, T), to_numpy(checked[1]).reshape(B, S), {})  # (B, T), (B, S)
     return checked[0], checked[1], host
 
 

@@ -79,21 +79,21 @@ class _Tangents:
     def __init__(self, spec: AttentionSpec, item: _Item, bias_dot: Any | None):
         self.spec, self.item, self.bias_dot = spec, item, bias_dot
 
-    def scores(self, s: Any, sd: Any, capped: Any, qs: Any, qcat: Any, kTa: Any, kcat: Any, span: tuple) -> Any:
+    def scores(self, s: Any, sd: Any, tanh: Any, qs: Any, qcat: Any, kTa: Any, kcat: Any, span: tuple) -> Any:
         """Fill ``s`` (scores, hidden -> -inf) and ``sd`` (``S'``, hidden -> 0);
         return ``(a, b, R')`` for the second order (``a``, ``b`` Python floats
-        without a softcap, ``R'`` a copy only with one)."""
+        without a softcap, ``R'`` a copy only with one); with a softcap,
+        ``tanh`` receives ``t = tanh(R / c)``."""
         spec, item = self.spec, self.item
         p0, p1, c0, c1, _ = span
         np.matmul(qcat, kcat[:, c0:c1], out=sd)  # (R, 2H) @ (2H, tk) -> R'
-        state = item.scores(s, qs, kTa, span, hide=False, capped=capped)
+        state = item.scores(s, qs, kTa, span, hide=False, tanh=tanh)
         a: Any = 1.0
         b: Any = 0.0
         raw_dot = sd
-        if spec.softcap is not None:  # a = 1 - t^2, b = -2 t a / c with t = capped / c
-            t = capped * (1.0 / spec.softcap)
-            a = 1.0 - t * t
-            b = (-2.0 / spec.softcap) * t * a
+        if spec.softcap is not None:  # a = 1 - t^2, b = -2 t a / c
+            a = 1.0 - tanh * tanh
+            b = (-2.0 / spec.softcap) * tanh * a
             raw_dot = sd.copy()
             sd *= a
         if self.bias_dot is not None:
@@ -155,9 +155,9 @@ class _QueryTile:
         for plan in self.call.plans[self.qi]:
             for span in plan:
                 r, (c0, c1) = _rows(span, self.q0, G), span[2:4]
-                s, sd, *capped = (_buffer(flat, r.stop - r.start, c1 - c0) for flat in self.flats)
+                s, sd, *tanh = (_buffer(flat, r.stop - r.start, c1 - c0) for flat in self.flats)
                 self.tangents.scores(
-                    s, sd, capped[0] if capped else None, self.qa[r], self.qcat[r], self.kTa, self.kcat, span
+                    s, sd, tanh[0] if tanh else None, self.qa[r], self.qcat[r], self.kTa, self.kcat, span
                 )
                 yield span, r, s, sd
 
@@ -326,8 +326,8 @@ def backward_jvp(spec: AttentionSpec, res: Any, dO: Any, rows_terms: tuple, dots
                     cols = slice(c0 - k0, c1 - k0)
                     R, tk = r.stop - r.start, c1 - c0
                     p, sd = np.empty((R, tk), dtype=dtype), np.empty((R, tk), dtype=dtype)
-                    capped = None if spec.softcap is None else np.empty((R, tk), dtype=dtype)
-                    a, b2, raw_dot = tangents.scores(p, sd, capped, qa[r], qcat[r], kTa, kcat, span)
+                    tanh = None if spec.softcap is None else np.empty((R, tk), dtype=dtype)
+                    a, b2, raw_dot = tangents.scores(p, sd, tanh, qa[r], qcat[r], kTa, kcat, span)
                     p -= lse_b[r, None]
                     exp.flushed(p)  # P (R, tk)
                     sd -= lse_dot_b[r, None]

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from ..options import AttentionSpec
 from .mods import mask_mod_tile, tile_index
 from .tiles import key_positions, per_batch, query_positions, row_indices, select_item, slice_tile
@@ -148,18 +146,30 @@ def _classify_segments(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) 
     ids lie in disjoint ranges; ``ALL`` where every id of the tile is one and
     the same value (per batch element); ``SOME`` otherwise. Host-side, from
     the spec's NumPy copies of the ids."""
-    assert spec.segment_host is not None, "segment ids come with their host copies"
-    q_host, kv_host = spec.segment_host  # (B, T), (B, S)
-    if q_host.shape[0] == 0:
+    host = spec.segment_host
+    assert host is not None, "segment ids come with their host copies"
+    if host.q.shape[0] == 0:
         return NONE
-    q_ids, kv_ids = q_host[:, q0:q1], kv_host[:, k0:k1]  # (B, tq), (B, tk)
-    q_min, q_max = q_ids.min(axis=1), q_ids.max(axis=1)  # (B,)
-    kv_min, kv_max = kv_ids.min(axis=1), kv_ids.max(axis=1)  # (B,)
-    if np.all((q_max < kv_min) | (kv_max < q_min)):
+    q_min, q_max = _extremes(host, "q", q0, q1)
+    kv_min, kv_max = _extremes(host, "kv", k0, k1)
+    per_batch = list(zip(q_min, q_max, kv_min, kv_max))
+    if all(qx < kn or kx < qn for qn, qx, kn, kx in per_batch):
         return NONE
-    if np.all((q_min == q_max) & (kv_min == kv_max) & (q_min == kv_min)):
+    if all(qn == qx == kn == kx for qn, qx, kn, kx in per_batch):
         return ALL
     return SOME
+
+
+def _extremes(host: Any, side: str, start: int, stop: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each batch element's (min, max) id over ``[start, stop)`` of the
+    ``side`` (``"q"`` or ``"kv"``) ids, as Python ints, memoized in
+    ``host.extremes`` (threads may compute one twice; both are equal)."""
+    key = (side, start, stop)
+    found = host.extremes.get(key)
+    if found is None:
+        ids = (host.q if side == "q" else host.kv)[:, start:stop]  # (B, n)
+        found = host.extremes[key] = (tuple(ids.min(axis=1).tolist()), tuple(ids.max(axis=1).tolist()))
+    return found
 
 
 def _mask_mod_part(
