@@ -16,7 +16,7 @@ from . import fast_numpy
 from .chunked import chunked_backward, chunked_forward
 from .dense import dense_backward, dense_forward
 from .namespace import resolve_namespace
-from .options import AUTO_CHUNKED_MIN_SCORES, AUTO_FAST_MIN_SCORES_PER_HEAD, AttentionSpec, make_spec
+from .options import AUTO_CHUNKED_MIN_SCORES, AUTO_FAST_MIN_SCORES_PER_HEAD, AttentionSpec, make_spec, plain_spec
 from .scores.sinks import apply_sinks, sinks_grad
 
 __all__ = [
@@ -262,33 +262,40 @@ def attention_forward(
     >>> grads.dq.shape
     (2, 4, 5, 8)
     """
-    spec = make_spec(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=bias,
-        causal=causal,
-        window=window,
-        align=align,
-        q_lengths=q_lengths,
-        kv_lengths=kv_lengths,
-        scale=scale,
-        dropout_p=dropout_p,
-        seed=seed,
-        impl=impl,
-        block_q=block_q,
-        block_k=block_k,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        sinks=sinks,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        score_mods=score_mods,
-        mask_mod=mask_mod,
-        block_mask=block_mask,
-        xp=xp,
-    )
+    spec = None
+    if causal is False and type(dropout_p) is float and dropout_p == 0.0 and type(impl) is str and impl == "auto":
+        unset = [mask, bias, window, align, q_lengths, kv_lengths, scale, seed, block_q, block_k, softcap]
+        unset += [alibi_slopes, sinks, q_segment_ids, kv_segment_ids, score_mods, mask_mod, block_mask, xp]
+        if all(option is None for option in unset):
+            spec = plain_spec(q, k, v)  # no option given: the same spec from fewer checks, or None
+    if spec is None:
+        spec = make_spec(
+            q,
+            k,
+            v,
+            mask=mask,
+            bias=bias,
+            causal=causal,
+            window=window,
+            align=align,
+            q_lengths=q_lengths,
+            kv_lengths=kv_lengths,
+            scale=scale,
+            dropout_p=dropout_p,
+            seed=seed,
+            impl=impl,
+            block_q=block_q,
+            block_k=block_k,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            sinks=sinks,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            score_mods=score_mods,
+            mask_mod=mask_mod,
+            block_mask=block_mask,
+            xp=xp,
+        )
     out, residuals = forward_from_spec(spec, q, k, v)
     return spec.xp.astype(out, spec.dtype, copy=False), residuals
 

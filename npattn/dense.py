@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import dense_numpy
 from . import dropout as _dropout
 from .namespace import sum_to_shape
 from .options import AttentionSpec
@@ -127,6 +128,8 @@ def dense_scores(spec: AttentionSpec, q: Any, k: Any) -> Any:
 
 def dense_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
     """Return ``(out, lse, probs)`` in the compute dtype; inputs already cast."""
+    if spec.is_plain and dense_numpy.handles(spec.xp, spec.compute_dtype):
+        return dense_numpy.plain_forward(spec, q, k, v)  # the same bits, a smaller floor
     xp = spec.xp
     s = dense_scores(spec, q, k)  # (..., N, T, S)
     p, lse = masked_softmax(xp, s, visible_tile(spec, 0, spec.q_len, 0, spec.kv_len))
@@ -146,6 +149,8 @@ def dense_backward(
     pre-dropout probabilities and ``out`` the forward's output (sinks merged,
     like ``p``): ``D = rowsum(dO * O)`` equals ``rowsum(P * dP)`` and costs
     ``T x Hv`` rather than ``T x S``."""
+    if spec.is_plain and dense_numpy.handles(spec.xp, spec.compute_dtype):
+        return (*dense_numpy.plain_backward(spec, q, k, v, p, out, dout, dlse), None, {})  # the same bits
     xp = spec.xp
     N, K = spec.num_heads, spec.num_kv_heads
     drop = dropout_scale(spec)

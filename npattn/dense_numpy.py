@@ -16,7 +16,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-__all__ = ["handles", "masked_softmax", "softmax_backward"]
+__all__ = ["handles", "masked_softmax", "softmax_backward", "plain_forward", "plain_backward"]
 
 
 def handles(xp: Any, dtype: Any) -> bool:
@@ -32,16 +32,22 @@ def masked_softmax(s: np.ndarray, visible: np.ndarray | None) -> tuple[np.ndarra
     fix-ups done on the ``(..., T, 1)`` vectors only. ``s`` is not modified."""
     e = np.where(visible, s, -np.inf) if visible is not None else None  # (..., T, S), a fresh buffer
     m = np.maximum.reduce(s if e is None else e, axis=-1, keepdims=True)  # (..., T, 1), np.max minus its wrapper
-    np.copyto(m, 0, where=m == -np.inf)  # fully masked rows: any finite m works
+    # Fully masked rows: m = -inf, and exactly these get l = 0 below (a finite m
+    # gives its own entry exp(0) = 1); the fix-ups run only where one exists.
+    empty = m == -np.inf
+    any_empty = bool(empty.any())
+    if any_empty:
+        np.copyto(m, 0, where=empty)  # any finite m works
     e = np.subtract(s if e is None else e, m, out=e)  # (..., T, S); in place when masked
     np.exp(e, out=e)  # exactly 0 where hidden
     l = np.add.reduce(e, axis=-1, keepdims=True)  # (..., T, 1), np.sum minus its wrapper
-    empty = l == 0
-    np.copyto(l, 1, where=empty)
+    if any_empty:
+        np.copyto(l, 1, where=empty)
     e /= l
     lse = np.log(l)
     lse += m
-    np.copyto(lse, -np.inf, where=empty)
+    if any_empty:
+        np.copyto(lse, -np.inf, where=empty)
     return e, lse[..., 0]
 
 
@@ -51,3 +57,38 @@ def softmax_backward(p: np.ndarray, dp: np.ndarray, D: np.ndarray) -> np.ndarray
     ds = np.subtract(dp, D)  # (..., T, S)
     ds *= p
     return ds
+
+
+def plain_forward(spec: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[Any, Any, Any]:
+    """:func:`npattn.dense.dense_forward` for a plain spec (``spec.is_plain``):
+    the same operations in the same order, hence the same bits, with NumPy's
+    own functions and none of the pipeline's steps, which are all unset: a
+    small call's floor."""
+    *lead, N, T, H = q.shape
+    K, S, Hv = k.shape[-3], k.shape[-2], v.shape[-1]
+    rows = (N // K) * T if K else 0  # G*T: the query heads of a kv head, stacked
+    qs = np.reshape(spec.scale * q, (*lead, K, rows, H))  # (..., K, G*T, H)
+    s = np.reshape(np.swapaxes(k @ np.swapaxes(qs, -1, -2), -1, -2), (*lead, N, T, S))  # (..., N, T, S): (K Q^T)^T
+    p, lse = masked_softmax(s, None)  # (..., N, T, S), (..., N, T)
+    out = np.reshape(np.reshape(p, (*lead, K, rows, S)) @ v, (*lead, N, T, Hv))  # (..., K, G*T, Hv) -> (..., N, T, Hv)
+    return out, lse, p
+
+
+def plain_backward(
+    spec: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, p: np.ndarray, out: np.ndarray, dout: np.ndarray, dlse: Any
+) -> tuple[Any, Any, Any]:
+    """:func:`npattn.dense.dense_backward` for a plain spec: ``(dq, dk, dv)``
+    from the same operations in the same order, hence the same bits."""
+    *lead, N, T, H = q.shape
+    K, S, Hv = k.shape[-3], k.shape[-2], v.shape[-1]
+    rows = (N // K) * T if K else 0
+    dout_g = np.reshape(dout, (*lead, K, rows, Hv))  # (..., K, G*T, Hv)
+    dv = np.swapaxes(np.reshape(p, (*lead, K, rows, S)), -1, -2) @ dout_g  # (..., K, S, Hv)
+    dp = np.reshape(np.swapaxes(v @ np.swapaxes(dout_g, -1, -2), -1, -2), (*lead, N, T, S))  # (..., N, T, S)
+    D = np.sum(dout * out, axis=-1, keepdims=True)  # (..., N, T, 1): rowsum(P * dP), over Hv not S
+    if dlse is not None:
+        D = D - dlse[..., None]
+    ds_g = np.reshape(softmax_backward(p, dp, D), (*lead, K, rows, S))  # (..., K, G*T, S)
+    dq = spec.scale * np.reshape(ds_g @ k, (*lead, N, T, H))  # (..., N, T, H)
+    dk = spec.scale * (np.swapaxes(ds_g, -1, -2) @ np.reshape(q, (*lead, K, rows, H)))  # (..., K, S, H)
+    return dq, dk, dv

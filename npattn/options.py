@@ -23,7 +23,7 @@ import numpy as np
 
 from .namespace import array_device, check_floating, compute_dtype, resolve_namespace, to_numpy
 
-__all__ = ["AttentionSpec", "SegmentHost", "make_spec", "check_int", "check_lengths", "IMPLS", "ALIGNS"]
+__all__ = ["AttentionSpec", "SegmentHost", "make_spec", "plain_spec", "check_int", "check_lengths", "IMPLS", "ALIGNS"]
 
 IMPLS = ("auto", "dense", "chunked")
 ALIGNS = ("top_left", "bottom_right")
@@ -210,6 +210,23 @@ class AttentionSpec:
     def has_user_mask(self) -> bool:
         """Whether a user mask or mask modification restricts visibility."""
         return self.mask is not None or self.mask_mod is not None
+
+    @property
+    def is_plain(self) -> bool:
+        """Whether no option changes the scores, their visibility or the
+        probabilities: ``softmax(scale Q K^T) V``, with any scale, GQA and
+        sinks (which every path merges after its kernel)."""
+        return not (
+            self.mask is not None
+            or self.bias is not None
+            or self.has_positional_mask
+            or self.dropout_p
+            or self.softcap is not None
+            or self.alibi_slopes is not None
+            or self.has_segments
+            or self.score_mods
+            or self.mask_mod is not None
+        )
 
     @property
     def num_batch(self) -> int:
@@ -690,6 +707,64 @@ def _check_path(impl, block_q, block_k) -> tuple[str, int | None, int | None]:
         check_int("block_q", block_q, minimum=1, allow_none=True),
         check_int("block_k", block_k, minimum=1, allow_none=True),
     )
+
+
+#: The fields of a spec with every option at its default that do not depend
+#: on the inputs' shapes and dtype, per NumPy dtype (see :func:`plain_spec`).
+_PLAIN_FIELDS: dict[Any, dict[str, Any]] = {}
+
+
+def plain_spec(q: Any, k: Any, v: Any) -> AttentionSpec | None:
+    """:func:`make_spec` for a call whose every option is at its default, on
+    NumPy float32 or float64 arrays of one dtype whose shapes fit: the same
+    spec, from fewer checks (the per-call floor of a small call). None for
+    any other inputs: the caller then runs :func:`make_spec`, whose checks
+    and messages apply.
+
+    >>> x = np.zeros((2, 3, 4), dtype=np.float32)
+    >>> plain_spec(x, x, x).__dict__ == make_spec(x, x, x).__dict__
+    True
+    >>> plain_spec(x, x, x.astype(np.float64)) is None
+    True
+    """
+    if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
+        return None
+    dtype = q.dtype
+    if not (dtype == k.dtype == v.dtype and dtype in (np.float32, np.float64) and q.ndim == k.ndim == v.ndim >= 3):
+        return None
+    *lead, N, T, H = q.shape
+    K, S, Hk = k.shape[-3:]
+    Kv, Sv, Hv = v.shape[-3:]
+    batch_shape = tuple(lead)
+    if not (
+        k.shape[:-3] == batch_shape == v.shape[:-3]
+        and Hk == H
+        and (Kv, Sv) == (K, S)
+        and S >= 1
+        and K >= 1
+        and N % K == 0
+    ):
+        return None
+    fields = _PLAIN_FIELDS.get(dtype)
+    if fields is None:  # once per dtype: make_spec's own defaults, so the two cannot drift apart
+        one = np.zeros((1, 1, 1), dtype=dtype)
+        fields = _PLAIN_FIELDS[dtype] = dict(make_spec(one, one, one).__dict__)
+    spec = object.__new__(AttentionSpec)
+    spec.__dict__.update(
+        fields,
+        batch_shape=batch_shape,
+        num_heads=N,
+        num_kv_heads=K,
+        q_len=T,
+        kv_len=S,
+        head_dim=H,
+        value_dim=Hv,
+        scale=1.0 / math.sqrt(H) if H > 0 else 1.0,
+        q_len_bounds=(T, T),
+        kv_len_bounds=(S, S),
+        mod_params={},
+    )
+    return spec
 
 
 def make_spec(

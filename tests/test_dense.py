@@ -4,9 +4,12 @@ CONVENTIONS §1."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from pairs import check_attention_gradients
 from reference import reference_attention
 from strategies import ALL_FEATURES, attention_cases
@@ -249,3 +252,69 @@ def test_backend_matrix_forward_backward_and_no_mutation(backend):
         np.testing.assert_allclose(backend.to_numpy(got), want, atol=1e-5)
     for arr, orig in zip(inputs, before):
         np.testing.assert_array_equal(backend.to_numpy(arr), orig)
+
+
+@settings(max_examples=60)
+@given(
+    shape=st.tuples(
+        st.lists(st.integers(0, 2), max_size=2), st.integers(1, 3), st.sampled_from([1, 2, 4]), st.integers(0, 5)
+    ),
+    S=st.integers(1, 5),
+    dims=st.tuples(st.integers(0, 4), st.integers(0, 4)),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    with_lse=st.booleans(),
+)
+def test_a_call_without_options_takes_the_plain_lane_with_the_general_paths_bits(shape, S, dims, dtype, with_lse):
+    """No option given: ``plain_spec`` builds the spec :func:`make_spec`
+    would, and the dense path's NumPy plain kernels
+    (:func:`npattn.dense_numpy.plain_forward` / ``plain_backward``) give the
+    general dense code's bits (which runs when ``is_plain`` is False),
+    forward and backward, GQA and empty sizes included."""
+    from npattn.options import AttentionSpec, make_spec, plain_spec
+
+    batch, K, G, T = shape
+    H, Hv = dims
+    rng = np.random.default_rng(len(batch) + T + S)
+    q = rng.standard_normal((*batch, K * G, T, H)).astype(dtype)
+    k = rng.standard_normal((*batch, K, S, H)).astype(dtype)
+    v = rng.standard_normal((*batch, K, S, Hv)).astype(dtype)
+    plain = plain_spec(q, k, v)
+    assert plain is not None and plain.is_plain
+    general = make_spec(q, k, v)
+    assert plain.__dict__.keys() == general.__dict__.keys()
+    for name, value in general.__dict__.items():
+        assert getattr(plain, name) == value or getattr(plain, name) is value, name
+    out, res = npattn.attention_forward(q, k, v)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    dlse = rng.standard_normal(res.lse.shape).astype(dtype) if with_lse else None
+    grads = npattn.attention_backward(dout, res, dlse=dlse)
+    with mock.patch.object(AttentionSpec, "is_plain", property(lambda spec: False)):  # the general code
+        ref, ref_res = npattn.attention_forward(q, k, v)
+        ref_grads = npattn.attention_backward(dout, ref_res, dlse=dlse)
+    for a, b in ((out, ref), (res.lse, ref_res.lse), (res.probs, ref_res.probs)):
+        np.testing.assert_array_equal(a, b)
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(getattr(grads, name), getattr(ref_grads, name), err_msg=name)
+
+
+def test_inputs_the_plain_lane_does_not_take_still_get_make_specs_checks():
+    """``plain_spec`` returns None for anything but NumPy float32/float64
+    arrays of one dtype whose shapes fit, and ``attention_forward`` then
+    raises make_spec's own errors."""
+    from npattn.options import plain_spec
+
+    x = np.zeros((1, 2, 3, 4))
+    assert plain_spec(x, x, x.astype(np.float32)) is None
+    assert plain_spec(*(a.astype(np.float16) for a in (x, x, x))) is None  # computes in float32: make_spec's
+    assert plain_spec(x, x[..., :3], x) is None
+    assert plain_spec(x, x[:, :0], x[:, :0]) is None
+    assert plain_spec(x[0], x, x) is None
+    assert plain_spec(x.tolist(), x, x) is None
+    with pytest.raises(TypeError, match="share one dtype"):
+        npattn.attention_forward(x, x, x.astype(np.float32))
+    with pytest.raises(ValueError, match="head dim"):
+        npattn.attention_forward(x, x[..., :3], x)
+    with pytest.raises(TypeError, match="real floating"):
+        npattn.attention_forward(*(a.astype(np.int64) for a in (x, x, x)))
+    with pytest.raises(ValueError, match="rank >= 3"):
+        npattn.attention_forward(x[0, 0], x[0, 0], x[0, 0])

@@ -404,6 +404,54 @@ def _fast_against_float64_dense(q, k, v, causal, **blocks):
         np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
 
 
+def _zero_reference(q, k, v, **options):
+    """Whether the fast forward keeps every row at the reference 0 for these inputs."""
+    spec = make_spec(q, k, v, impl="chunked", **options)
+    return fast_numpy._Forward(spec, q, k, v).zero_reference
+
+
+def test_the_forward_keeps_the_zero_reference_only_where_every_score_and_sum_is_bounded():
+    """No running maximum only while nothing can move a score past
+    ``ZERO_REFERENCE_BOUND`` (a bias, ALiBi, large products) and the sums
+    ``S 2**bound max|v|`` stay finite; a softcap bounds the products."""
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((1, 2, 32, 8)).astype(np.float32) for _ in range(3))
+    assert _zero_reference(q, k, v)
+    assert _zero_reference(q, k, v, causal=True, softcap=50.0, dropout_p=0.5, seed=1, kv_lengths=np.array([20]))
+    assert not _zero_reference(q, k, v, bias=np.zeros((32, 32), np.float32))
+    assert not _zero_reference(q, k, v, alibi_slopes=np.ones(2, np.float32))
+    assert not _zero_reference(q, k, v, score_mods=[npattn.softcap_mod(5.0)])
+    assert not _zero_reference(40 * q, k, v)  # |S_ij| up to ~300 in base 2
+    assert _zero_reference(40 * q, k, v, softcap=50.0)  # capped at 50 nats, 72 in base 2
+    assert not _zero_reference(40 * q, k, v, softcap=100.0)
+    assert not _zero_reference(q, k, 1e36 * v)  # l max|v| could reach float32's overflow
+
+
+@pytest.mark.parametrize("scale_v", [1.0, 1e15], ids=["moderate v", "large v"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_softcapped_scores_near_the_zero_reference_bound_match_float64(causal, scale_v):
+    """Products far beyond the bound, capped at 50 nats (72 in base 2): at
+    the zero reference ``exp2`` runs on scores up to +-72, with no flush; and
+    with v large enough that the sums could overflow, the running maximum
+    takes over. Both match float64 dense, forward and backward."""
+    rng = np.random.default_rng(8)
+    q = (40 * rng.standard_normal((1, 2, 48, 8))).astype(np.float32)
+    k = rng.standard_normal((1, 2, 48, 8)).astype(np.float32)
+    v = (scale_v * rng.standard_normal((1, 2, 48, 8))).astype(np.float32)
+    assert _zero_reference(q, k, v, softcap=50.0) == (scale_v == 1.0)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    spec = make_spec(q, k, v, impl="chunked", causal=causal, softcap=50.0, block_q=16, block_k=16)
+    out, lse = fast_numpy.forward(spec, q, k, v)
+    dq, dk, dv, *_ = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)
+    wide = [a.astype(np.float64) for a in (q, k, v)]
+    ref_out, ref_res = npattn.attention_forward(*wide, impl="dense", causal=causal, softcap=50.0)
+    ref = npattn.attention_backward(dout.astype(np.float64), ref_res)
+    for got, want in ((out, ref_out), (lse, ref_res.lse), (dq, ref.dq), (dk, ref.dk), (dv, ref.dv)):
+        assert np.all(np.isfinite(got))
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(got / scale, want / scale, rtol=0, atol=2e-5)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_rows_that_start_at_reference_zero_still_rescale_on_later_large_scores(causal):
     """The first key tile's scores are bounded within the rescale threshold,
