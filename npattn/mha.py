@@ -203,8 +203,11 @@ def mha_init(
 
 
 def _linear(xp, a, w, b):
-    """``a W^T + b``: ``(B, L, in) -> (B, L, out)``."""
-    y = a @ xp.matrix_transpose(w)  # (B, L, out)
+    """``a W^T + b``: ``(B, L, in) -> (B, L, out)``, as one product over the
+    ``B*L`` rows (one large GEMM rather than B smaller ones)."""
+    B, L, width = a.shape
+    y = xp.reshape(a, (B * L, width)) @ xp.matrix_transpose(w)  # (B*L, in) @ (in, out) -> (B*L, out)
+    y = xp.reshape(y, (B, L, w.shape[0]))  # (B, L, out)
     return y if b is None else y + b
 
 
@@ -212,9 +215,9 @@ def _linear_backward(xp, dy, a, w, with_bias):
     """Adjoint of :func:`_linear`: ``(dA, dW, db)`` with ``dA = dY W``,
     ``dW = dY^T A`` over all batch rows and positions, ``db = sum(dY)``."""
     B, L, out = dy.shape
-    da = dy @ w  # (B, L, in)
     dy_rows = xp.reshape(dy, (B * L, out))  # (B*L, out)
     a_rows = xp.reshape(a, (B * L, a.shape[-1]))  # (B*L, in)
+    da = xp.reshape(dy_rows @ w, (B, L, w.shape[1]))  # (B*L, out) @ (out, in) -> (B, L, in)
     dw = xp.matrix_transpose(dy_rows) @ a_rows  # (out, in)
     db = xp.sum(dy_rows, axis=0) if with_bias else None  # (out,)
     return da, dw, db
