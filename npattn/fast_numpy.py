@@ -312,10 +312,23 @@ def handles(xp: Any, compute_dtype: Any) -> bool:
     )
 
 
+#: ... but query tiles of :data:`SPLIT_BLOCK` rows for a short sequence
+#: (``T`` up to this) that causal/window, lengths, segment ids or a block
+#: mask cut: most of its tiles are then partly visible, which a 512-row tile
+#: runs as several spans of SPLIT_BLOCK rows (:func:`plan_tile`), one kv head
+#: at a time; 128-row tiles run one span each, over a group of kv heads
+#: (:func:`_kv_groups`). Measured (2 cores, H=64, causal, forward): 0.83x the
+#: time at T=512, 0.86-0.90x at T=1024, 0.97x at 2048, 1.04x at 4096.
+SHORT_PARTIAL_LENGTH = 1024
+
+
 def _blocks(spec: AttentionSpec) -> tuple[int, int]:
-    """``(block_q, block_k)``: the caller's, else :data:`FAST_BLOCKS`,
-    clipped to the sequence lengths (at least 1)."""
-    block_q = spec.block_q or FAST_BLOCKS[0]
+    """``(block_q, block_k)``: the caller's, else :data:`FAST_BLOCKS` (with
+    :data:`SHORT_PARTIAL_LENGTH`'s exception), clipped to the sequence
+    lengths (at least 1). A pure function of ``spec``: the backward tiles as
+    the forward."""
+    short_partial = spec.has_index_rules and spec.q_len <= SHORT_PARTIAL_LENGTH
+    block_q = spec.block_q or (SPLIT_BLOCK if short_partial else FAST_BLOCKS[0])
     block_k = spec.block_k or FAST_BLOCKS[1]
     return max(1, min(block_q, spec.q_len)), max(1, min(block_k, spec.kv_len))
 
@@ -428,24 +441,67 @@ def _augmented_transposed(x3: Any, dtype: Any, out: Any = None) -> Any:
     return xt
 
 
-def _augmented_rows(x: Any, column: Any, scale: Any, dtype: Any) -> Any:
+def _augmented_rows(x: Any, column: Any, scale: Any, dtype: Any, nk: int | None = None) -> Any:
     """``[scale * x, column]`` in position-major row order: ``(G, tq, D)`` and
-    ``(tq*G,)`` -> ``(tq*G, D + 1)``, row ``t*G + g`` holding ``x[g, t]``."""
-    G, tq, D = x.shape
-    xa = np.empty((tq * G, D + 1), dtype=dtype)
-    np.multiply(np.swapaxes(x, 0, 1), scale, out=xa.reshape(tq, G, D + 1)[:, :, :D])  # (tq, G, D)
-    xa[:, D] = column
-    return xa
+    ``(tq*G,)`` -> ``(tq*G, D + 1)``, row ``t*G + g`` holding ``x[g, t]``;
+    with ``nk``, one such stack per kv head of a group (:class:`_Item`):
+    ``(nk*G, tq, D)`` and ``(nk, tq*G)`` -> ``(nk, tq*G, D + 1)``."""
+    GN, tq, D = x.shape
+    n = 1 if nk is None else nk
+    G = GN // n if n else 0
+    xa = np.empty((n, tq * G, D + 1), dtype=dtype)
+    rows = np.swapaxes(np.reshape(x, (n, G, tq, D)), 1, 2)  # (n, tq, G, D)
+    np.multiply(rows, scale, out=xa.reshape(n, tq, G, D + 1)[..., :D])
+    xa[..., D] = column
+    return xa[0] if nk is None else xa
 
 
-def _position_major(x: Any) -> Any:
-    """``(G, tq, ...) -> (tq*G, ...)``, row ``t*G + g`` holding ``x[g, t]``."""
-    return np.swapaxes(x, 0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+def _position_major(x: Any, nk: int | None = None) -> Any:
+    """``(G, tq, ...) -> (tq*G, ...)``, row ``t*G + g`` holding ``x[g, t]``;
+    with ``nk``, the same per kv head of a group: ``(nk*G, tq, ...) -> (nk, tq*G, ...)``."""
+    if nk is None:
+        return np.swapaxes(x, 0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+    G, tq = (x.shape[0] // nk if nk else 0), x.shape[1]
+    grouped = np.swapaxes(np.reshape(x, (nk, G) + x.shape[1:]), 1, 2)  # (nk, tq, G, ...)
+    return grouped.reshape((nk, tq * G) + x.shape[2:])
 
 
-def _head_major(x: Any, tq: int, G: int) -> Any:
-    """Inverse of :func:`_position_major`: ``(tq*G, ...) -> (G, tq, ...)`` (a view)."""
-    return np.swapaxes(x.reshape((tq, G) + x.shape[1:]), 0, 1)
+def _head_major(x: Any, tq: int, G: int, nk: int | None = None) -> Any:
+    """Inverse of :func:`_position_major`: ``(tq*G, ...) -> (G, tq, ...)`` (a
+    view); with ``nk``, ``(nk, tq*G, ...) -> (nk*G, tq, ...)`` (a copy unless
+    ``nk`` or ``G`` is 1)."""
+    if nk is None:
+        return np.swapaxes(x.reshape((tq, G) + x.shape[1:]), 0, 1)
+    grouped = np.swapaxes(x.reshape((nk, tq, G) + x.shape[2:]), 1, 2)  # (nk, G, tq, ...)
+    return grouped.reshape((nk * G, tq) + x.shape[2:])
+
+
+#: An item of the fast path groups consecutive kv heads of one batch
+#: element (see :class:`_Item`) until one span of scores holds about this
+#: many entries, ``nk * G * block_q * block_k`` (a 512 x 512 tile): with
+#: short sequences one NumPy call then covers several heads, and the pool's
+#: threads hand the GIL to one another far less often.
+GROUP_SCORES = 2**18
+
+#: ... while a call keeps at least this many items (when it has as many kv
+#: heads and tiles), for its threads to share. A constant, not the thread
+#: count: the groups decide the bounds each item checks, so they must not
+#: change with it (the same bits whatever the thread count).
+GROUP_MIN_ITEMS = 8
+
+
+def _kv_groups(spec: AttentionSpec, span_scores: int, tiles: int) -> list[tuple[int, int]]:
+    """The ``(kv0, kv1)`` ranges of kv heads an item takes: as many as keep
+    ``span_scores`` (one head's largest span, ``G * block_q * block_k``)
+    times their count within :data:`GROUP_SCORES`, and few enough that the
+    ``B * groups * tiles`` items are at least :data:`GROUP_MIN_ITEMS`. One
+    head each with score modifications (their functions see one kv head's
+    tile) and with ALiBi (a span is skipped where its item's flattest head
+    leaves nothing above the flush floor, :meth:`_Item.below_floor`)."""
+    K, items = spec.num_kv_heads, spec.num_batch * spec.num_kv_heads * tiles
+    single = bool(spec.score_mods) or spec.alibi_slopes is not None
+    nk = 1 if single else max(1, min(K, GROUP_SCORES // max(span_scores, 1), items // GROUP_MIN_ITEMS))
+    return [(kv0, min(kv0 + nk, K)) for kv0 in range(0, K, nk)]
 
 
 # --- tile plans -------------------------------------------------------------------------
@@ -551,14 +607,24 @@ class ModState(NamedTuple):
 
 
 class _Item:
-    """One (batch element, kv head) of the problem: its G query heads stacked
-    position-major (row ``t*G + g`` is head ``g`` at query ``t``), so that
-    a range of query positions is a contiguous range of rows, and the mask,
-    bias and dropout tiles restricted to them as ``(tq*G, tk)`` matrices."""
+    """A group of ``nk`` consecutive kv heads of one batch element, the G
+    query heads of each stacked position-major (row ``t*G + g`` is its head
+    ``g`` at query ``t``), so that a range of query positions is a
+    contiguous range of rows. The item's arrays are stacks of one matrix
+    per kv head, ``(nk, rows, ...)``, so that each product and pass covers
+    the group in one NumPy call (:func:`_kv_groups`); the mask, bias and
+    dropout tiles of its heads come as ``(nk, tq*G, tk)`` stacks. The
+    methods that modify or match a span's array also take a single kv
+    head's 2-D ``(tq*G, tk)`` (``nk = 1``), as the derivative modes'
+    kernels pass."""
 
-    def __init__(self, spec: AttentionSpec, b: int, kv_head: int, mode: _Mode, distances: _AlibiDistances | None):
-        self.spec, self.b, self.kv, self.G = spec, b, kv_head, spec.group_size
-        self.heads = (kv_head * self.G, (kv_head + 1) * self.G)
+    def __init__(
+        self, spec: AttentionSpec, b: int, kv_heads: tuple[int, int], mode: _Mode, distances: _AlibiDistances | None
+    ):
+        kv0, kv1 = kv_heads
+        self.spec, self.b, self.G = spec, b, spec.group_size
+        self.kv_slice, self.nk = slice(kv0, kv1), kv1 - kv0
+        self.heads = (kv0 * self.G, kv1 * self.G)
         self.head_slice = slice(*self.heads)
         self.mode, self.distances = mode, distances
         self.mod_grads: dict[str, Any] = {}  # the score modifications' parameter cotangents, summed over spans
@@ -566,12 +632,18 @@ class _Item:
         self.slope_min: float | None = None  # min_n m_n over this item's heads, in the scores' base
         self.additive = spec.bias is not None or spec.alibi_slopes is not None  # step 3 adds a term
         if spec.alibi_slopes is not None:
-            slopes = select_item(spec, spec.alibi_slopes, b, self.heads)  # (G|1, 1, 1)
+            slopes = select_item(spec, spec.alibi_slopes, b, self.heads)  # (nk*G|1, 1, 1)
             self.slope_min = float(np.min(slopes)) * mode.base
 
-    def _as_rows(self, tile: Any, tq: int, tk: int) -> Any:
-        """``(G|1, tq|1, tk|1)`` or ``(tq|1, tk|1)`` -> ``(tq*G, tk)``."""
-        return _position_major(np.broadcast_to(tile, (self.G, tq, tk)))  # (tq*G, tk)
+    def _as_rows(self, tile: Any, tq: int, tk: int, like: Any = None) -> Any:
+        """``(nk*G|1, tq|1, tk|1)`` or ``(tq|1, tk|1)`` -> ``(nk, tq*G, tk)``,
+        or ``like``'s shape (a single kv head's 2-D array)."""
+        rows = _position_major(np.broadcast_to(tile, (self.nk * self.G, tq, tk)), self.nk)  # (nk, tq*G, tk)
+        return rows if like is None else rows.reshape(like.shape)
+
+    def _heads(self, x: Any, tq: int) -> Any:
+        """A span's ``(nk, tq*G, tk)`` or ``(tq*G, tk)`` -> ``(nk*G, tq, tk)``, head-major."""
+        return _head_major(x.reshape((self.nk,) + x.shape[-2:]), tq, self.G, self.nk)
 
     def add_bias(self, s: Any, p0: int, p1: int, c0: int, c1: int) -> None:
         """Add step 3 (bias, ALiBi) over positions ``[p0, p1)`` and keys
@@ -580,23 +652,24 @@ class _Item:
         distance = None if self.distances is None else self.distances.get(self.b, p0, p1, c0, c1)
         bias = additive_tile(self.spec, p0, p1, c0, c1, batch=self.b, heads=self.heads, distance=distance)
         if bias is not None:
-            s += self._as_rows(bias, p1 - p0, c1 - c0)
+            s += self._as_rows(bias, p1 - p0, c1 - c0, like=s)
 
     def fill_hidden(self, s: Any, span: tuple, value: float) -> None:
-        """Set the hidden entries of the span's ``(R, c1 - c0)`` matrix ``s`` to ``value``."""
+        """Set the hidden entries of the span's ``(..., R, c1 - c0)`` array ``s`` to ``value``."""
         p0, p1, c0, _, hidden = span
         for j0, j1, rows_hidden in hidden:
+            target = s[..., j0 - c0 : j1 - c0]
             if rows_hidden is None:  # visibility differs between items: this item's own
                 visible = visible_tile(self.spec, p0, p1, j0, j1, batch=self.b, heads=self.heads)
                 if visible is None:
                     continue
-                rows_hidden = ~self._as_rows(visible, p1 - p0, j1 - j0)  # (R, j1 - j0)
-            np.copyto(s[:, j0 - c0 : j1 - c0], value, where=rows_hidden)
+                rows_hidden = ~self._as_rows(visible, p1 - p0, j1 - j0, like=target)  # (..., R, j1 - j0)
+            np.copyto(target, value, where=rows_hidden)
 
     def scores(
         self, out: Any, qa: Any, kTa: Any, span: tuple, *, hide: bool = True, tanh: Any = None
     ) -> ModState | None:
-        """``out = qa @ kTa[:, c0:c1]``, then the softcap, the bias and ALiBi,
+        """``out = qa @ kTa[..., c0:c1]``, then the softcap, the bias and ALiBi,
         the user score modifications and, with ``hide``, the span's hidden
         entries set to -inf. With a softcap and a ``tanh`` buffer of
         ``out``'s shape (the backward's), ``t = tanh(s / c)`` is kept there
@@ -611,10 +684,10 @@ class _Item:
         """
         p0, p1, c0, c1, _ = span
         if self.spec.softcap is None:
-            np.matmul(qa, kTa[:, c0:c1], out=out)  # (R, H+1) @ (H+1, tk) -> (R, tk)
+            np.matmul(qa, kTa[..., c0:c1], out=out)  # (nk, R, H+1) @ (nk, H+1, tk) -> (nk, R, tk)
         else:
             t = out if tanh is None else tanh
-            np.matmul(qa, kTa[:, c0:c1], out=t)  # (R, H+1) @ (H+1, tk) -> (R, tk): s, or s / c
+            np.matmul(qa, kTa[..., c0:c1], out=t)  # (nk, R, H+1) @ (nk, H+1, tk): s, or s / c
             softcap_forward_inplace(np, t, self.mode.cap, out=out, ratio=self.mode.ratio)  # t, out = c t
         if self.additive:
             self.add_bias(out, p0, p1, c0, c1)
@@ -624,21 +697,22 @@ class _Item:
         return state
 
     def modify(self, s: Any, p0: int, p1: int, c0: int, c1: int, *, keep: bool) -> ModState:
-        """Step 4 in place on the span's ``(tq*G, tk)`` scores, seen head-major
-        as the rank-4 tile ``(1, G, tq, tk)``; returns what each modification
+        """Step 4 in place on the span's scores of one kv head (``nk = 1``,
+        see :func:`_kv_groups`), ``(..., tq*G, tk)``, seen head-major as the
+        rank-4 tile ``(1, G, tq, tk)``; returns what each modification
         received, valid after the call only with ``keep`` (the backward's:
         then the first receives a copy, since ``s`` is overwritten), and the
         span's index."""
-        s4 = _head_major(s, p1 - p0, self.G)[None]  # (1, G, tq, tk), a view
+        s4 = _head_major(s.reshape(s.shape[-2:]), p1 - p0, self.G)[None]  # (1, G, tq, tk), a view
         index = tile_index(self.spec, p0, p1, c0, c1, batch=self.b, heads=self.heads)
         result, inputs = mods_keeping_masked(self.spec, s4.copy() if keep else s4, index)
         np.copyto(s4, result)
         return ModState(inputs, index)
 
     def modify_backward(self, ds: Any, state: ModState, p0: int, p1: int) -> None:
-        """Step 4's chain rule in place on the span's ``dS (tq*G, tk)``; adds
-        the parameter shares to :attr:`mod_grads`, in the span order."""
-        ds4 = _head_major(ds, p1 - p0, self.G)[None]  # (1, G, tq, tk), a view
+        """Step 4's chain rule in place on the span's ``dS`` of one kv head;
+        adds the parameter shares to :attr:`mod_grads`, in the span order."""
+        ds4 = _head_major(ds.reshape(ds.shape[-2:]), p1 - p0, self.G)[None]  # (1, G, tq, tk), a view
         ds_in, shares = mods_backward(self.spec, ds4.copy(), state.inputs, state.index)
         np.copyto(ds4, ds_in)
         for name, share in shares.items():
@@ -658,24 +732,25 @@ class _Item:
         return reach > 0 and float(np.max(row_bounds)) - reach < floor
 
     def alibi_grad(self, ds: Any, p0: int, p1: int, c0: int, c1: int) -> Any:
-        """This span's share of the item's slope gradients, ``(G,)``, from
-        ``dS (tq*G, tk)``; times the base (the distances carry it)."""
+        """This span's share of the item's slope gradients, ``(nk*G,)``, from
+        its ``dS``; times the base (the distances carry it)."""
         assert self.distances is not None, "only with ALiBi"
         distance = self.distances.get(self.b, p0, p1, c0, c1)
-        ds_heads = _head_major(ds, p1 - p0, self.G)  # (G, tq, tk)
-        return alibi_slopes_grad_tile(self.spec, ds_heads, p0, p1, c0, c1, batch=self.b, distance=distance)  # (G,)
+        ds_heads = self._heads(ds, p1 - p0)  # (nk*G, tq, tk)
+        return alibi_slopes_grad_tile(self.spec, ds_heads, p0, p1, c0, c1, batch=self.b, distance=distance)
 
-    def dropout_scale(self, p0: int, p1: int, c0: int, c1: int) -> Any | None:
-        """``keep_ij / (1 - p)`` as ``(tq*G, tk)``, or None without dropout."""
+    def dropout_scale(self, p0: int, p1: int, c0: int, c1: int, *, like: Any = None) -> Any | None:
+        """``keep_ij / (1 - p)`` as ``(nk, tq*G, tk)`` (or ``like``'s shape),
+        or None without dropout."""
         spec = self.spec
         if spec.dropout_p == 0:
             return None
-        keep = _dropout.keep_tile(spec, p0, p1, c0, c1, heads=self.heads, batch=self.b)  # (G, tq, tk)
+        keep = _dropout.keep_tile(spec, p0, p1, c0, c1, heads=self.heads, batch=self.b)  # (nk*G, tq, tk)
         scale = spec.compute_dtype.type(1.0 / (1.0 - spec.dropout_p))
-        return _position_major(np.multiply(keep, scale, dtype=spec.compute_dtype))  # (tq*G, tk)
+        return self._as_rows(np.multiply(keep, scale, dtype=spec.compute_dtype), p1 - p0, c1 - c0, like=like)
 
     def add_dbias(self, dbias: Any, ds: Any, p0: int, p1: int, c0: int, c1: int) -> None:
-        """Add ``dS (tq*G, tk)`` into the full-rank ``dbias`` over this item's
+        """Add the span's ``dS`` into the full-rank ``dbias`` over this item's
         batch element and heads, positions ``[p0, p1)`` and keys ``[c0, c1)``,
         summing over broadcast axes."""
         lead = dbias.ndim - 3
@@ -684,8 +759,8 @@ class _Item:
         heads = slice(None) if dbias.shape[-3] == 1 else self.head_slice
         rows = slice(None) if dbias.shape[-2] == 1 else slice(p0, p1)
         cols = slice(None) if dbias.shape[-1] == 1 else slice(c0, c1)
-        target = dbias[batch + (heads, rows, cols)]  # (G|1, tq|1, tk|1)
-        target += sum_to_shape(np, _head_major(ds, p1 - p0, self.G), target.shape)
+        target = dbias[batch + (heads, rows, cols)]  # (nk*G|1, tq|1, tk|1)
+        target += sum_to_shape(np, self._heads(ds, p1 - p0), target.shape)
 
 
 class _AlibiDistances:
@@ -719,7 +794,7 @@ class _AlibiDistances:
 
 
 class _RangeMax:
-    """``self[c0, c1]``: ``max(values[c0:c1])`` as a Python float, memoized
+    """``self[c0, c1]``: ``max(values[..., c0:c1])`` as a Python float, memoized
     (the same key ranges recur for every query tile)."""
 
     def __init__(self, values: Any):
@@ -729,7 +804,7 @@ class _RangeMax:
     def __getitem__(self, key: tuple[int, int]) -> float:
         found = self.memo.get(key)
         if found is None:
-            found = self.memo[key] = float(self.values[key[0] : key[1]].max())
+            found = self.memo[key] = float(self.values[..., key[0] : key[1]].max())
         return found
 
 
@@ -770,8 +845,8 @@ def _key_order(spec: AttentionSpec, row: list, q0: int, k_tiles: list) -> list:
 
 
 def _add_row_products(acc: Any, a: Any, b: Any, tmp: Any, chunked: bool) -> None:
-    """``acc += a^T b`` for ``a (R, n)`` and ``b (R, m)``; with ``chunked``,
-    as products of :data:`ROW_CHUNK` rows, the last rows first.
+    """``acc += a^T b`` for ``a (..., R, n)`` and ``b (..., R, m)``; with
+    ``chunked``, as products of :data:`ROW_CHUNK` rows, the last rows first.
 
     A float32 product adds its R terms one after another, each rounded at
     the size of the sum so far. In a partly visible span (a causal
@@ -779,14 +854,14 @@ def _add_row_products(acc: Any, a: Any, b: Any, tmp: Any, chunked: bool) -> None
     just after it: summed first, they make every later term of ``dV_j`` and
     ``dK_j`` round at their size. Short products, last rows first, keep those
     roundings few (see the module docstring)."""
-    R = a.shape[0]
+    R = a.shape[-2]
     if not chunked or R <= ROW_CHUNK:
-        np.matmul(a.T, b, out=tmp)  # (n, R) @ (R, m) -> (n, m)
+        np.matmul(np.swapaxes(a, -1, -2), b, out=tmp)  # (..., n, R) @ (..., R, m) -> (..., n, m)
         acc += tmp
         return
     for i0 in range((R - 1) // ROW_CHUNK * ROW_CHUNK, -1, -ROW_CHUNK):
         rows = slice(i0, i0 + ROW_CHUNK)
-        np.matmul(a[rows].T, b[rows], out=tmp)  # (n, chunk) @ (chunk, m) -> (n, m)
+        np.matmul(np.swapaxes(a[..., rows, :], -1, -2), b[..., rows, :], out=tmp)  # (..., n, chunk) @ (..., chunk, m)
         acc += tmp
 
 
@@ -795,9 +870,9 @@ def _rows(span: tuple, q0: int, G: int) -> slice:
     return slice((span[0] - q0) * G, (span[1] - q0) * G)
 
 
-def _buffer(flat: Any, rows: int, cols: int) -> Any:
-    """A contiguous ``(rows, cols)`` matrix at the start of a flat buffer."""
-    return flat[: rows * cols].reshape(rows, cols)
+def _buffer(flat: Any, *shape: int) -> Any:
+    """A contiguous array of ``shape`` at the start of a flat buffer."""
+    return flat[: math.prod(shape)].reshape(shape)
 
 
 # --- forward ----------------------------------------------------------------------------
@@ -834,8 +909,8 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     # Costliest query tiles first, so that no thread is left with a long one at the end.
     cost = [sum((p1 - p0) * (c1 - c0) for plan in row for p0, p1, c0, c1, _ in plan) for row in call.plans]
     order = sorted(range(len(call.q_tiles)), key=lambda qi: -cost[qi])
-    Bf, K, G = spec.num_batch, spec.num_kv_heads, spec.group_size
-    items = [(b, kv, qi) for qi in order for b in range(Bf) for kv in range(K) if cost[qi] and G]  # G=0: no rows
+    groups = range(len(call.groups))
+    items = [(b, g, qi) for qi in order for b in range(spec.num_batch) for g in groups if cost[qi] and spec.group_size]
     _run(items, call.work, spare_thread=True)
     for qi in (qi for qi in order if not cost[qi]):  # query tiles that see no key: fully masked rows
         q0, q1 = call.q_tiles[qi]
@@ -867,8 +942,9 @@ def _zero_reference_fits(bound: float, S: int, v_max: float, dtype: Any) -> bool
 
 
 class _Forward:
-    """One forward call: what its (batch element, kv head, query tile) items
-    share, and the loops an item runs (see :func:`forward`)."""
+    """One forward call: what its items share, and the loops an item runs
+    (see :func:`forward`). An item is a (batch element, group of kv heads,
+    query tile), its arrays ``(nk, rows, ...)`` (see :class:`_Item`)."""
 
     def __init__(self, spec: AttentionSpec, q: Any, k: Any, v: Any):
         dtype = spec.compute_dtype
@@ -882,15 +958,16 @@ class _Forward:
         self.mode = mode = _Mode(spec, self.q_norms3, self.k_norms)
         v_max = float(max(np.max(v), -np.min(v))) if v.size else 0.0
         self.zero_reference = mode.lower and _zero_reference_fits(mode.bound, S, v_max, dtype)
-        # [K^T; 1] per (batch element, kv head), built by its first item, in
-        # parallel and while K is in cache (_keys).
-        self.keys: list[Any] = [None] * (Bf * K)
         # Every item writes its rows; query tiles that see no key are filled in forward().
         self.out = np.empty((Bf, N, T, Hv), dtype=dtype)
         self.lse = np.empty((Bf, N, T), dtype=dtype)
         block_q, self.block_k = _blocks(spec)
         self.q_tiles, self.k_tiles = tile_ranges(T, block_q), tile_ranges(S, self.block_k)
         self.plans = _plans(spec, self.q_tiles, self.k_tiles)
+        self.groups = _kv_groups(spec, self.G * block_q * self.block_k, len(self.q_tiles))
+        # [K^T; 1] per (batch element, group), built by its first item, in
+        # parallel and while K is in cache (_keys).
+        self.keys: list[Any] = [None] * (Bf * len(self.groups))
         # In base 2 (log2(e) folded into the scale, exp2 for exp) where the mode
         # allows; otherwise in base e, exactly as the generic path.
         self.exp = _Exp(mode.base2, dtype)
@@ -898,78 +975,81 @@ class _Forward:
         self.norm_scale = abs(spec.scale) * mode.base  # |S_ij| <= norm_scale |q_i| |k_j|, in the scores' base
         self.threshold = RESCALE_THRESHOLD * mode.base
         self.ones_k = np.ones(self.block_k, dtype=dtype)
-        self.k_norm_max = [[_RangeMax(self.k_norms[b, kv]) for kv in range(K)] for b in range(Bf)]  # read if upper
+        self.k_norm_max = [[_RangeMax(self.k_norms[b, slice(*group)]) for group in self.groups] for b in range(Bf)]
         self.distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, mode.base)
 
-    def _keys(self, b: int, kv: int) -> Any:
-        """``[K^T; 1] (H+1, S)`` of ``(b, kv)``, built by the first item that
-        asks (threads may build it twice; both copies are equal)."""
-        slot = b * self.spec.num_kv_heads + kv
+    def _keys(self, b: int, g: int) -> Any:
+        """``[K^T; 1] (nk, H+1, S)`` of batch element ``b``'s group ``g``,
+        built by the first item that asks (threads may build it twice; both
+        copies are equal)."""
+        slot = b * len(self.groups) + g
         found = self.keys[slot]
         if found is None:
-            found = self.keys[slot] = _augmented_transposed(self.k3[b, kv], self.dtype)
+            found = self.keys[slot] = _augmented_transposed(self.k3[b, slice(*self.groups[g])], self.dtype)
         return found
 
     def work(self, job: tuple[int, int, int]) -> None:
-        """The item ``(b, kv, qi)``: its spans, then its rows of ``out`` and ``lse``."""
-        b, kv, qi = job
+        """The item ``(b, g, qi)``: its spans, then its rows of ``out`` and ``lse``."""
+        b, g, qi = job
         q0, q1 = self.q_tiles[qi]
-        item = _Item(self.spec, b, kv, self.mode, self.distances)
-        qa = _augmented_rows(self.q3[b, item.head_slice, q0:q1], 0, self.scale, self.dtype)  # (tq*G, H+1) = [Q_i, -m]
-        sums = _Sums(qa.shape[0], self.Hv, self.dtype)
+        item = _Item(self.spec, b, self.groups[g], self.mode, self.distances)
+        q_rows = self.q3[b, item.head_slice, q0:q1]  # (nk*G, tq, H)
+        qa = _augmented_rows(q_rows, 0, self.scale, self.dtype, item.nk)  # (nk, tq*G, H+1) = [Q_i, -m]
+        sums = _Sums(item.nk, qa.shape[1], self.Hv, self.dtype)
         if self.zero_reference:
-            self._spans_at_zero_reference(item, qi, q0, qa, sums)
+            self._spans_at_zero_reference(item, g, qi, q0, qa, sums)
             m = None
         else:
-            m = self._spans_with_running_max(item, qi, q0, qa, sums)
+            m = self._spans_with_running_max(item, g, qi, q0, qa, sums)
         self._finish(item, q0, q1, sums, m)
 
-    def _spans_at_zero_reference(self, item: _Item, qi: int, q0: int, qa: Any, sums: _Sums) -> None:
+    def _spans_at_zero_reference(self, item: _Item, g: int, qi: int, q0: int, qa: Any, sums: _Sums) -> None:
         """The spans of one query tile with every row's reference at 0."""
-        kTa, v_bk = self._keys(item.b, item.kv), self.v3[item.b, item.kv]  # (H+1, S), (S, Hv)
-        s_flat = np.empty(qa.shape[0] * self.block_k, dtype=self.dtype)  # one score tile, reused
+        nk, G = item.nk, self.G
+        keys, values = self._keys(item.b, g), self.v3[item.b, item.kv_slice]  # (nk, H+1, S), (nk, S, Hv)
+        s_flat = np.empty(nk * qa.shape[1] * self.block_k, dtype=self.dtype)  # one span's scores, reused
         for plan in self.plans[qi]:
             for span in plan:
-                r, (c0, c1) = _rows(span, q0, self.G), span[2:4]
-                s = _buffer(s_flat, r.stop - r.start, c1 - c0)  # (R, tk)
-                item.scores(s, qa[r], kTa, span, hide=False)  # scale Q K^T, softcapped
+                r, (c0, c1) = _rows(span, q0, G), span[2:4]
+                s = _buffer(s_flat, nk, r.stop - r.start, c1 - c0)  # (nk, R, tk)
+                item.scores(s, qa[:, r], keys, span, hide=False)  # scale Q K^T, softcapped
                 self.exp.fast(s, out=s)  # P~_ij = exp(S_ij): bounded, so never subnormal or inf
                 item.fill_hidden(s, span, 0)
-                sums.add(s, r, self.ones_k[: c1 - c0], v_bk[c0:c1], item.dropout_scale(*span[:4]))
+                sums.add(s, r, self.ones_k[: c1 - c0], values[:, c0:c1], item.dropout_scale(*span[:4]))
 
-    def _spans_with_running_max(self, item: _Item, qi: int, q0: int, qa: Any, sums: _Sums) -> Any:
+    def _spans_with_running_max(self, item: _Item, g: int, qi: int, q0: int, qa: Any, sums: _Sums) -> Any:
         """The spans of one query tile with a reference maximum ``m`` per
         row, updated lazily (see :func:`forward`); returns ``m``."""
-        spec, mode, dtype, exp, G = self.spec, self.mode, self.dtype, self.exp, self.G
+        spec, mode, dtype, exp, G, nk = self.spec, self.mode, self.dtype, self.exp, self.G, item.nk
         fused, upper, lower, threshold = mode.fused, mode.upper, mode.lower, self.threshold
-        b, kv, H = item.b, item.kv, qa.shape[1] - 1
-        kTa, v_bk = self._keys(b, kv), self.v3[b, kv]  # (H+1, S), (S, Hv)
-        rows = qa.shape[0]
-        m = np.zeros(rows, dtype=dtype)  # reference row maximum
+        H, rows = qa.shape[2] - 1, qa.shape[1]
+        m = np.zeros((nk, rows), dtype=dtype)  # reference row maximum
         l = sums.l
-        unset = np.ones(rows, dtype=bool)  # rows that have seen no visible key yet
-        q_norms = _position_major(self.q_norms3[b, item.head_slice, q0 : q0 + rows // G]) * self.norm_scale
-        s_flat = np.empty(rows * self.block_k, dtype=dtype)  # one score tile, reused
+        unset = np.ones((nk, rows), dtype=bool)  # rows that have seen no visible key yet
+        q_norms = _position_major(self.q_norms3[item.b, item.head_slice, q0 : q0 + rows // G], nk) * self.norm_scale
+        keys, values = self._keys(item.b, g), self.v3[item.b, item.kv_slice]  # (nk, H+1, S), (nk, S, Hv)
+        k_norm_max = self.k_norm_max[item.b][g]  # read only when upper
+        s_flat = np.empty(nk * rows * self.block_k, dtype=dtype)  # one span's scores, reused
         # Python scalars for the cheap form of the bounds below: max_i |scale q_i|,
         # min_i and max_i of m over all rows (unset rows keep m = 0, which only
         # widens them), and whether any row is unset (refreshed when m moves).
-        q_norm_max = float(q_norms.max()) if upper and rows else 0.0
+        q_norm_max = float(q_norms.max()) if upper and q_norms.size else 0.0
         m_min, m_max, any_unset = 0.0, 0.0, True
         for plan in _key_order(spec, self.plans[qi], q0, self.k_tiles):
             for span in plan:
                 r, (c0, c1) = _rows(span, q0, G), span[2:4]
-                s = _buffer(s_flat, r.stop - r.start, c1 - c0)  # (R, tk)
-                m_r, unset_r = m[r], unset[r]  # views
+                s = _buffer(s_flat, nk, r.stop - r.start, c1 - c0)  # (nk, R, tk)
+                m_r, unset_r = m[:, r], unset[:, r]  # views
                 span_unset = any_unset and bool(unset_r.any())
                 if upper:  # Cauchy-Schwarz: S_ij <= |scale q_i| |k_j| <= bound, and S_ij >= -bound if lower
-                    k_max = self.k_norm_max[b][kv][c0, c1]
+                    k_max = k_norm_max[c0, c1]
                     bound = min(q_norm_max * k_max, mode.cap)  # a softcap bounds |S_ij| too
                 else:
                     k_max = bound = np.inf
                 # ALiBi far from the diagonal: when S_ij - m_i < floor for every entry, the
                 # flushed exp gives exactly 0 throughout, so the span adds nothing to l and
                 # acc and is skipped (the same numbers, no GEMMs).
-                if upper and not any_unset and item.below_floor(q_norms[r] * k_max - m_r, span, exp.floor):
+                if upper and not any_unset and item.below_floor(q_norms[:, r] * k_max - m_r, span, exp.floor):
                     continue
                 # A row's first visible keys set its reference m. When the bound keeps
                 # every score of the span within +-threshold, the unset rows take m = 0
@@ -989,36 +1069,36 @@ class _Forward:
                 settled = (
                     upper
                     and not span_unset
-                    and (bound - m_min <= threshold or np.max(q_norms[r] * k_max - m_r) <= threshold)
+                    and (bound - m_min <= threshold or np.max(q_norms[:, r] * k_max - m_r) <= threshold)
                 )
                 # In a settled span where also S_ij - m_i >= -bound - m_max stays above the
                 # floor, every entry, hidden or not, has a plain exp: the hidden ones are
                 # zeroed after it rather than set to -inf before (two passes fewer than
                 # the flushed exp, which -inf needs).
                 exp_then_hide = settled and lower and bound + m_max < -exp.floor
-                item.scores(s, qa[r], kTa, span, hide=not exp_then_hide)  # scale Q K^T [- m]
+                item.scores(s, qa[:, r], keys, span, hide=not exp_then_hide)  # scale Q K^T [- m]
                 if settled:
                     grow = None
                 else:
                     # t: the span's row maximum, relative to m when fused, raw otherwise
-                    t = s.max(axis=1)  # (R,)
+                    t = s.max(axis=-1)  # (nk, R)
                     growth = t if fused else t - m_r
                     grow = (growth > threshold) | (unset_r & (t > -np.inf))
                 if grow is not None and grow.any():
-                    m_new = np.where(grow, m_r + t if fused else t, m_r).astype(dtype, copy=False)  # (R,)
+                    m_new = np.where(grow, m_r + t if fused else t, m_r).astype(dtype, copy=False)  # (nk, R)
                     alpha = exp.fast(np.where(unset_r, 0, m_r - m_new)).astype(dtype, copy=False)  # 1 if unset
-                    l[r] *= alpha
-                    sums.acc[r] *= alpha[:, None]
+                    l[:, r] *= alpha
+                    sums.acc[:, r] *= alpha[..., None]
                     if fused:
-                        s -= (m_new - m_r)[:, None]
-                        qa[r, H] = -m_new
+                        s -= (m_new - m_r)[..., None]
+                        qa[:, r, H] = -m_new
                     m_r[...] = m_new
                     unset_r &= ~grow
                     span_unset = bool(unset_r.any())
                     m_min, m_max = float(m.min()), float(m.max())
                 # Unfused, m stays an exact score (or 0), so the backward's S - lse matches.
                 if not fused and not (m_min == 0.0 == m_max):
-                    s -= m_r[:, None]
+                    s -= m_r[..., None]
                 # P~_ij, never subnormal: the plain exp where no entry can underflow
                 if exp_then_hide:
                     exp.fast(s, out=s)
@@ -1027,9 +1107,9 @@ class _Forward:
                     exp.fast(s, out=s)
                 else:
                     exp.flushed(s)
-                sums.add(s, r, self.ones_k[: c1 - c0], v_bk[c0:c1], item.dropout_scale(*span[:4]))
+                sums.add(s, r, self.ones_k[: c1 - c0], values[:, c0:c1], item.dropout_scale(*span[:4]))
                 if provisional is not None:
-                    unset_r |= provisional & (l[r] == 0)
+                    unset_r |= provisional & (l[:, r] == 0)
                 any_unset = any_unset and bool(unset.any())
         return m
 
@@ -1037,38 +1117,41 @@ class _Forward:
         """``O = acc / l`` and ``lse = (m + log_b l) / b`` in nats (``m = 0``
         at the zero reference; -inf where ``l = 0``), summed in float64 and
         rounded once, written head-major."""
-        tq, G, heads, l = q1 - q0, self.G, item.head_slice, sums.l
+        tq, G, nk, heads, l = q1 - q0, self.G, item.nk, item.head_slice, sums.l
         empty = l == 0
         l[empty] = 1
         np.divide(
-            _head_major(sums.acc, tq, G), _head_major(l, tq, G)[..., None], out=self.out[item.b, heads, q0:q1]
-        )  # (G, tq, Hv) / (G, tq, 1)
+            _head_major(sums.acc, tq, G, nk), _head_major(l, tq, G, nk)[..., None], out=self.out[item.b, heads, q0:q1]
+        )  # (nk*G, tq, Hv) / (nk*G, tq, 1)
         m64, l64 = (0.0 if m is None else m.astype(np.float64)), l.astype(np.float64)
         row_lse = ((m64 + np.log2(l64)) / self.b_eff if self.mode.base2 else m64 + np.log(l64)).astype(self.dtype)
         row_lse[empty] = -np.inf
-        self.lse[item.b, heads, q0:q1] = _head_major(row_lse, tq, G)  # (G, tq)
+        self.lse[item.b, heads, q0:q1] = _head_major(row_lse, tq, G, nk)  # (nk*G, tq)
 
 
 class _Sums:
-    """A forward item's running sums, ``l = rowsum(P~)`` and ``acc = P~ V``,
-    with the buffers of their products."""
+    """A forward item's running sums, ``l = rowsum(P~)`` ``(nk, rows)`` and
+    ``acc = P~ V`` ``(nk, rows, Hv)``, with the buffers of their products."""
 
-    def __init__(self, rows: int, Hv: int, dtype: Any):
-        self.l = np.zeros(rows, dtype=dtype)  # (rows,)
-        self.acc = np.zeros((rows, Hv), dtype=dtype)  # (rows, Hv)
-        self.row_sum = np.empty(rows, dtype=dtype)
-        self.pv = np.empty((rows, Hv), dtype=dtype)
+    def __init__(self, nk: int, rows: int, Hv: int, dtype: Any):
+        self.l = np.zeros((nk, rows), dtype=dtype)
+        self.acc = np.zeros((nk, rows, Hv), dtype=dtype)
+        self.row_sum_flat = np.empty(nk * rows, dtype=dtype)
+        self.pv_flat = np.empty(nk * rows * Hv, dtype=dtype)
 
     def add(self, p: Any, r: slice, ones: Any, v_rows: Any, drop: Any | None) -> None:
-        """``l[r] += rowsum(P~)`` and ``acc[r] += Pd~ V`` for ``P~ = p (R, tk)``
-        and the span's ``V (tk, Hv)``; with dropout (``drop``, ``keep / (1 -
-        p)``), ``Pd~ = P~ * drop`` overwrites ``p``."""
-        np.matmul(p, ones, out=self.row_sum[r])  # (R, tk) @ (tk,): a GEMV, 4x faster than p.sum(axis=1)
-        self.l[r] += self.row_sum[r]
+        """``l[:, r] += rowsum(P~)`` and ``acc[:, r] += Pd~ V`` for ``P~ = p
+        (nk, R, tk)`` and the span's ``V (nk, tk, Hv)``; with dropout
+        (``drop``, ``keep / (1 - p)``), ``Pd~ = P~ * drop`` overwrites ``p``."""
+        nk, R, _ = p.shape
+        row_sum = _buffer(self.row_sum_flat, nk, R)
+        np.matmul(p, ones, out=row_sum)  # (nk, R, tk) @ (tk,): a GEMV, 4x faster than p.sum(axis=-1)
+        self.l[:, r] += row_sum
         if drop is not None:
             p *= drop
-        np.matmul(p, v_rows, out=self.pv[r])  # (R, tk) @ (tk, Hv) -> (R, Hv)
-        self.acc[r] += self.pv[r]
+        pv = _buffer(self.pv_flat, nk, R, v_rows.shape[-1])
+        np.matmul(p, v_rows, out=pv)  # (nk, R, tk) @ (nk, tk, Hv) -> (nk, R, Hv)
+        self.acc[:, r] += pv
 
 
 # --- backward ---------------------------------------------------------------------------
@@ -1121,44 +1204,45 @@ def backward(
     one = dtype.type(1)
     fold_D = mode.base2 and spec.dropout_p == 0
     distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, base)
+    groups = _kv_groups(spec, G * block_q * block_k, 1)  # an item: (batch element, group of kv heads), every query
     # Each item writes the slope gradients of its own heads: summed in a fixed order.
     alibi_grads = None if distances is None else np.zeros((Bf, N), dtype=dtype)
-    mod_grads: list[dict[str, Any]] = [{} for _ in range(Bf * K)]  # per item, summed in item order below
+    mod_grads: list[dict[str, Any]] = [{} for _ in range(Bf * len(groups))]  # per item, summed in item order below
 
     def work(job):
-        b, kv = job
-        item = _Item(spec, b, kv, mode, distances)
+        b, g = job
+        item = _Item(spec, b, groups[g], mode, distances)
         item.keep_inputs = True
-        heads = item.head_slice
-        # The item's query side, all T positions stacked position-major: row t*G + g.
-        lse_b = _position_major(lse3[b, heads])  # (T*G,)
-        D_b = _position_major(D[b, heads])  # (T*G,)
+        heads, kvs, nk = item.head_slice, item.kv_slice, item.nk
+        # The item's query side, all T positions stacked position-major: row t*G + g' per kv head.
+        lse_b = _position_major(lse3[b, heads], nk)  # (nk, T*G)
+        D_b = _position_major(D[b, heads], nk)  # (nk, T*G)
         # lse in the scores' base, b_eff lse, rounded once (from float64)
-        lse_shift = (lse_b.astype(np.float64) * b_eff).astype(dtype) if base != 1.0 else lse_b  # (T*G,)
-        qa = _augmented_rows(q3[b, heads], -lse_shift if fused else 0, base_scale, dtype)  # (T*G, H+1)
-        doa = _augmented_rows(do3[b, heads], -D_b if fold_D else 0, one, dtype)  # (T*G, Hv+1)
-        qs, do_b = qa[:, :H], doa[:, :Hv]  # (T*G, H), (T*G, Hv) views
-        alibi_g = np.zeros(G, dtype=dtype)  # this item's slope gradients, base-scaled
-        kTa = _augmented_transposed(k3[b, kv], dtype)  # (H+1, S), built here, in parallel
-        vTa = _augmented_transposed(v3[b, kv], dtype)  # (Hv+1, S)
-        dq_b = np.zeros((T * G, H), dtype=dtype)
+        lse_shift = (lse_b.astype(np.float64) * b_eff).astype(dtype) if base != 1.0 else lse_b  # (nk, T*G)
+        qa = _augmented_rows(q3[b, heads], -lse_shift if fused else 0, base_scale, dtype, nk)  # (nk, T*G, H+1)
+        doa = _augmented_rows(do3[b, heads], -D_b if fold_D else 0, one, dtype, nk)  # (nk, T*G, Hv+1)
+        qs, do_b = qa[..., :H], doa[..., :Hv]  # (nk, T*G, H), (nk, T*G, Hv) views
+        alibi_g = np.zeros(nk * G, dtype=dtype)  # this item's slope gradients, base-scaled
+        kTa = _augmented_transposed(k3[b, kvs], dtype)  # (nk, H+1, S), built here, in parallel
+        vTa = _augmented_transposed(v3[b, kvs], dtype)  # (nk, Hv+1, S)
+        dq_b = np.zeros((nk, T * G, H), dtype=dtype)
         # S_ij - lse_i >= -|base scale q_i| max_j |k_j| - lse_i (the forward's bound), per query tile
-        q_norms = _position_major(q_norms3[b, heads]) * abs(scale * base)  # (T*G,) |base scale q_i|
+        q_norms = _position_major(q_norms3[b, heads], nk) * abs(scale * base)  # (nk, T*G) |base scale q_i|
         bounds = [
             (
-                float(q_norms[q0 * G : q1 * G].max()) if mode.lower and q1 > q0 and G else 0.0,
-                base * float(lse_b[q0 * G : q1 * G].min()) if q1 > q0 and G else 0.0,
-                base * float(lse_b[q0 * G : q1 * G].max()) if q1 > q0 and G else 0.0,
+                float(q_norms[:, q0 * G : q1 * G].max()) if mode.lower and q1 > q0 and G else 0.0,
+                base * float(lse_b[:, q0 * G : q1 * G].min()) if q1 > q0 and G else 0.0,
+                base * float(lse_b[:, q0 * G : q1 * G].max()) if q1 > q0 and G else 0.0,
             )
             for q0, q1 in q_tiles
         ]
-        k_norm_max = _RangeMax(k_norms[b, kv])  # read only when lower
-        s_flat = np.empty(G * block_q * block_k, dtype=dtype)  # scores, then P, of one span
+        k_norm_max = _RangeMax(k_norms[b, kvs])  # read only when lower
+        s_flat = np.empty(nk * G * block_q * block_k, dtype=dtype)  # scores, then P, of one span
         dp_flat = np.empty_like(s_flat)  # dP - D, then dS, of one span
         tanh_flat = None if spec.softcap is None else np.empty_like(s_flat)  # tanh(s / c) of one span
-        dk_j, dv_j = np.empty((block_k, H), dtype=dtype), np.empty((block_k, Hv), dtype=dtype)
+        dk_j, dv_j = np.empty((nk, block_k, H), dtype=dtype), np.empty((nk, block_k, Hv), dtype=dtype)
         dk_tmp, dv_tmp = np.empty_like(dk_j), np.empty_like(dv_j)
-        dq_tmp = np.empty((G * block_q, H), dtype=dtype)
+        dq_tmp = np.empty((nk, G * block_q, H), dtype=dtype)
         # Key tiles outside, query tiles inside (FlashAttention-2's order): dK_j and
         # dV_j accumulate in small buffers that stay in cache, written out once.
         # The query tiles and spans run last first: a causal mask's largest P_ij
@@ -1172,9 +1256,10 @@ def backward(
                     R, tk, cols = r.stop - r.start, c1 - c0, slice(c0 - k0, c1 - k0)
                     # As in the forward: where ALiBi takes every S_ij - lse_i of the span
                     # below the floor, P_ij (flushed) and so dS_ij are 0 throughout: skip.
-                    if mode.upper and item.below_floor(q_norms[r] * k_norm_max[c0, c1] - lse_shift[r], span, exp.floor):
+                    row_bounds = q_norms[:, r] * k_norm_max[c0, c1] - lse_shift[:, r]
+                    if mode.upper and item.below_floor(row_bounds, span, exp.floor):
                         continue
-                    p = _buffer(s_flat, R, tk)  # (R, tk)
+                    p = _buffer(s_flat, nk, R, tk)  # (nk, R, tk)
                     # As in the forward: when every S_ij - lse_i of the span lies above
                     # the floor, and the hidden ones (which lse_i does not bound, as it
                     # does the visible ones) also below -floor, the plain exp runs on all
@@ -1182,10 +1267,10 @@ def backward(
                     # The lower bound is needed for every entry, the upper one for the hidden.
                     bound = min(q_norm_max * k_norm_max[c0, c1], mode.cap) if mode.lower else np.inf
                     exp_then_hide = bound + lse_max < -exp.floor and (not span[4] or bound - lse_min < -exp.floor)
-                    t = None if tanh_flat is None else _buffer(tanh_flat, R, tk)
-                    inputs = item.scores(p, qa[r], kTa, span, hide=not exp_then_hide, tanh=t)  # S_ij [- lse_i]
+                    t = None if tanh_flat is None else _buffer(tanh_flat, nk, R, tk)
+                    inputs = item.scores(p, qa[:, r], kTa, span, hide=not exp_then_hide, tanh=t)  # S_ij [- lse_i]
                     if not fused:
-                        p -= lse_shift[r, None]
+                        p -= lse_shift[:, r, None]
                     if exp_then_hide:
                         exp.fast(p, out=p)  # P_ij
                         item.fill_hidden(p, span, 0)
@@ -1194,13 +1279,13 @@ def backward(
                     drop = item.dropout_scale(*span[:4])
                     p_dropped = p if drop is None else p * drop
                     partial = bool(span[4])  # some entries hidden: a diagonal, an edge
-                    _add_row_products(dv_j[cols], p_dropped, do_b[r], dv_tmp[:tk], partial)  # (tk, R) @ (R, Hv)
-                    ds = _buffer(dp_flat, R, tk)
-                    np.matmul(doa[r], vTa[:, c0:c1], out=ds)  # (R, Hv+1) @ (Hv+1, tk) -> dP [- D]
+                    _add_row_products(dv_j[:, cols], p_dropped, do_b[:, r], dv_tmp[:, :tk], partial)  # (nk, tk, Hv)
+                    ds = _buffer(dp_flat, nk, R, tk)
+                    np.matmul(doa[:, r], vTa[..., c0:c1], out=ds)  # (nk, R, Hv+1) @ (nk, Hv+1, tk) -> dP [- D]
                     if drop is not None:
                         ds *= drop
                     if not fold_D:
-                        ds -= D_b[r, None]
+                        ds -= D_b[:, r, None]
                     ds *= p  # dS_ij = P_ij * (dP_ij - D_i)
                     if inputs is not None:  # dS3_ij: through the score modifications
                         item.modify_backward(ds, inputs, *span[:2])
@@ -1210,22 +1295,22 @@ def backward(
                         alibi_g += item.alibi_grad(ds, *span[:4])
                     if t is not None:  # dR_ij: through the softcap (the pipeline's derivative)
                         softcap_backward_inplace(np, t, ds)
-                    np.matmul(ds, k3[b, kv, c0:c1], out=dq_tmp[:R])  # (R, tk) @ (tk, H) -> (R, H)
-                    dq_b[r] += dq_tmp[:R]
-                    _add_row_products(dk_j[cols], ds, qs[r], dk_tmp[:tk], partial)  # (tk, R) @ (R, H)
+                    np.matmul(ds, k3[b, kvs, c0:c1], out=dq_tmp[:, :R])  # (nk, R, tk) @ (nk, tk, H) -> (nk, R, H)
+                    dq_b[:, r] += dq_tmp[:, :R]
+                    _add_row_products(dk_j[:, cols], ds, qs[:, r], dk_tmp[:, :tk], partial)  # (nk, tk, H)
             if mode.ratio:
                 dk_j *= dtype.type(spec.softcap)  # qs carried scale * Q / softcap
             elif base != 1.0:
                 dk_j /= dtype.type(base)  # qs carried base * scale * Q
-            dk[b, kv, k0:k1] = dk_j[: k1 - k0]
-            dv[b, kv, k0:k1] = dv_j[: k1 - k0]
+            dk[b, kvs, k0:k1] = dk_j[:, : k1 - k0]
+            dv[b, kvs, k0:k1] = dv_j[:, : k1 - k0]
         dq_b *= scale
-        dq[b, heads] = _head_major(dq_b, T, G)  # (G, T, H)
+        dq[b, heads] = _head_major(dq_b, T, G, nk)  # (nk*G, T, H)
         if alibi_grads is not None:
             alibi_grads[b, heads] = alibi_g / dtype.type(base)  # the distances carried the base
-        mod_grads[b * K + kv] = item.mod_grads
+        mod_grads[b * len(groups) + g] = item.mod_grads
 
-    _run([(b, kv) for b in range(Bf) for kv in range(K)], work, parallel=dbias is None)
+    _run([(b, g) for b in range(Bf) for g in range(len(groups))], work, parallel=dbias is None)
     bs = spec.batch_shape
     grads = dq.reshape(bs + (N, T, H)), dk.reshape(bs + (K, S, H)), dv.reshape(bs + (K, S, Hv))
     alibi_total = None if alibi_grads is None else alibi_grads.reshape(bs + (N,))

@@ -79,14 +79,15 @@ def _broadcast_shape(draw, full):
 
 
 @st.composite
-def attention_cases(draw, *, max_len=6, features=FEATURES, min_batch_ndim=0, empty_sizes=False):
+def attention_cases(draw, *, max_len=6, features=FEATURES, min_batch_ndim=0, empty_sizes=False, kv_heads=(1, 2)):
     """``features`` may also hold ``"masked_row"``: a drawn mask then sometimes
     hides one query row entirely, and the :data:`VARIANTS`. ``empty_sizes``:
-    T=0 and a batch axis of 0 are drawn too."""
+    T=0 and a batch axis of 0 are drawn too. ``kv_heads``: the numbers of kv
+    heads K to draw from."""
     batch_shape = tuple(draw(st.lists(st.integers(1, 2), min_size=min_batch_ndim, max_size=2)))
     if empty_sizes and draw(st.integers(0, 6)) == 0:
         batch_shape = (0,) + batch_shape[1:]
-    K = draw(st.sampled_from([1, 2]))
+    K = draw(st.sampled_from(list(kv_heads)))
     N = K * draw(st.sampled_from([1, 2, 3]))  # G = 1 (MHA), 2, 3 (GQA); K = 1 is MQA
     T = draw(st.integers(0 if empty_sizes else 1, max_len))
     S = draw(st.integers(1, max_len + 1))

@@ -14,7 +14,7 @@ import pytest
 import threadpoolctl
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import attention_cases
+from strategies import ALL_FEATURES, attention_cases
 
 import npattn
 from npattn import chunked, fast_numpy
@@ -59,6 +59,37 @@ def test_fast_path_equals_generic_chunked_path(case, block_q, block_k, split):
         else:
             assert a.shape == b.shape, name
             np.testing.assert_allclose(a, b, atol=1e-11, rtol=0, err_msg=name)
+
+
+@settings(max_examples=60)
+@given(
+    case=attention_cases(features=ALL_FEATURES, kv_heads=(2, 3, 4)),
+    block_q=st.sampled_from([2, 3, 64]),
+    block_k=st.sampled_from([2, 5, 64]),
+)
+def test_items_of_several_kv_heads_equal_items_of_one(case, block_q, block_k):
+    """Items that stack a group of kv heads (:func:`npattn.fast_numpy._kv_groups`,
+    here as large as the heads allow) give the numbers of one kv head per
+    item, forward and backward, over every option: masks, bias, lengths,
+    dropout, segments and the variants (ALiBi and score modifications keep
+    one head per item)."""
+    blocks = dict(block_q=block_q, block_k=block_k)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fast_numpy, "GROUP_MIN_ITEMS", 1)
+        patch.setattr(fast_numpy, "GROUP_SCORES", 2**40)
+        spec = make_spec(*case.arrays, impl="chunked", **case.options, **blocks)
+        grouped = fast_numpy._kv_groups(spec, 1, 1)
+        assert len(grouped) == (spec.num_kv_heads if spec.alibi_slopes is not None else 1)
+        together = _run(fast_numpy.forward, fast_numpy.backward, case, **blocks)
+        patch.setattr(fast_numpy, "GROUP_SCORES", 0)  # one kv head per item
+        alone = _run(fast_numpy.forward, fast_numpy.backward, case, **blocks)
+    for name, a, b in zip(("out", "lse"), together[:2], alone[:2]):
+        np.testing.assert_allclose(a, b, atol=1e-12, rtol=0, err_msg=name)
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), together[2], alone[2]):
+        if b is not None:
+            np.testing.assert_allclose(a, b, atol=1e-11, rtol=0, err_msg=name)
+    if "alibi_slopes" in alone[2][4]:
+        np.testing.assert_allclose(together[2][4]["alibi_slopes"], alone[2][4]["alibi_slopes"], atol=1e-11, rtol=0)
 
 
 def _tile_visibility(spec, q0, q1, k0, k1):
@@ -935,7 +966,7 @@ def test_steep_alibi_spans_below_the_flush_floor_are_skipped_with_the_same_numbe
     real_scores = fast_numpy._Item.scores
 
     def counted(self, *args, **kwargs):
-        calls.append(self.kv)
+        calls.append(self.kv_slice.start)  # one kv head per item with ALiBi
         return real_scores(self, *args, **kwargs)
 
     def run(slopes):

@@ -98,7 +98,7 @@ class _Tangents:
             sd *= a
         if self.bias_dot is not None:
             tile = slice_tile(select_item(spec, self.bias_dot, item.b, item.heads), p0, p1, c0, c1)
-            sd += item._as_rows(tile, p1 - p0, c1 - c0)
+            sd += item._as_rows(tile, p1 - p0, c1 - c0, like=sd)
         if state is not None:  # S' through the modifications (elementwise: their backward)
             sd4 = _head_major(sd, p1 - p0, item.G)[None]  # (1, G, tq, tk), a view
             np.copyto(sd4, mods_jvp(spec, sd4.copy(), state.inputs, state.index))
@@ -123,7 +123,7 @@ class _Call:
 
     def item(self, b: int, kv: int) -> _Item:
         """The (batch element, kv head) item ``(b, kv)``."""
-        return _Item(self.spec, b, kv, self.mode, self.distances)
+        return _Item(self.spec, b, (kv, kv + 1), self.mode, self.distances)
 
 
 class _QueryTile:
@@ -211,7 +211,7 @@ def forward_jvp(spec: AttentionSpec, q: Any, k: Any, v: Any, dots: tuple) -> tup
             l[r] += s @ call.ones_k[: c1 - c0]  # (R, tk) @ (tk,)
             sd *= s  # P~ S'
             c[r] += sd @ call.ones_k[: c1 - c0]
-            drop = tile.item.dropout_scale(*span[:4])
+            drop = tile.item.dropout_scale(*span[:4], like=s)
             if drop is not None:
                 s *= drop
                 sd *= drop
@@ -267,7 +267,7 @@ def tangent_rows(spec: AttentionSpec, res: Any, dots: tuple, lse_safe: Any) -> t
             call.exp.flushed(p)  # P (R, tk)
             sd *= p  # P S'
             c[r] += sd @ call.ones_k[: c1 - c0]
-            drop = tile.item.dropout_scale(*span[:4])
+            drop = tile.item.dropout_scale(*span[:4], like=p)
             if drop is not None:
                 p *= drop
                 sd *= drop
@@ -332,7 +332,7 @@ def backward_jvp(spec: AttentionSpec, res: Any, dO: Any, rows_terms: tuple, dots
                     exp.flushed(p)  # P (R, tk)
                     sd -= lse_dot_b[r, None]
                     sd *= p  # P' = P (S' - lse')
-                    drop = item.dropout_scale(*span[:4])
+                    drop = item.dropout_scale(*span[:4], like=p)
                     pm, pm_dot = (p, sd) if drop is None else (p * drop, sd * drop)
                     dv_j[cols] += pm_dot.T @ do_b[r] + pm.T @ docat[r, :Hv]  # (tk, R) @ (R, Hv)
                     dp = do_b[r] @ vT[:, c0:c1]  # (R, Hv) @ (Hv, tk)
