@@ -16,7 +16,7 @@ from . import fast_numpy
 from .chunked import chunked_backward, chunked_forward
 from .dense import dense_backward, dense_forward
 from .namespace import resolve_namespace
-from .options import AUTO_CHUNKED_MIN_SCORES, AUTO_FAST_MIN_SCORES_PER_HEAD, AttentionSpec, make_spec, plain_spec
+from .options import AUTO_CHUNKED_MIN_SCORES, AUTO_FAST_MIN_SCORES, AttentionSpec, make_spec, plain_spec
 from .scores.sinks import apply_sinks, sinks_grad
 
 __all__ = [
@@ -189,9 +189,9 @@ def attention_forward(
         ``"auto"`` is chunked once the score tensor would exceed
         ``npattn.options.AUTO_CHUNKED_MIN_SCORES`` (2**24) entries, and on
         NumPy (float32/float64, where the chunked path is the fast path of
-        :mod:`npattn.fast_numpy`) also once ``T * S`` reaches
-        ``npattn.options.AUTO_FAST_MIN_SCORES_PER_HEAD`` (2**17), from where
-        that path is the faster. Pass ``"dense"`` to get ``probs`` back.
+        :mod:`npattn.fast_numpy`) also once they reach
+        ``npattn.options.AUTO_FAST_MIN_SCORES`` (2**23), from where that path
+        is the faster. Pass ``"dense"`` to get ``probs`` back.
     block_q, block_k : int, optional
         Tile sizes of the chunked path; given ones always win. Defaults
         (:func:`npattn.chunked.default_blocks`): the NumPy fast path picks
@@ -409,12 +409,12 @@ def choose_impl(spec: AttentionSpec) -> AttentionSpec:
 
     Chunked once the dense score tensor ``(..., N, T, S)`` would hold more
     than :data:`~npattn.options.AUTO_CHUNKED_MIN_SCORES` entries, or where the
-    NumPy fast path takes the inputs and ``T * S`` reaches
-    :data:`~npattn.options.AUTO_FAST_MIN_SCORES_PER_HEAD`; dense otherwise.
+    NumPy fast path takes the inputs and they reach
+    :data:`~npattn.options.AUTO_FAST_MIN_SCORES`; dense otherwise.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
-    >>> x = np.zeros((1, 2, 600, 8))
+    >>> x = np.zeros((1, 8, 1024, 8))
     >>> spec = make_spec(x, x, x)
     >>> spec.impl, choose_impl(spec).impl, choose_impl(make_spec(x[..., :10, :], x, x)).impl
     ('auto', 'chunked', 'dense')
@@ -423,7 +423,7 @@ def choose_impl(spec: AttentionSpec) -> AttentionSpec:
         return spec
     scores = spec.num_batch * spec.num_heads * spec.q_len * spec.kv_len  # entries of (..., N, T, S)
     large = scores > AUTO_CHUNKED_MIN_SCORES
-    fast = spec.q_len * spec.kv_len >= AUTO_FAST_MIN_SCORES_PER_HEAD and fast_numpy.supports(spec)
+    fast = scores >= AUTO_FAST_MIN_SCORES and fast_numpy.supports(spec)
     return spec.replace(impl="chunked" if large or fast else "dense")
 
 

@@ -34,15 +34,18 @@ ALIGNS = ("top_left", "bottom_right")
 AUTO_CHUNKED_MIN_SCORES = 2**24
 
 #: Where the chunked path runs the NumPy fast path (:mod:`npattn.fast_numpy`),
-#: ``impl="auto"`` also picks it once each (batch element, head) pair has
-#: ``T * S`` of at least this many scores (T = S >= 363): from there it beats
-#: the dense path in time as well as memory. Measured on 2 cores, N=8, H=64,
-#: float32, interleaved in one process (chunked / dense time, forward and
-#: forward+backward): 0.53-0.67 and 0.77-1.01 at T=S=512, 0.63-0.69 and
-#: 0.90-1.05 at T=S=384; below it 0.82-0.86 and 1.13-1.22 at T=S=320,
-#: 0.65-0.85 and 0.95-1.11 at T=S=256 (the backward loses what the forward
-#: wins), 1.35-2.0 and 2.0-2.3 at T=S=128 (B=32: per-item overhead).
-AUTO_FAST_MIN_SCORES_PER_HEAD = 2**17
+#: ``impl="auto"`` also picks it once the dense score tensor would hold at
+#: least this many entries, all batch elements and heads together (32 MiB in
+#: float32): from there its blocked, threaded items beat the dense path's
+#: whole-tensor passes. Measured on 2 cores, N=8, H=64, float32, interleaved
+#: in one process (chunked / dense time, forward | forward+backward): above
+#: it 0.69 | 0.84 (B=8, T=S=384) and 0.75 | 0.79 (B=4, T=S=512); at 2**22
+#: 0.76 | 0.74 (B=32, T=S=128), 0.79 | 1.00 (B=8, T=S=256) and 0.77 | 1.10
+#: (B=1, T=S=768), where a caller's own BLAS-threaded products (a layer's
+#: projections) tip it to the dense path: OpenBLAS's idle threads spin for
+#: a while after each product and take cores from the fast path's pool.
+#: See ``docs/performance.rst``.
+AUTO_FAST_MIN_SCORES = 2**23
 
 #: Tile sizes of the generic chunked path on the CPU (array-api-strict on any
 #: device, torch CPU tensors) when ``block_q``/``block_k`` are None. On an

@@ -16,7 +16,7 @@
   monkeypatching the detection), the caller's sizes always winning, and the
   backward tiling as the forward;
 - memory: tracemalloc peak of forward+backward at T=S=4096 is < T*S*4/10 bytes;
-- impl="auto" switches at AUTO_CHUNKED_MIN_SCORES, and on NumPy at AUTO_FAST_MIN_SCORES_PER_HEAD;
+- impl="auto" switches at AUTO_CHUNKED_MIN_SCORES, and on NumPy at AUTO_FAST_MIN_SCORES;
   the benchmark smoke-runs.
 """
 
@@ -39,7 +39,7 @@ from strategies import ALL_FEATURES, attention_cases
 import npattn
 import npattn.chunked as chunked
 from npattn.attention import choose_impl
-from npattn.options import AUTO_CHUNKED_MIN_SCORES, AUTO_FAST_MIN_SCORES_PER_HEAD, make_spec
+from npattn.options import AUTO_CHUNKED_MIN_SCORES, AUTO_FAST_MIN_SCORES, make_spec
 from npattn.scores.sinks import apply_sinks, sinks_grad
 
 TOL = dict(rtol=1e-12, atol=1e-12)
@@ -567,16 +567,16 @@ def test_auto_switches_to_chunked_above_the_threshold(monkeypatch):
         assert choose_impl(make_spec(q, q, q)).impl == expected
 
 
-def test_auto_picks_the_numpy_fast_path_from_2_to_the_17_scores_per_head(monkeypatch):
-    def impl(T, S, dtype=np.float32, N=3):
-        q = np.broadcast_to(np.zeros((), dtype=dtype), (2, N, T, 4))  # no memory behind it
-        k = np.broadcast_to(np.zeros((), dtype=dtype), (2, N, S, 4))
+def test_auto_picks_the_numpy_fast_path_from_2_to_the_23_scores_in_total(monkeypatch):
+    def impl(T, S, dtype=np.float32, N=8, B=4):
+        q = np.broadcast_to(np.zeros((), dtype=dtype), (B, N, T, 4))  # no memory behind it
+        k = np.broadcast_to(np.zeros((), dtype=dtype), (B, N, S, 4))
         return choose_impl(make_spec(q, k, k)).impl
 
-    assert AUTO_FAST_MIN_SCORES_PER_HEAD == 2**17
-    assert impl(363, 363) == impl(512, 256) == impl(384, 384, np.float64) == impl(384, 384, np.float16) == "chunked"
-    assert impl(362, 362) == impl(255, 512) == impl(4096, 1) == "dense"  # per head, not in total
-    assert impl(362, 362, N=70) == "chunked"  # 2*70*362*362 > 2**24: the size rule still applies
+    assert AUTO_FAST_MIN_SCORES == 2**23
+    assert impl(512, 512) == impl(1024, 256) == impl(512, 512, np.float64) == impl(512, 512, np.float16) == "chunked"
+    assert impl(128, 128, B=64) == "chunked"  # in total, not per head
+    assert impl(511, 512) == impl(4096, 1) == impl(2048, 4095, N=1, B=1) == "dense"
     monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")
     assert impl(512, 512) == "dense"
     xps = pytest.importorskip("array_api_strict")
