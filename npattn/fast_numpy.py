@@ -6,16 +6,27 @@ the same dropout mask and the same fully-masked-row rules, rearranged for
 NumPy on a multi-core CPU:
 
 - **independent work items on a thread pool.** The forward runs one item per
-  (batch element, kv head, query tile); the backward one per (batch element,
-  kv head), each owning its slices of ``dQ``, ``dK`` and ``dV``. Every item
-  accumulates in a fixed order, so results are bit-identical whatever the
-  number of threads.
+  (batch element, group of kv heads, query tile); the backward one per
+  (batch element, group of kv heads), each owning its slices of ``dQ``,
+  ``dK`` and ``dV``. Every item accumulates in a fixed order, so results are
+  bit-identical whatever the number of threads.
 - **single-threaded BLAS inside the items** (threadpoolctl), so that BLAS
   threads do not oversubscribe the pool's.
 - **in-place float32/float64 ufuncs** (``out=``) on one preallocated score
   tile per item, and the G query heads that share a kv head stacked into one
   ``(tq * G, H)`` matrix, position-major (row ``t*G + g``), so each tile is
   one large GEMM and a range of query positions is a range of rows.
+- **groups of kv heads per item** (:class:`_Item`, :func:`_kv_groups`):
+  with short sequences an item stacks several kv heads, ``(nk, tq * G, ...)``
+  arrays, so that each product and pass is one NumPy call for the group;
+  per-span Python and the GIL hand-offs between the pool's threads, not the
+  arithmetic, were what small shapes spent their time on. Short sequences
+  that causal/window, lengths or segments cut take 128-row query tiles
+  (:data:`SHORT_PARTIAL_LENGTH`).
+- **no running maximum where none is needed** (:func:`forward`): when the
+  bound below (or a softcap) keeps every score within
+  :data:`ZERO_REFERENCE_BOUND` of 0, the forward exponentiates the scores
+  themselves, with no row-max pass, rescaling or flush.
 - **per-row shifts inside the GEMMs.** ``[scale Q, -c] @ [K^T; 1]`` is
   ``scale Q K^T - c`` for a per-row constant ``c`` (the running maximum in the
   forward, ``lse`` and ``D`` in the backward), saving a pass over each tile.
