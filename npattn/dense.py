@@ -113,7 +113,10 @@ def raw_scores(spec: AttentionSpec, q: Any, k: Any) -> Any:
     never slower at the shapes measured (see ``docs/performance.rst``)."""
     xp = spec.xp
     qs = by_kv_head(xp, spec.scale * q, spec.num_kv_heads)  # (..., K, G*T, H)
-    products = xp.matrix_transpose(k @ xp.matrix_transpose(qs))  # (..., K, G*T, S), a transposed view
+    qs_t = xp.matrix_transpose(qs)  # (..., K, H, G*T), a transposed view
+    if dense_numpy.handles(xp, qs.dtype):
+        qs_t = dense_numpy.narrow_columns(qs_t)
+    products = xp.matrix_transpose(k @ qs_t)  # (..., K, G*T, S), a transposed view
     return by_query_head(xp, products, spec.num_heads, spec.q_len)  # (..., N, T, S)
 
 
