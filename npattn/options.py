@@ -712,9 +712,9 @@ def _check_path(impl, block_q, block_k) -> tuple[str, int | None, int | None]:
     )
 
 
-#: The fields of a spec with every option at its default that do not depend
-#: on the inputs' shapes and dtype, per NumPy dtype (see :func:`plain_spec`).
-_PLAIN_FIELDS: dict[Any, dict[str, Any]] = {}
+#: Per NumPy dtype, the spec of a call with every option at its default, on
+#: inputs of one element: :func:`plain_spec` takes it with the call's sizes.
+_PLAIN_SPECS: dict[Any, AttentionSpec] = {}
 
 
 def plain_spec(q: Any, k: Any, v: Any) -> AttentionSpec | None:
@@ -748,26 +748,20 @@ def plain_spec(q: Any, k: Any, v: Any) -> AttentionSpec | None:
         and N % K == 0
     ):
         return None
-    fields = _PLAIN_FIELDS.get(dtype)
-    if fields is None:  # once per dtype: make_spec's own defaults, so the two cannot drift apart
+    template = _PLAIN_SPECS.get(dtype)
+    if template is None:  # once per dtype: make_spec's own defaults, so the two cannot drift apart
         one = np.zeros((1, 1, 1), dtype=dtype)
-        fields = _PLAIN_FIELDS[dtype] = dict(make_spec(one, one, one).__dict__)
-    spec = object.__new__(AttentionSpec)
-    spec.__dict__.update(
-        fields,
-        batch_shape=batch_shape,
-        num_heads=N,
-        num_kv_heads=K,
-        q_len=T,
-        kv_len=S,
-        head_dim=H,
-        value_dim=Hv,
-        scale=1.0 / math.sqrt(H) if H > 0 else 1.0,
-        q_len_bounds=(T, T),
-        kv_len_bounds=(S, S),
-        mod_params={},
+        template = _PLAIN_SPECS[dtype] = make_spec(one, one, one)
+    sizes = _size_fields(batch_shape, (N, T, H), (K, S, Hv))
+    return template.replace(
+        **sizes, scale=_check_scale(np, None, H, dtype), q_len_bounds=(T, T), kv_len_bounds=(S, S), mod_params={}
     )
-    return spec
+
+
+def _size_fields(batch_shape: tuple[int, ...], q_sizes: tuple[int, int, int], kv_sizes: tuple[int, int, int]) -> dict:
+    """The spec's size fields from ``(N, T, H)`` and ``(K, S, Hv)``."""
+    (N, T, H), (K, S, Hv) = q_sizes, kv_sizes
+    return dict(batch_shape=batch_shape, num_heads=N, num_kv_heads=K, q_len=T, kv_len=S, head_dim=H, value_dim=Hv)
 
 
 def make_spec(
@@ -831,13 +825,7 @@ def make_spec(
     return AttentionSpec(
         xp=xp,
         device=device,
-        batch_shape=batch_shape,
-        num_heads=N,
-        num_kv_heads=K,
-        q_len=T,
-        kv_len=S,
-        head_dim=H,
-        value_dim=Hv,
+        **_size_fields(batch_shape, (N, T, H), (K, S, Hv)),
         dtype=q.dtype,
         compute_dtype=cdtype,
         scale=scale,
