@@ -439,12 +439,12 @@ def _base_scale(spec: AttentionSpec, mode: _Mode) -> tuple[Any, float]:
 TRANSPOSE_CHUNK = 128
 
 
-def _augmented_transposed(x3: Any, dtype: Any, out: Any = None) -> Any:
-    """``[x^T; 1]``: ``(..., L, D) -> (..., D + 1, L)``, contiguous (or into
-    ``out``), with a row of ones appended, so that ``[a, c] @ [x^T; 1] = a
-    x^T + c`` adds a per-row constant ``c`` inside the matrix product."""
+def _augmented_transposed(x3: Any, dtype: Any) -> Any:
+    """``[x^T; 1]``: ``(..., L, D) -> (..., D + 1, L)``, contiguous, with a
+    row of ones appended, so that ``[a, c] @ [x^T; 1] = a x^T + c`` adds a
+    per-row constant ``c`` inside the matrix product."""
     *lead, L, D = x3.shape
-    xt = np.empty((*lead, D + 1, L), dtype=dtype) if out is None else out
+    xt = np.empty((*lead, D + 1, L), dtype=dtype)
     xt[..., D, :] = 1
     for start in range(0, L, TRANSPOSE_CHUNK):
         chunk = slice(start, start + TRANSPOSE_CHUNK)
@@ -936,20 +936,40 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
 #: then stays within ``[2**-bound, 2**bound]``, never subnormal nor flushed,
 #: and P~ carries the same relative rounding as ``exp2(S - m)`` would (the
 #: product's own error is relative to ``|q_i| |k_j|`` either way). Gemma 2's
-#: softcap of 50 (72 in base 2) is within it. The sums must also stay finite,
-#: which :func:`_zero_reference_fits` checks against ``S`` and ``max |v|``.
+#: softcap of 50 (72 in base 2) is within it. The sums must also stay finite
+#: and their terms ``P~ v`` clear of the subnormals, which
+#: :func:`_zero_reference_fits` checks against ``S``, dropout and V's columns.
 ZERO_REFERENCE_BOUND = {np.dtype(np.float32): 80.0, np.dtype(np.float64): 900.0}
 
 
-def _zero_reference_fits(bound: float, S: int, v_max: float, dtype: Any) -> bool:
-    """Whether the forward may keep every row at the zero reference:
-    ``bound`` (base 2, on every ``|S_ij|``) is within
-    :data:`ZERO_REFERENCE_BOUND`, and ``l <= S 2**bound`` and
-    ``|acc| <= S 2**bound max|v|`` (``v_max``) stay two binades below the
-    dtype's overflow."""
+def _zero_reference_fits(bound: float, v3: Any, dropout_p: float, dtype: Any) -> bool:
+    """Whether the forward may keep every row at the zero reference, given
+    ``bound`` (base 2, on every ``|S_ij|``) and V, ``(..., S, Hv)``. It needs:
+
+    - ``bound`` within :data:`ZERO_REFERENCE_BOUND`;
+    - no overflow: ``l <= S 2**bound`` and ``|acc| <= S 2**bound max|v| /
+      (1 - dropout_p)`` two binades below the dtype's largest power of 2;
+    - no underflow that the running maximum would not have: a term ``P~_ij
+      v_jh`` can be ``2**bound`` times smaller than with ``m_i``, so the
+      subnormal error of ``S`` such terms, ``S 2**(minexp - nmant)`` of the
+      sum and ``2**bound`` times that in ``out = acc / l``, must stay two
+      binades below the rounding ``2**-nmant max_j |v_jh|`` of every column
+      that is not all zero (which gives exact zeros either way).
+    """
+    finfo, S = np.finfo(dtype), v3.shape[-2]
     if not bound <= ZERO_REFERENCE_BOUND[np.dtype(dtype)]:  # also False for a NaN bound
         return False
-    return bound + math.log2(max(S, 1)) + math.log2(max(v_max, 1.0)) <= np.finfo(dtype).maxexp - 2
+    if not v3.size:
+        return True
+    v_max = float(max(np.max(v3), -np.min(v3)))
+    log_s, dropout_scale = math.log2(S), -math.log2(1.0 - dropout_p)
+    if not bound + log_s + math.log2(max(v_max, 1.0)) + dropout_scale <= finfo.maxexp - 2:  # also for NaN or inf
+        return False
+    smallest = 2.0 ** (bound + log_s + finfo.minexp + 2)  # the least max_j |v_jh| of a nonzero column
+    if np.min(np.abs(v3[..., 0, :])) >= smallest:  # every column clears it at its first row (the common case)
+        return True
+    columns = np.max(np.abs(v3), axis=-2)  # (..., Hv): max_j |v_jh|
+    return bool(np.all((columns >= smallest) | (columns == 0)))
 
 
 class _Forward:
@@ -967,8 +987,7 @@ class _Forward:
         self.v3 = np.reshape(v, (Bf, K, S, Hv))  # (B, K, S, Hv)
         self.q_norms3, self.k_norms = _row_norms(self.q3), _row_norms(self.k3)  # (B, N, T), (B, K, S): for the bounds
         self.mode = mode = _Mode(spec, self.q_norms3, self.k_norms)
-        v_max = float(max(np.max(v), -np.min(v))) if v.size else 0.0
-        self.zero_reference = mode.lower and _zero_reference_fits(mode.bound, S, v_max, dtype)
+        self.zero_reference = mode.lower and _zero_reference_fits(mode.bound, self.v3, spec.dropout_p, dtype)
         # Every item writes its rows; query tiles that see no key are filled in forward().
         self.out = np.empty((Bf, N, T, Hv), dtype=dtype)
         self.lse = np.empty((Bf, N, T), dtype=dtype)

@@ -456,6 +456,33 @@ def test_the_forward_keeps_the_zero_reference_only_where_every_score_and_sum_is_
     assert _zero_reference(40 * q, k, v, softcap=50.0)  # capped at 50 nats, 72 in base 2
     assert not _zero_reference(40 * q, k, v, softcap=100.0)
     assert not _zero_reference(q, k, 1e36 * v)  # l max|v| could reach float32's overflow
+    assert not _zero_reference(40 * q, k, 1e-20 * v, softcap=50.0)  # P~ v down to 2**-72 * 1e-20: subnormal
+    assert _zero_reference(q, k, np.zeros_like(v))  # exact zeros either way
+
+
+@pytest.mark.parametrize(
+    ("v_value", "dropout_p"),
+    [(2.0**44, 0.9), (1e-20, 0.0), (1e-30, 0.0)],
+    ids=["dropout scale would overflow", "small v", "v that would flush"],
+)
+def test_scores_at_the_zero_reference_bound_keep_extreme_values_finite_and_exact(v_value, dropout_p):
+    """Every score 79.93 in base 2 (just within float32's bound): with
+    ``1/(1 - p)`` on top, ``2**44`` values would overflow the sums, and with
+    every score at -79.93 a tiny ``v`` would underflow in ``P~ v``; the
+    running maximum takes over in both, and the fast path equals dense."""
+    a = np.float32(np.sqrt(55.4))  # scale * q.k = 55.4 nats (H = 1)
+    sign = 1.0 if dropout_p else -1.0
+    q = np.full((1, 1, 64, 1), sign * a, np.float32)
+    k = np.full((1, 1, 4, 1), a, np.float32)
+    v = np.full((1, 1, 4, 1), v_value, np.float32)
+    options = dict(dropout_p=dropout_p, seed=0)
+    assert not _zero_reference(q, k, v, **options)
+    spec = make_spec(q, k, v, impl="chunked", **options)
+    out, lse = fast_numpy.forward(spec, q, k, v)
+    want, res = npattn.attention_forward(q, k, v, impl="dense", **options)
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(lse, res.lse, rtol=1e-6)
 
 
 @pytest.mark.parametrize("scale_v", [1.0, 1e15], ids=["moderate v", "large v"])
