@@ -135,7 +135,8 @@ def dense_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any
         return dense_numpy.plain_forward(spec, q, k, v)  # the same bits, a smaller floor
     xp = spec.xp
     s = dense_scores(spec, q, k)  # (..., N, T, S)
-    p, lse = masked_softmax(xp, s, visible_tile(spec, 0, spec.q_len, 0, spec.kv_len))
+    visible = visible_tile(spec, 0, spec.q_len, 0, spec.kv_len)
+    p, lse = masked_softmax(xp, s, visible, overwrite=not spec.score_mods)  # s is fresh unless a user's mod returned it
     drop = dropout_scale(spec)
     p_dropped = p if drop is None else p * drop  # (..., N, T, S)
     out = by_kv_head(xp, p_dropped, spec.num_kv_heads) @ v  # (..., K, G*T, Hv)
@@ -167,7 +168,7 @@ def dense_backward(
     D = xp.sum(dout * out, axis=-1, keepdims=True)  # (..., N, T, 1): rowsum(P * dP), over Hv not S
     if dlse is not None:
         D = D - dlse[..., None]
-    ds = softmax_backward(xp, p, dp, D)  # (..., N, T, S)
+    ds = softmax_backward(xp, p, dp, D, overwrite=True)  # (..., N, T, S), over dP: a fresh product
     params = ScoreParamGrads(spec)
     whole = (0, spec.q_len, 0, spec.kv_len)
     if spec.softcap is not None or spec.score_mods:  # their chain rules read the raw products

@@ -25,12 +25,22 @@ def handles(xp: Any, dtype: Any) -> bool:
     return array_api_compat.is_numpy_namespace(xp) and dtype in (np.float32, np.float64)
 
 
-def masked_softmax(s: np.ndarray, visible: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+def masked_softmax(
+    s: np.ndarray, visible: np.ndarray | None, *, overwrite: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """:func:`npattn.softmax.masked_softmax` for NumPy: the same arithmetic in the same order,
-    hence the same bits, on one fresh ``(..., T, S)`` buffer updated in place
+    hence the same bits, on one ``(..., T, S)`` buffer updated in place
     (``out=``) rather than a new temporary per step, and with the per-row
-    fix-ups done on the ``(..., T, 1)`` vectors only. ``s`` is not modified."""
-    e = np.where(visible, s, -np.inf) if visible is not None else None  # (..., T, S), a fresh buffer
+    fix-ups done on the ``(..., T, 1)`` vectors only. That buffer is ``s``
+    itself with ``overwrite`` (the caller's fresh scores, which become P),
+    else a fresh one and ``s`` is not modified."""
+    e: np.ndarray | None = None
+    if overwrite:
+        e = s
+        if visible is not None:
+            np.copyto(e, -np.inf, where=np.logical_not(visible))  # the bits of np.where(visible, s, -inf)
+    elif visible is not None:
+        e = np.where(visible, s, -np.inf)  # (..., T, S), a fresh buffer
     m = np.maximum.reduce(s if e is None else e, axis=-1, keepdims=True)  # (..., T, 1), np.max minus its wrapper
     # Fully masked rows: m = -inf, and exactly these get l = 0 below (a finite m
     # gives its own entry exp(0) = 1); the fix-ups run only where one exists.
@@ -38,7 +48,7 @@ def masked_softmax(s: np.ndarray, visible: np.ndarray | None) -> tuple[np.ndarra
     any_empty = bool(empty.any())
     if any_empty:
         np.copyto(m, 0, where=empty)  # any finite m works
-    e = np.subtract(s if e is None else e, m, out=e)  # (..., T, S); in place when masked
+    e = np.subtract(s if e is None else e, m, out=e)  # (..., T, S); in place when masked or overwriting
     np.exp(e, out=e)  # exactly 0 where hidden
     l = np.add.reduce(e, axis=-1, keepdims=True)  # (..., T, 1), np.sum minus its wrapper
     if any_empty:
@@ -51,10 +61,11 @@ def masked_softmax(s: np.ndarray, visible: np.ndarray | None) -> tuple[np.ndarra
     return e, lse[..., 0]
 
 
-def softmax_backward(p: np.ndarray, dp: np.ndarray, D: np.ndarray) -> np.ndarray:
+def softmax_backward(p: np.ndarray, dp: np.ndarray, D: np.ndarray, *, overwrite: bool = False) -> np.ndarray:
     """:func:`npattn.softmax.softmax_backward` for NumPy: ``(dP - D) * P``
-    (the same bits as ``P * (dP - D)``) into one fresh buffer."""
-    ds = np.subtract(dp, D)  # (..., T, S)
+    (the same bits as ``P * (dP - D)``) into one buffer: ``dp`` itself with
+    ``overwrite``, else a fresh one."""
+    ds = np.subtract(dp, D, out=dp if overwrite else None)  # (..., T, S)
     ds *= p
     return ds
 
@@ -70,7 +81,7 @@ def plain_forward(spec: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tup
     qs = np.reshape(spec.scale * q, (*lead, K, rows, H))  # (..., K, G*T, H)
     qs_t = narrow_columns(np.swapaxes(qs, -1, -2))  # (..., K, H, G*T)
     s = np.reshape(np.swapaxes(k @ qs_t, -1, -2), (*lead, N, T, S))  # (..., N, T, S): (K Q^T)^T
-    p, lse = masked_softmax(s, None)  # (..., N, T, S), (..., N, T)
+    p, lse = masked_softmax(s, None, overwrite=True)  # (..., N, T, S), (..., N, T): P over the products
     out = np.reshape(np.reshape(p, (*lead, K, rows, S)) @ v, (*lead, N, T, Hv))  # (..., K, G*T, Hv) -> (..., N, T, Hv)
     return out, lse, p
 
@@ -89,7 +100,7 @@ def plain_backward(
     D = np.sum(dout * out, axis=-1, keepdims=True)  # (..., N, T, 1): rowsum(P * dP), over Hv not S
     if dlse is not None:
         D = D - dlse[..., None]
-    ds_g = np.reshape(softmax_backward(p, dp, D), (*lead, K, rows, S))  # (..., K, G*T, S)
+    ds_g = np.reshape(softmax_backward(p, dp, D, overwrite=True), (*lead, K, rows, S))  # (..., K, G*T, S), over dP
     dq = spec.scale * np.reshape(ds_g @ k, (*lead, N, T, H))  # (..., N, T, H)
     dk = spec.scale * (np.swapaxes(ds_g, -1, -2) @ np.reshape(q, (*lead, K, rows, H)))  # (..., K, S, H)
     return dq, dk, dv

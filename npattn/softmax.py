@@ -22,8 +22,12 @@ from . import dense_numpy
 __all__ = ["masked_softmax", "softmax_backward"]
 
 
-def masked_softmax(xp: Any, s: Any, visible: Any | None) -> tuple[Any, Any]:
+def masked_softmax(xp: Any, s: Any, visible: Any | None, *, overwrite: bool = False) -> tuple[Any, Any]:
     """Return ``(P, lse)``: ``P`` shaped like ``s``, ``lse`` without the last axis.
+
+    ``overwrite``: ``s`` is the caller's own fresh array, which ``P`` may
+    take over (on NumPy it does: one ``(..., T, S)`` array less to allocate
+    and fault in); otherwise ``s`` is left as it is.
 
     >>> import numpy as np, array_api_compat.numpy as xp
     >>> s = np.array([[0.0, 0.0], [1.0, 2.0]])
@@ -32,7 +36,7 @@ def masked_softmax(xp: Any, s: Any, visible: Any | None) -> tuple[Any, Any]:
     ([0.0, 0.0], -inf)
     """
     if dense_numpy.handles(xp, s.dtype):
-        return dense_numpy.masked_softmax(s, visible)
+        return dense_numpy.masked_softmax(s, visible, overwrite=overwrite)
     if visible is not None:
         s = xp.where(visible, s, -xp.inf)
     m = xp.max(s, axis=-1, keepdims=True)  # (..., T, 1)
@@ -46,14 +50,16 @@ def masked_softmax(xp: Any, s: Any, visible: Any | None) -> tuple[Any, Any]:
     return p, lse[..., 0]
 
 
-def softmax_backward(xp: Any, p: Any, dp: Any, D: Any) -> Any:
+def softmax_backward(xp: Any, p: Any, dp: Any, D: Any, *, overwrite: bool = False) -> Any:
     """``dS = P * (dP - D)``: the softmax's backward, ``D (..., T, 1)`` the
     row sums ``rowsum(P * dP) - dlse`` (``= rowsum(dO * O) - dlse``).
+    ``overwrite``: ``dp`` is the caller's own fresh array, which ``dS`` may
+    take over (on NumPy it does).
 
     >>> import numpy as np, array_api_compat.numpy as xp
     >>> softmax_backward(xp, np.array([[0.5, 0.5]]), np.array([[1.0, 3.0]]), np.array([[2.0]])).tolist()
     [[-0.5, 0.5]]
     """
     if dense_numpy.handles(xp, dp.dtype):
-        return dense_numpy.softmax_backward(p, dp, D)
+        return dense_numpy.softmax_backward(p, dp, D, overwrite=overwrite)
     return p * (dp - D)

@@ -3,7 +3,8 @@
 The NumPy version is a fast path of the dense path's softmax: the same
 arithmetic in the same order, so its results must be the generic version's
 (run on array-api-strict) bit for bit, including fully masked rows and -inf
-scores, and it must leave the scores untouched.
+scores, and it must leave the scores untouched unless told it may take them
+over (``overwrite=True``, for the dense path's own fresh products).
 """
 
 from __future__ import annotations
@@ -30,15 +31,18 @@ def scores_and_masks(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(scores_and_masks())
-def test_numpy_softmax_matches_the_generic_one_bit_for_bit(case):
+@given(scores_and_masks(), st.booleans())
+def test_numpy_softmax_matches_the_generic_one_bit_for_bit(case, overwrite):
     s, visible = case
     before = s.copy()
-    p, lse = masked_softmax(xnp, s, visible)
     p_ref, lse_ref = masked_softmax(xs, xs.asarray(s), None if visible is None else xs.asarray(visible))
+    p, lse = masked_softmax(xnp, s, visible, overwrite=overwrite)
     np.testing.assert_array_equal(p, np.asarray(p_ref))
     np.testing.assert_array_equal(lse, np.asarray(lse_ref))
-    np.testing.assert_array_equal(s, before)  # inputs are never mutated
+    if overwrite:
+        assert p is s  # P took the scores' buffer over
+    else:
+        np.testing.assert_array_equal(s, before)  # inputs are never mutated
     assert p.dtype == s.dtype and lse.dtype == s.dtype
     assert not np.isnan(p).any() and not np.isnan(lse).any()
 
@@ -55,16 +59,19 @@ def test_numpy_softmax_fully_masked_rows_are_zero_with_lse_minus_infinity(dtype)
 
 
 @settings(max_examples=30, deadline=None)
-@given(scores_and_masks(), st.integers(0, 2**32 - 1))
-def test_numpy_softmax_backward_matches_the_generic_one_bit_for_bit(case, seed):
+@given(scores_and_masks(), st.integers(0, 2**32 - 1), st.booleans())
+def test_numpy_softmax_backward_matches_the_generic_one_bit_for_bit(case, seed, overwrite):
     s, visible = case
     p, _ = masked_softmax(xnp, s, visible)
     rng = np.random.default_rng(seed)
     dp = rng.standard_normal(s.shape).astype(s.dtype)
     D = rng.standard_normal(s.shape[:-1] + (1,)).astype(s.dtype)
     before = (p.copy(), dp.copy(), D.copy())
-    ds = softmax_backward(xnp, p, dp, D)
     ds_ref = softmax_backward(xs, xs.asarray(p), xs.asarray(dp), xs.asarray(D))
+    ds = softmax_backward(xnp, p, dp, D, overwrite=overwrite)
     np.testing.assert_array_equal(ds, np.asarray(ds_ref))
-    for a, b in zip((p, dp, D), before):
-        np.testing.assert_array_equal(a, b)  # inputs are never mutated
+    if overwrite:
+        assert ds is dp  # dS took dP's buffer over
+    kept = {"p": (p, before[0]), "D": (D, before[2])} | ({} if overwrite else {"dp": (dp, before[1])})
+    for a, b in kept.values():
+        np.testing.assert_array_equal(a, b)  # inputs are never mutated (but dP, taken over, with overwrite)
