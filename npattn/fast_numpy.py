@@ -439,13 +439,15 @@ def _base_scale(spec: AttentionSpec, mode: _Mode) -> tuple[Any, float]:
 TRANSPOSE_CHUNK = 128
 
 
-def _augmented_transposed(x3: Any, dtype: Any) -> Any:
+def _augmented_transposed(x3: Any, dtype: Any, *, ones: bool = True) -> Any:
     """``[x^T; 1]``: ``(..., L, D) -> (..., D + 1, L)``, contiguous, with a
     row of ones appended, so that ``[a, c] @ [x^T; 1] = a x^T + c`` adds a
-    per-row constant ``c`` inside the matrix product."""
+    per-row constant ``c`` inside the matrix product; ``x^T`` alone, ``(...,
+    D, L)``, without ``ones`` (the forward's zero reference has no ``c``)."""
     *lead, L, D = x3.shape
-    xt = np.empty((*lead, D + 1, L), dtype=dtype)
-    xt[..., D, :] = 1
+    xt = np.empty((*lead, D + ones, L), dtype=dtype)
+    if ones:
+        xt[..., D, :] = 1
     for start in range(0, L, TRANSPOSE_CHUNK):
         chunk = slice(start, start + TRANSPOSE_CHUNK)
         xt[..., :D, chunk] = np.swapaxes(x3[..., chunk, :], -1, -2)  # (..., D, chunk)
@@ -456,14 +458,17 @@ def _augmented_rows(x: Any, column: Any, scale: Any, dtype: Any, nk: int | None 
     """``[scale * x, column]`` in position-major row order: ``(G, tq, D)`` and
     ``(tq*G,)`` -> ``(tq*G, D + 1)``, row ``t*G + g`` holding ``x[g, t]``;
     with ``nk``, one such stack per kv head of a group (:class:`_Item`):
-    ``(nk*G, tq, D)`` and ``(nk, tq*G)`` -> ``(nk, tq*G, D + 1)``."""
+    ``(nk*G, tq, D)`` and ``(nk, tq*G)`` -> ``(nk, tq*G, D + 1)``. A
+    ``column`` of None appends none: ``scale * x`` alone, ``(..., tq*G, D)``."""
     GN, tq, D = x.shape
     n = 1 if nk is None else nk
     G = GN // n if n else 0
-    xa = np.empty((n, tq * G, D + 1), dtype=dtype)
+    width = D if column is None else D + 1
+    xa = np.empty((n, tq * G, width), dtype=dtype)
     rows = np.swapaxes(np.reshape(x, (n, G, tq, D)), 1, 2)  # (n, tq, G, D)
-    np.multiply(rows, scale, out=xa.reshape(n, tq, G, D + 1)[..., :D])
-    xa[..., D] = column
+    np.multiply(rows, scale, out=xa.reshape(n, tq, G, width)[..., :D])
+    if column is not None:
+        xa[..., D] = column
     return xa[0] if nk is None else xa
 
 
@@ -695,10 +700,10 @@ class _Item:
         """
         p0, p1, c0, c1, _ = span
         if self.spec.softcap is None:
-            np.matmul(qa, kTa[..., c0:c1], out=out)  # (nk, R, H+1) @ (nk, H+1, tk) -> (nk, R, tk)
+            np.matmul(qa, kTa[..., c0:c1], out=out)  # (nk, R, H[+1]) @ (nk, H[+1], tk) -> (nk, R, tk)
         else:
             t = out if tanh is None else tanh
-            np.matmul(qa, kTa[..., c0:c1], out=t)  # (nk, R, H+1) @ (nk, H+1, tk): s, or s / c
+            np.matmul(qa, kTa[..., c0:c1], out=t)  # (nk, R, H[+1]) @ (nk, H[+1], tk): s, or s / c
             softcap_forward_inplace(np, t, self.mode.cap, out=out, ratio=self.mode.ratio)  # t, out = c t
         if self.additive:
             self.add_bias(out, p0, p1, c0, c1)
@@ -1009,13 +1014,14 @@ class _Forward:
         self.distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, mode.base)
 
     def _keys(self, b: int, g: int) -> Any:
-        """``[K^T; 1] (nk, H+1, S)`` of batch element ``b``'s group ``g``,
-        built by the first item that asks (threads may build it twice; both
-        copies are equal)."""
+        """``[K^T; 1] (nk, H+1, S)`` of batch element ``b``'s group ``g``
+        (``K^T (nk, H, S)`` at the zero reference), built by the first item
+        that asks (threads may build it twice; both copies are equal)."""
         slot = b * len(self.groups) + g
         found = self.keys[slot]
         if found is None:
-            found = self.keys[slot] = _augmented_transposed(self.k3[b, slice(*self.groups[g])], self.dtype)
+            k_rows = self.k3[b, slice(*self.groups[g])]  # (nk, S, H)
+            found = self.keys[slot] = _augmented_transposed(k_rows, self.dtype, ones=not self.zero_reference)
         return found
 
     def work(self, job: tuple[int, int, int]) -> None:
@@ -1024,7 +1030,9 @@ class _Forward:
         q0, q1 = self.q_tiles[qi]
         item = _Item(self.spec, b, self.groups[g], self.mode, self.distances)
         q_rows = self.q3[b, item.head_slice, q0:q1]  # (nk*G, tq, H)
-        qa = _augmented_rows(q_rows, 0, self.scale, self.dtype, item.nk)  # (nk, tq*G, H+1) = [Q_i, -m]
+        # (nk, tq*G, H+1) = [Q_i, -m], the running maximum's shift riding in the
+        # product; (nk, tq*G, H) = Q_i at the zero reference, which has none.
+        qa = _augmented_rows(q_rows, None if self.zero_reference else 0, self.scale, self.dtype, item.nk)
         sums = _Sums(item.nk, qa.shape[1], self.Hv, self.dtype)
         if self.zero_reference:
             self._spans_at_zero_reference(item, g, qi, q0, qa, sums)
@@ -1036,7 +1044,7 @@ class _Forward:
     def _spans_at_zero_reference(self, item: _Item, g: int, qi: int, q0: int, qa: Any, sums: _Sums) -> None:
         """The spans of one query tile with every row's reference at 0."""
         nk, G = item.nk, self.G
-        keys, values = self._keys(item.b, g), self.v3[item.b, item.kv_slice]  # (nk, H+1, S), (nk, S, Hv)
+        keys, values = self._keys(item.b, g), self.v3[item.b, item.kv_slice]  # (nk, H, S), (nk, S, Hv)
         s_flat = np.empty(nk * qa.shape[1] * self.block_k, dtype=self.dtype)  # one span's scores, reused
         for plan in self.plans[qi]:
             for span in plan:
