@@ -19,10 +19,15 @@ headline T4096            B=1, N=8, T=S=4096, H=64, full
 ========================  ==========================================================
 
 Each row but decoding runs forward and forward+backward. npattn runs
-``impl="auto"`` and the ``path`` column says which path that chose. The calls
-of a row alternate (npattn, torch, npattn, ...) in one process; each time is
-the median over samples, a sample being several calls where one call is
-shorter than a millisecond. GFLOP/s counts ``4 B N T S H`` for the forward
+``impl="auto"`` and the ``path`` column says which path that chose. The
+samples of a row alternate (npattn, torch, npattn, ...) in one process; each
+time is the median over samples, a sample being several calls where one call
+is shorter than a millisecond. Before each sample its side runs untimed for
+``SETTLE_S`` (0.15 s): the other side's idle threads stop spinning
+meanwhile (OpenBLAS's spin for about 0.1 s after a threaded product and take
+a core while they do; with short pauses instead, torch's forward at B=32,
+T=128 took 23.8 ms against 12.8 ms alone), so each side is timed as in a
+loop of its own calls. GFLOP/s counts ``4 B N T S H`` for the forward
 (the visible half for causal), 3.5x that with the backward (the layer's
 projections included for MHA).
 
@@ -220,26 +225,42 @@ def _calls_per_sample(fn: Callable[[], Any]) -> int:
     return max(1, int(1e-3 / max(time.perf_counter() - start, 1e-7)))
 
 
-def interleaved_medians(calls: dict[str, Callable[[], Any]], budget_s: float, min_samples: int) -> dict[str, float]:
+#: Seconds of untimed calls a side makes before each of its samples: the
+#: other side's idle threads stop spinning meanwhile (OpenBLAS's spin for
+#: about 0.1 s after a threaded product, and take a core while they do), and
+#: this side's own threads are awake, as in a loop of its own calls.
+SETTLE_S = 0.15
+
+
+def _settle(fn: Callable[[], Any], seconds: float) -> None:
+    """Untimed calls of ``fn`` for ``seconds``, at least one."""
+    deadline = time.perf_counter() + seconds
+    fn()
+    while time.perf_counter() < deadline:
+        fn()
+
+
+def interleaved_medians(
+    calls: dict[str, Callable[[], Any]], budget_s: float, min_samples: int, settle_s: float = SETTLE_S
+) -> dict[str, float]:
     """Median seconds per call of each of ``calls``, the sides alternating
-    sample by sample, each leading a round in turn; samples continue until ``budget_s`` is spent (at least
-    ``min_samples`` each)."""
+    sample by sample, each leading a round in turn, each sample preceded by
+    ``settle_s`` of the same side's untimed calls (:data:`SETTLE_S`); samples
+    continue until ``budget_s`` is spent (at least ``min_samples`` each)."""
     for fn in calls.values():
         fn()  # warm-up
     per_sample = {name: _calls_per_sample(fn) for name, fn in calls.items()}
     times: dict[str, list[float]] = {name: [] for name in calls}
     deadline = time.perf_counter() + budget_s
     names = list(calls)
-    last_sample: dict[str, float] = {}  # each side's latest time, to size the pause before it
     while len(times[names[0]]) < min_samples or time.perf_counter() < deadline:
         first = len(times[names[0]]) % len(names)  # each side leads in turn: no side always follows another
         for name in names[first:] + names[:first]:
-            time.sleep(min(max(1e-3, last_sample.get(name, 0.0)), 0.1))  # the other side's threads settle
+            _settle(calls[name], settle_s)
             start = time.perf_counter()
             for _ in range(per_sample[name]):
                 calls[name]()
             times[name].append((time.perf_counter() - start) / per_sample[name])
-            last_sample[name] = times[name][-1]
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
