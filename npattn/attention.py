@@ -190,7 +190,7 @@ def attention_forward(
         ``npattn.options.AUTO_CHUNKED_MIN_SCORES`` (2**24) entries, and on
         NumPy (float32/float64, where the chunked path is the fast path of
         :mod:`npattn.fast_numpy`) also once they reach
-        ``npattn.options.AUTO_FAST_MIN_SCORES`` (2**23), from where that path
+        ``npattn.options.AUTO_FAST_MIN_SCORES`` (2**22), from where that path
         is the faster. Pass ``"dense"`` to get ``probs`` back.
     block_q, block_k : int, optional
         Tile sizes of the chunked path; given ones always win. Defaults

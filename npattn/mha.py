@@ -237,6 +237,31 @@ def _merge_heads(xp, o):
     return xp.reshape(o, (B, L, heads * H))  # (B, L, heads*H)
 
 
+#: The layer's ``impl="auto"`` runs its attention on the dense path below
+#: this many scores ``B*N*T*S``, where attention's own rule
+#: (:data:`~npattn.options.AUTO_FAST_MIN_SCORES`, 2**22) would take the NumPy
+#: fast path. The layer's projections run on BLAS's threads, and OpenBLAS's
+#: idle threads spin for about 0.1 s after each product, taking a core from
+#: the fast path's pool, and its items copy row blocks out of the split
+#: heads, strided views whose rows lie ``E`` floats apart. Measured at
+#: E=512, 8 heads, 2**22 scores on 2 cores (fast / dense time, each in a loop
+#: of its own calls): forward 0.69-0.96, forward+backward 1.04-1.15 (B=8,
+#: T=256; B=32, T=128; B=2, T=512).
+LAYER_FAST_MIN_SCORES = 2**23
+
+
+def _layer_impl(impl: Any, q: Any, k: Any) -> Any:
+    """The ``impl`` the layer passes to :func:`npattn.attention_forward` for
+    heads ``q (B, N, T, H)`` and ``k (B, K, S, H)``: ``"dense"`` for
+    ``"auto"`` below :data:`LAYER_FAST_MIN_SCORES` scores (attention's own
+    ``"auto"`` is dense there too, but for the NumPy fast path from 2**22),
+    anything else unchanged (and checked by the core)."""
+    if not (isinstance(impl, str) and impl == "auto"):
+        return impl
+    B, N, T = q.shape[0], q.shape[1], q.shape[2]
+    return "dense" if B * N * T * k.shape[2] < LAYER_FAST_MIN_SCORES else impl
+
+
 def _check_source(name: str, a: Any, width: int, width_name: str, batch: int | None) -> None:
     if not hasattr(a, "shape") or not hasattr(a, "dtype"):
         raise TypeError(f"{name} must be an array, got {type(a).__name__}")
@@ -604,7 +629,8 @@ def mha_forward(
         (``nn.MultiheadAttention``'s masks are the opposite; see
         :func:`npattn.mha_masks_from_torch`), additive float ``bias``,
         ``q_lengths``/``kv_lengths`` of shape (B,), ``dropout_p`` with a
-        ``seed`` on the probabilities.
+        ``seed`` on the probabilities; but ``impl="auto"`` keeps the dense
+        path below :data:`LAYER_FAST_MIN_SCORES` (2**23) scores ``B*N*T*S``.
     softcap, alibi_slopes
         Passed to :func:`npattn.attention_forward`: ``softcap * tanh(s /
         softcap)`` on the raw scores; ALiBi slopes (N,) (e.g.
@@ -696,7 +722,8 @@ def mha_forward(
     P, xc, ks, vs = _in_compute_dtype(xp, kind, params, x, key_source, value_source, cdtype)
     q, k, v, kv_ids, state = _project_heads(xp, P, xc, ks, vs, dims, cache, kv_ids)  # (B, N, T, H), (B, K, S, H) x 2
     core = dict(mask=mask, bias=bias, causal=causal, window=window, align=align, q_lengths=q_lengths)
-    core.update(kv_lengths=kv_lengths, scale=scale, dropout_p=dropout_p, seed=seed, impl=impl, block_q=block_q)
+    core.update(kv_lengths=kv_lengths, scale=scale, dropout_p=dropout_p, seed=seed, block_q=block_q)
+    core.update(impl=_layer_impl(impl, q, k))
     core.update(block_k=block_k, softcap=softcap, alibi_slopes=alibi_slopes, score_mods=score_mods, mask_mod=mask_mod)
     core.update(block_mask=block_mask, sinks=P.get("sinks"), q_segment_ids=q_ids, kv_segment_ids=kv_ids, xp=xp)
     o, attn = attention_forward(q, k, v, **core)  # o: (B, N, T, H)

@@ -35,17 +35,17 @@ AUTO_CHUNKED_MIN_SCORES = 2**24
 
 #: Where the chunked path runs the NumPy fast path (:mod:`npattn.fast_numpy`),
 #: ``impl="auto"`` also picks it once the dense score tensor would hold at
-#: least this many entries, all batch elements and heads together (32 MiB in
+#: least this many entries, all batch elements and heads together (16 MiB in
 #: float32): from there its blocked, threaded items beat the dense path's
-#: whole-tensor passes. Measured on 2 cores, N=8, H=64, float32, interleaved
-#: in one process (chunked / dense time, forward | forward+backward): above
-#: it 0.69 | 0.84 (B=8, T=S=384) and 0.75 | 0.79 (B=4, T=S=512); at 2**22
-#: 0.76 | 0.74 (B=32, T=S=128), 0.79 | 1.00 (B=8, T=S=256) and 0.77 | 1.10
-#: (B=1, T=S=768), where a caller's own BLAS-threaded products (a layer's
-#: projections) tip it to the dense path: OpenBLAS's idle threads spin for
-#: a while after each product and take cores from the fast path's pool.
-#: See ``docs/performance.rst``.
-AUTO_FAST_MIN_SCORES = 2**23
+#: whole-tensor passes. Measured on 2 cores, N=8, H=64, float32, each side
+#: in a loop of its own calls, interleaved in one process (chunked / dense
+#: time, forward | forward+backward): at 2**22 0.49 | 0.69 (B=32, T=S=128),
+#: 0.56 | 0.78 (B=8, T=S=256), 0.47 | 0.75 (B=2, T=S=512) and 0.87 | 0.76
+#: (B=1, T=S=724); at 2**21 the backward ties or loses (0.98 at B=4,
+#: T=S=256; 1.28 at B=1, T=S=512 without page faults). The multi-head
+#: layer starts later (:data:`npattn.mha.LAYER_FAST_MIN_SCORES`). See
+#: ``docs/performance.rst``.
+AUTO_FAST_MIN_SCORES = 2**22
 
 #: Tile sizes of the generic chunked path on the CPU (array-api-strict on any
 #: device, torch CPU tensors) when ``block_q``/``block_k`` are None. On an

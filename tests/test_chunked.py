@@ -567,21 +567,21 @@ def test_auto_switches_to_chunked_above_the_threshold(monkeypatch):
         assert choose_impl(make_spec(q, q, q)).impl == expected
 
 
-def test_auto_picks_the_numpy_fast_path_from_2_to_the_23_scores_in_total(monkeypatch):
+def test_auto_picks_the_numpy_fast_path_from_2_to_the_22_scores_in_total(monkeypatch):
     def impl(T, S, dtype=np.float32, N=8, B=4):
         q = np.broadcast_to(np.zeros((), dtype=dtype), (B, N, T, 4))  # no memory behind it
         k = np.broadcast_to(np.zeros((), dtype=dtype), (B, N, S, 4))
         return choose_impl(make_spec(q, k, k)).impl
 
-    assert AUTO_FAST_MIN_SCORES == 2**23
-    assert impl(512, 512) == impl(1024, 256) == impl(512, 512, np.float64) == impl(512, 512, np.float16) == "chunked"
-    assert impl(128, 128, B=64) == "chunked"  # in total, not per head
-    assert impl(511, 512) == impl(4096, 1) == impl(2048, 4095, N=1, B=1) == "dense"
+    assert AUTO_FAST_MIN_SCORES == 2**22
+    assert impl(512, 256) == impl(256, 512) == impl(512, 256, np.float64) == impl(512, 256, np.float16) == "chunked"
+    assert impl(128, 128, B=32) == "chunked"  # in total, not per head
+    assert impl(511, 256) == impl(4096, 1) == impl(2048, 2047, N=1, B=1) == "dense"
     monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")
-    assert impl(512, 512) == "dense"
+    assert impl(512, 256) == "dense"
     xps = pytest.importorskip("array_api_strict")
     monkeypatch.delenv("NPATTN_FAST_NUMPY")
-    x = xps.zeros((1, 512, 4), dtype=xps.float32)
+    x = xps.zeros((16, 512, 4), dtype=xps.float32)  # 2**22 scores
     assert choose_impl(make_spec(x, x, x)).impl == "dense"  # no fast path for other namespaces
 
 

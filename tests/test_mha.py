@@ -1126,3 +1126,27 @@ def test_score_mods_pass_through_the_layer_with_their_parameter_gradients(impl):
         np.testing.assert_allclose(grads.dmods["relative_bias"][index], numeric, rtol=1e-6, atol=1e-8)
     plain_y, _ = mha_forward(params, x, num_heads=N, causal=True, impl=impl)
     assert not np.allclose(plain_y, mha_forward(params, x, num_heads=N, causal=True, score_mods=res.spec.score_mods)[0])
+
+
+def test_the_layers_auto_keeps_the_dense_path_below_its_own_threshold():
+    """``impl="auto"`` in the layer is dense below LAYER_FAST_MIN_SCORES
+    (2**23), where attention's own rule already takes the NumPy fast path
+    (from 2**22); from there, and for a forced impl, the core decides."""
+    from npattn.mha import LAYER_FAST_MIN_SCORES
+    from npattn.options import AUTO_FAST_MIN_SCORES
+
+    assert LAYER_FAST_MIN_SCORES == 2**23 and AUTO_FAST_MIN_SCORES == 2**22
+    params = mha_init(16, 8, seed=0, dtype=np.float32)  # H = 2: small arrays, many scores
+    rng = np.random.default_rng(0)
+
+    def kernel(T, **options):
+        x = rng.standard_normal((1, T, 16), dtype=np.float32)
+        return mha_forward(params, x, num_heads=8, **options)[1].attention.spec.impl
+
+    assert AUTO_FAST_MIN_SCORES <= 8 * 725 * 725 and LAYER_FAST_MIN_SCORES == 8 * 1024 * 1024
+    assert kernel(725) == kernel(1023) == "dense"
+    assert kernel(725, impl="chunked") == kernel(1024) == "chunked"
+    q = rng.standard_normal((1, 8, 725, 2), dtype=np.float32)
+    assert npattn.attention_forward(q, q, q)[1].spec.impl == "chunked"  # attention's own rule
+    with pytest.raises(ValueError, match="impl"):
+        kernel(16, impl="fast")
