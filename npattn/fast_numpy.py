@@ -439,18 +439,23 @@ def _base_scale(spec: AttentionSpec, mode: _Mode) -> tuple[Any, float]:
 TRANSPOSE_CHUNK = 128
 
 
-def _augmented_transposed(x3: Any, dtype: Any, *, ones: bool = True) -> Any:
+def _augmented_transposed(x3: Any, dtype: Any, *, ones: bool = True, scale: Any = None) -> Any:
     """``[x^T; 1]``: ``(..., L, D) -> (..., D + 1, L)``, contiguous, with a
     row of ones appended, so that ``[a, c] @ [x^T; 1] = a x^T + c`` adds a
     per-row constant ``c`` inside the matrix product; ``x^T`` alone, ``(...,
-    D, L)``, without ``ones`` (the forward's zero reference has no ``c``)."""
+    D, L)``, without ``ones`` (the forward's zero reference has no ``c``);
+    ``scale * x^T`` with a ``scale``."""
     *lead, L, D = x3.shape
     xt = np.empty((*lead, D + ones, L), dtype=dtype)
     if ones:
         xt[..., D, :] = 1
     for start in range(0, L, TRANSPOSE_CHUNK):
         chunk = slice(start, start + TRANSPOSE_CHUNK)
-        xt[..., :D, chunk] = np.swapaxes(x3[..., chunk, :], -1, -2)  # (..., D, chunk)
+        x_chunk_t = np.swapaxes(x3[..., chunk, :], -1, -2)  # (..., D, chunk)
+        if scale is None:
+            xt[..., :D, chunk] = x_chunk_t
+        else:
+            np.multiply(x_chunk_t, scale, out=xt[..., :D, chunk])
     return xt
 
 
@@ -993,6 +998,10 @@ class _Forward:
         self.q_norms3, self.k_norms = _row_norms(self.q3), _row_norms(self.k3)  # (B, N, T), (B, K, S): for the bounds
         self.mode = mode = _Mode(spec, self.q_norms3, self.k_norms)
         self.zero_reference = mode.lower and _zero_reference_fits(mode.bound, self.v3, spec.dropout_p, dtype)
+        # At the zero reference with one query head per kv head, K^T (built once
+        # per group) carries the scale and the items read Q's rows as they are,
+        # where every item would otherwise copy its rows scaled.
+        self.scaled_keys = self.zero_reference and self.G == 1
         # Every item writes its rows; query tiles that see no key are filled in forward().
         self.out = np.empty((Bf, N, T, Hv), dtype=dtype)
         self.lse = np.empty((Bf, N, T), dtype=dtype)
@@ -1015,13 +1024,16 @@ class _Forward:
 
     def _keys(self, b: int, g: int) -> Any:
         """``[K^T; 1] (nk, H+1, S)`` of batch element ``b``'s group ``g``
-        (``K^T (nk, H, S)`` at the zero reference), built by the first item
-        that asks (threads may build it twice; both copies are equal)."""
+        (``K^T (nk, H, S)`` at the zero reference, times Q's scale with
+        ``scaled_keys``), built by the first item that asks (threads may
+        build it twice; both copies are equal)."""
         slot = b * len(self.groups) + g
         found = self.keys[slot]
         if found is None:
             k_rows = self.k3[b, slice(*self.groups[g])]  # (nk, S, H)
-            found = self.keys[slot] = _augmented_transposed(k_rows, self.dtype, ones=not self.zero_reference)
+            scale = self.scale if self.scaled_keys else None
+            found = _augmented_transposed(k_rows, self.dtype, ones=not self.zero_reference, scale=scale)
+            self.keys[slot] = found
         return found
 
     def work(self, job: tuple[int, int, int]) -> None:
@@ -1031,8 +1043,12 @@ class _Forward:
         item = _Item(self.spec, b, self.groups[g], self.mode, self.distances)
         q_rows = self.q3[b, item.head_slice, q0:q1]  # (nk*G, tq, H)
         # (nk, tq*G, H+1) = [Q_i, -m], the running maximum's shift riding in the
-        # product; (nk, tq*G, H) = Q_i at the zero reference, which has none.
-        qa = _augmented_rows(q_rows, None if self.zero_reference else 0, self.scale, self.dtype, item.nk)
+        # product; (nk, tq*G, H) = Q_i at the zero reference, which has none
+        # (Q's own rows when K^T carries the scale).
+        if self.scaled_keys:
+            qa = q_rows  # (nk, tq, H): G = 1, position-major already
+        else:
+            qa = _augmented_rows(q_rows, None if self.zero_reference else 0, self.scale, self.dtype, item.nk)
         sums = _Sums(item.nk, qa.shape[1], self.Hv, self.dtype)
         if self.zero_reference:
             self._spans_at_zero_reference(item, g, qi, q0, qa, sums)
