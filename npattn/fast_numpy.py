@@ -352,8 +352,13 @@ def _fused_shift_limit(dtype: Any) -> float:
 
 
 def _row_norms(x3: Any) -> Any:
-    """``|x_i|`` over the last axis: ``(B, heads, L, D) -> (B, heads, L)``."""
-    return np.sqrt(np.vecdot(x3, x3))
+    """An upper bound of ``|x_i|`` over the last axis: ``(B, heads, L, D) ->
+    (B, heads, L)``, ``sqrt(x_i . x_i + D tiny)``: a square below the
+    dtype's smallest normal number may round to 0, which without the ``D
+    tiny`` would make a nonzero row's norm 0 and the bounds built on it
+    wrong (rows of ``|x| < 1e-19`` in float32)."""
+    tiny = np.finfo(x3.dtype).tiny if x3.dtype.kind == "f" else 0.0
+    return np.sqrt(np.vecdot(x3, x3) + x3.shape[-1] * tiny)
 
 
 class _Mode:
@@ -423,8 +428,9 @@ def _base_scale(spec: AttentionSpec, mode: _Mode) -> tuple[Any, float]:
     rounded once, and ``b = c / scale``; with one (``mode.ratio``) ``c =
     scale / softcap``, so that the products are ``s / softcap``, and ``b =
     mode.cap / softcap``. The forward and the backward both multiply by
-    ``c``, so that the backward recomputes the forward's scores bit for
-    bit, and convert ``lse`` with ``b``."""
+    ``c`` (Q, or in the fused forward's zero reference K, see
+    :meth:`_Forward._scaled_keys`), so that unfused the backward recomputes
+    the forward's scores bit for bit, and convert ``lse`` with ``b``."""
     dtype = spec.compute_dtype
     if mode.ratio:
         assert spec.softcap is not None, "a ratio mode has a softcap"
@@ -952,34 +958,34 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
 ZERO_REFERENCE_BOUND = {np.dtype(np.float32): 80.0, np.dtype(np.float64): 900.0}
 
 
-def _zero_reference_fits(bound: float, v3: Any, dropout_p: float, dtype: Any) -> bool:
-    """Whether the forward may keep every row at the zero reference, given
-    ``bound`` (base 2, on every ``|S_ij|``) and V, ``(..., S, Hv)``. It needs:
+def _zero_reference_fits(bound: float, v_rows: Any, dropout_p: float, dtype: Any) -> bool:
+    """Whether an item may keep its rows at the zero reference, given
+    ``bound`` (base 2, on every ``|S_ij|`` of the call) and its values
+    ``v_rows``, ``(..., S, Hv)``. It needs:
 
     - ``bound`` within :data:`ZERO_REFERENCE_BOUND`;
     - no overflow: ``l <= S 2**bound`` and ``|acc| <= S 2**bound max|v| /
       (1 - dropout_p)`` two binades below the dtype's largest power of 2;
     - no underflow that the running maximum would not have: a term ``P~_ij
-      v_jh`` can be ``2**bound`` times smaller than with ``m_i``, so the
-      subnormal error of ``S`` such terms, ``S 2**(minexp - nmant)`` of the
-      sum and ``2**bound`` times that in ``out = acc / l``, must stay two
-      binades below the rounding ``2**-nmant max_j |v_jh|`` of every column
-      that is not all zero (which gives exact zeros either way).
+      v_jh`` can be ``2**bound`` times smaller than with ``m_i``, so every
+      nonzero ``|v_jh|`` must keep it ``2**(log2 S + 2)`` above the
+      smallest normal number, whichever keys a row sees (a row that sees
+      only small values, next to hidden large ones, is the case to guard).
     """
-    finfo, S = np.finfo(dtype), v3.shape[-2]
+    finfo, S = np.finfo(dtype), v_rows.shape[-2]
     if not bound <= ZERO_REFERENCE_BOUND[np.dtype(dtype)]:  # also False for a NaN bound
         return False
-    if not v3.size:
+    if not v_rows.size:
         return True
-    v_max = float(max(np.max(v3), -np.min(v3)))
+    magnitudes = np.abs(v_rows)  # (..., S, Hv)
     log_s, dropout_scale = math.log2(S), -math.log2(1.0 - dropout_p)
-    if not bound + log_s + math.log2(max(v_max, 1.0)) + dropout_scale <= finfo.maxexp - 2:  # also for NaN or inf
+    largest = float(np.max(magnitudes))
+    if not bound + log_s + math.log2(max(largest, 1.0)) + dropout_scale <= finfo.maxexp - 2:  # also for NaN or inf
         return False
-    smallest = 2.0 ** (bound + log_s + finfo.minexp + 2)  # the least max_j |v_jh| of a nonzero column
-    if np.min(np.abs(v3[..., 0, :])) >= smallest:  # every column clears it at its first row (the common case)
+    smallest = 2.0 ** (bound + log_s + finfo.minexp + 2)  # the least nonzero |v_jh| allowed
+    if float(np.min(magnitudes)) >= smallest:  # no zero either (the common case)
         return True
-    columns = np.max(np.abs(v3), axis=-2)  # (..., Hv): max_j |v_jh|
-    return bool(np.all((columns >= smallest) | (columns == 0)))
+    return float(np.min(magnitudes, where=magnitudes > 0, initial=np.inf)) >= smallest
 
 
 class _Forward:
@@ -997,11 +1003,6 @@ class _Forward:
         self.v3 = np.reshape(v, (Bf, K, S, Hv))  # (B, K, S, Hv)
         self.q_norms3, self.k_norms = _row_norms(self.q3), _row_norms(self.k3)  # (B, N, T), (B, K, S): for the bounds
         self.mode = mode = _Mode(spec, self.q_norms3, self.k_norms)
-        self.zero_reference = mode.lower and _zero_reference_fits(mode.bound, self.v3, spec.dropout_p, dtype)
-        # At the zero reference with one query head per kv head, K^T (built once
-        # per group) carries the scale and the items read Q's rows as they are,
-        # where every item would otherwise copy its rows scaled.
-        self.scaled_keys = self.zero_reference and self.G == 1
         # Every item writes its rows; query tiles that see no key are filled in forward().
         self.out = np.empty((Bf, N, T, Hv), dtype=dtype)
         self.lse = np.empty((Bf, N, T), dtype=dtype)
@@ -1012,6 +1013,9 @@ class _Forward:
         # [K^T; 1] per (batch element, group), built by its first item, in
         # parallel and while K is in cache (_keys).
         self.keys: list[Any] = [None] * (Bf * len(self.groups))
+        # Whether each (batch element, group) keeps its rows at the zero
+        # reference (_at_zero_reference), decided by its first item.
+        self.zero_reference: list[bool | None] = [None] * (Bf * len(self.groups))
         # In base 2 (log2(e) folded into the scale, exp2 for exp) where the mode
         # allows; otherwise in base e, exactly as the generic path.
         self.exp = _Exp(mode.base2, dtype)
@@ -1022,17 +1026,42 @@ class _Forward:
         self.k_norm_max = [[_RangeMax(self.k_norms[b, slice(*group)]) for group in self.groups] for b in range(Bf)]
         self.distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, mode.base)
 
+    def _at_zero_reference(self, b: int, g: int) -> bool:
+        """Whether batch element ``b``'s group ``g`` keeps every row at the
+        zero reference: the call's bound and the group's values allow it
+        (:func:`_zero_reference_fits`), decided by the first item that asks,
+        in parallel (threads may decide it twice, alike)."""
+        slot = b * len(self.groups) + g
+        found = self.zero_reference[slot]
+        if found is None:
+            v_rows = self.v3[b, slice(*self.groups[g])]  # (nk, S, Hv)
+            bound, dropout_p = self.mode.bound, self.spec.dropout_p
+            found = self.mode.lower and _zero_reference_fits(bound, v_rows, dropout_p, self.dtype)
+            self.zero_reference[slot] = found
+        return found
+
+    def _scaled_keys(self, b: int, g: int) -> bool:
+        """Whether the group's ``K^T`` carries Q's scale, so that its items
+        read Q's rows as they are instead of each copying them scaled: at
+        the zero reference, one query head per kv head (Q's rows are then
+        position-major already), ``|scale| <= 1`` (``scale K`` stays finite)
+        and fused scores (whose backward, shifting by ``lse`` inside the
+        product, never rounds as the forward did; unfused, both scale Q, see
+        :func:`_base_scale`)."""
+        single, small = self.G == 1, abs(float(self.scale)) <= 1.0
+        return single and small and self.mode.fused and self._at_zero_reference(b, g)
+
     def _keys(self, b: int, g: int) -> Any:
         """``[K^T; 1] (nk, H+1, S)`` of batch element ``b``'s group ``g``
         (``K^T (nk, H, S)`` at the zero reference, times Q's scale with
-        ``scaled_keys``), built by the first item that asks (threads may
+        :meth:`_scaled_keys`), built by the first item that asks (threads may
         build it twice; both copies are equal)."""
         slot = b * len(self.groups) + g
         found = self.keys[slot]
         if found is None:
             k_rows = self.k3[b, slice(*self.groups[g])]  # (nk, S, H)
-            scale = self.scale if self.scaled_keys else None
-            found = _augmented_transposed(k_rows, self.dtype, ones=not self.zero_reference, scale=scale)
+            scale = self.scale if self._scaled_keys(b, g) else None
+            found = _augmented_transposed(k_rows, self.dtype, ones=not self._at_zero_reference(b, g), scale=scale)
             self.keys[slot] = found
         return found
 
@@ -1045,12 +1074,13 @@ class _Forward:
         # (nk, tq*G, H+1) = [Q_i, -m], the running maximum's shift riding in the
         # product; (nk, tq*G, H) = Q_i at the zero reference, which has none
         # (Q's own rows when K^T carries the scale).
-        if self.scaled_keys:
+        zero = self._at_zero_reference(b, g)
+        if self._scaled_keys(b, g):
             qa = q_rows  # (nk, tq, H): G = 1, position-major already
         else:
-            qa = _augmented_rows(q_rows, None if self.zero_reference else 0, self.scale, self.dtype, item.nk)
+            qa = _augmented_rows(q_rows, None if zero else 0, self.scale, self.dtype, item.nk)
         sums = _Sums(item.nk, qa.shape[1], self.Hv, self.dtype)
-        if self.zero_reference:
+        if zero:
             self._spans_at_zero_reference(item, g, qi, q0, qa, sums)
             m = None
         else:

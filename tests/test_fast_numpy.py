@@ -438,7 +438,8 @@ def _fast_against_float64_dense(q, k, v, causal, **blocks):
 def _zero_reference(q, k, v, **options):
     """Whether the fast forward keeps every row at the reference 0 for these inputs."""
     spec = make_spec(q, k, v, impl="chunked", **options)
-    return fast_numpy._Forward(spec, q, k, v).zero_reference
+    call = fast_numpy._Forward(spec, q, k, v)
+    return all(call._at_zero_reference(b, g) for b in range(spec.num_batch) for g in range(len(call.groups)))
 
 
 def test_the_forward_keeps_the_zero_reference_only_where_every_score_and_sum_is_bounded():
@@ -483,6 +484,42 @@ def test_scores_at_the_zero_reference_bound_keep_extreme_values_finite_and_exact
     assert np.all(np.isfinite(out))
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=0)
     np.testing.assert_allclose(lse, res.lse, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"kv_lengths": np.array([3])}, {"mask": np.array([True, True, True, False])}, {"causal": True}],
+    ids=["padding", "mask", "causal"],
+)
+def test_small_visible_values_beside_large_hidden_ones_do_not_underflow_at_the_zero_reference(options):
+    """Every score at -79.93 in base 2; the keys a row sees carry v = 1e-25
+    and a hidden key v = 1: the zero reference's ``P~ v`` would be
+    subnormal, so the running maximum runs, and the fast path equals dense."""
+    a = np.float32(np.sqrt(55.4))
+    q = np.full((1, 1, 4, 1), -a, np.float32)
+    k = np.full((1, 1, 4, 1), a, np.float32)
+    small = [1e-25, 1.0, 1.0, 1.0] if options.get("causal") else [1e-25, 1e-25, 1e-25, 1.0]  # causal row 0: key 0
+    v = np.array(small, np.float32).reshape(1, 1, 4, 1)
+    assert not _zero_reference(q, k, v, **options)
+    out, _ = npattn.attention_forward(q, k, v, impl="chunked", **options)
+    want, _ = npattn.attention_forward(q, k, v, impl="dense", **options)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(("q_value", "k_scale", "scale"), [(1e-23, 1e18, 3e10), (1e-38, 1e19, 1e20)])
+def test_row_norms_that_underflow_still_bound_the_scores(q_value, k_scale, scale):
+    """Rows of ``|q| < 1e-19`` square to 0 in float32; the bound must not
+    read them as 0 (the zero reference would then exponentiate scores of
+    thousands), nor may ``scale K`` overflow: fast equals dense, finite."""
+    rng = np.random.default_rng(0)
+    H = 4 if q_value > 1e-30 else 1
+    q = np.full((1, 1, 4, H), q_value, np.float32)
+    k = (rng.standard_normal((1, 1, 8, H)) * k_scale).astype(np.float32)
+    v = rng.standard_normal((1, 1, 8, 1)).astype(np.float32)
+    out, _ = npattn.attention_forward(q, k, v, impl="chunked", scale=scale)
+    want, _ = npattn.attention_forward(q, k, v, impl="dense", scale=scale)
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("scale_v", [1.0, 1e15], ids=["moderate v", "large v"])
