@@ -4,6 +4,7 @@
     python benchmarks/bench_workloads.py --rows decode   # rows whose name contains "decode"
     python benchmarks/bench_workloads.py --base HEAD~1   # also that git revision of npattn, A/B
     python benchmarks/bench_workloads.py --quick         # small shapes, a smoke run
+    python benchmarks/bench_workloads.py --auto-grid     # chunked ÷ dense: impl="auto"'s rule
 
 Rows (float32; torch's 2.x CPU kernels limited to the same threads):
 
@@ -320,9 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-load", type=float, default=0.2, help="other processes' cores before a rerun")
     parser.add_argument("--quick", action="store_true", help="small shapes, short rows")
     parser.add_argument("--no-torch", action="store_true", help="npattn only")
+    parser.add_argument(
+        "--auto-grid", action="store_true", help="instead: chunked ÷ dense time by B and T=S, for impl='auto''s rule"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.budget, args.min_samples = min(args.budget, 0.05), 2
+    if args.auto_grid:
+        return print_auto_grid(args)
     torch = None
     if not args.no_torch:
         try:
@@ -345,6 +351,52 @@ def main(argv: list[str] | None = None) -> int:
     for workload in workloads(args.quick):
         if args.rows in workload.name:
             print_workload(workload, libraries, torch, args)
+    return 0
+
+
+def auto_grid_shapes(quick: bool) -> list[tuple[int, int]]:
+    """``(B, T)`` of the auto-rule grid (N=8, H=64, T=S): every B of 1, 4, 8
+    and 32 against every T of 128 to 512, then shapes of exactly 2**22
+    scores."""
+    if quick:
+        return [(1, 32), (2, 32)]
+    grid = [(B, T) for B in (1, 4, 8, 32) for T in (128, 256, 384, 512)]
+    return grid + [(1, 724), (2, 512), (16, 181)]
+
+
+def _path_call(impl: str, q: Any, k: Any, v: Any, dout: Any) -> Callable[[], Any]:
+    """One call of ``impl``'s forward, and its backward when ``dout`` is given."""
+
+    def call() -> Any:
+        out, residuals = npattn.attention_forward(q, k, v, impl=impl)
+        return out if dout is None else npattn.attention_backward(dout, residuals)
+
+    return call
+
+
+def print_auto_grid(args) -> int:
+    """The table behind ``impl="auto"``'s NumPy rule: the chunked (fast)
+    path's time over the dense path's, forward and forward+backward, each
+    side settled in a loop of its own calls and the two interleaved."""
+    N, H = 8, 64
+    print(f"{cpu_model()}, {os.cpu_count()} cores, float32, N={N}, H={H}: chunked ÷ dense time")
+    print(f"{'B':>3} {'T=S':>5} {'log2 scores':>11} {'forward':>8} {'fwd+bwd':>8} {'dense ms':>17} {'chunked ms':>17}")
+    for B, T in auto_grid_shapes(args.quick):
+        rng = np.random.default_rng(0)
+        q, k, v, dout = (rng.standard_normal((B, N, T, H), dtype=np.float32) for _ in range(4))
+        ratios, dense_ms, chunked_ms = [], [], []
+        for backward in (False, True):
+            calls = {impl: _path_call(impl, q, k, v, dout if backward else None) for impl in ("dense", "chunked")}
+            medians = interleaved_medians(calls, args.budget, args.min_samples)
+            ratios.append(medians["chunked"] / medians["dense"])
+            dense_ms.append(f"{medians['dense'] * 1e3:.2f}")
+            chunked_ms.append(f"{medians['chunked'] * 1e3:.2f}")
+        log_scores = np.log2(B * N * T * T)
+        print(
+            f"{B:>3} {T:>5} {log_scores:>11.2f} {ratios[0]:>8.2f} {ratios[1]:>8.2f}"
+            f" {' | '.join(dense_ms):>17} {' | '.join(chunked_ms):>17}",
+            flush=True,
+        )
     return 0
 
 

@@ -39,10 +39,11 @@ AUTO_CHUNKED_MIN_SCORES = 2**24
 #: float32): from there its blocked, threaded items beat the dense path's
 #: whole-tensor passes. Measured on 2 cores, N=8, H=64, float32, each side
 #: in a loop of its own calls, interleaved in one process (chunked / dense
-#: time, forward | forward+backward): at 2**22 0.49 | 0.69 (B=32, T=S=128),
-#: 0.56 | 0.78 (B=8, T=S=256), 0.47 | 0.75 (B=2, T=S=512) and 0.87 | 0.76
-#: (B=1, T=S=724); at 2**21 the backward ties or loses (0.98 at B=4,
-#: T=S=256; 1.28 at B=1, T=S=512 without page faults). The multi-head
+#: time; ``benchmarks/bench_workloads.py --auto-grid``): at 2**22 the
+#: forward takes 0.47-0.87 (B=32 T=S=128, B=8 T=256, B=2 T=512, B=1
+#: T=724, B=16 T=181) and forward+backward 0.66-1.07 over two runs; below
+#: it the forward no longer wins everywhere (0.81-1.98 from 2**17 to 2**21)
+#: and forward+backward loses at most shapes (0.79-2.39). The multi-head
 #: layer starts later (:data:`npattn.mha.LAYER_FAST_MIN_SCORES`). See
 #: ``docs/performance.rst``.
 AUTO_FAST_MIN_SCORES = 2**22

@@ -135,3 +135,10 @@ def test_workloads_benchmark_times_a_base_revision_beside(capsys):
     assert "base ms" in out
     rows = [line.split() for line in out.splitlines() if line.startswith("tiny")]
     assert len(rows) == 2 and all(row[-2].endswith("x") for row in rows)
+
+
+def test_workloads_benchmark_prints_the_auto_rule_grid(capsys):
+    assert _run_script("bench_workloads.py", ["--quick", "--auto-grid"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    assert [(int(row[0]), int(row[1])) for row in rows] == [(1, 32), (2, 32)]
+    assert all(float(row[3]) > 0 and float(row[4]) > 0 for row in rows)
