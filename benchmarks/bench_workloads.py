@@ -241,12 +241,10 @@ def _settle(fn: Callable[[], Any], seconds: float) -> None:
         fn()
 
 
-def interleaved_medians(
-    calls: dict[str, Callable[[], Any]], budget_s: float, min_samples: int, settle_s: float = SETTLE_S
-) -> dict[str, float]:
+def interleaved_medians(calls: dict[str, Callable[[], Any]], budget_s: float, min_samples: int) -> dict[str, float]:
     """Median seconds per call of each of ``calls``, the sides alternating
     sample by sample, each leading a round in turn, each sample preceded by
-    ``settle_s`` of the same side's untimed calls (:data:`SETTLE_S`); samples
+    :data:`SETTLE_S` of the same side's untimed calls; samples
     continue until ``budget_s`` is spent (at least ``min_samples`` each)."""
     for fn in calls.values():
         fn()  # warm-up
@@ -257,7 +255,7 @@ def interleaved_medians(
     while len(times[names[0]]) < min_samples or time.perf_counter() < deadline:
         first = len(times[names[0]]) % len(names)  # each side leads in turn: no side always follows another
         for name in names[first:] + names[:first]:
-            _settle(calls[name], settle_s)
+            _settle(calls[name], SETTLE_S)
             start = time.perf_counter()
             for _ in range(per_sample[name]):
                 calls[name]()

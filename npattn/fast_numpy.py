@@ -954,14 +954,14 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
 #: product's own error is relative to ``|q_i| |k_j|`` either way). Gemma 2's
 #: softcap of 50 (72 in base 2) is within it. The sums must also stay finite
 #: and their terms ``P~ v`` clear of the subnormals, which
-#: :func:`_zero_reference_fits` checks against ``S``, dropout and V's columns.
+#: :func:`_zero_reference_fits` checks against ``S``, dropout and every ``|v|``.
 ZERO_REFERENCE_BOUND = {np.dtype(np.float32): 80.0, np.dtype(np.float64): 900.0}
 
 
 def _zero_reference_fits(bound: float, v_rows: Any, dropout_p: float, dtype: Any) -> bool:
-    """Whether an item may keep its rows at the zero reference, given
-    ``bound`` (base 2, on every ``|S_ij|`` of the call) and its values
-    ``v_rows``, ``(..., S, Hv)``. It needs:
+    """Whether a group of kv heads may keep its rows at the zero reference,
+    given ``bound`` (base 2, on every ``|S_ij|`` of the call) and the
+    group's values ``v_rows``, ``(..., S, Hv)``. It needs:
 
     - ``bound`` within :data:`ZERO_REFERENCE_BOUND`;
     - no overflow: ``l <= S 2**bound`` and ``|acc| <= S 2**bound max|v| /

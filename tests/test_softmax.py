@@ -72,6 +72,6 @@ def test_numpy_softmax_backward_matches_the_generic_one_bit_for_bit(case, seed, 
     np.testing.assert_array_equal(ds, np.asarray(ds_ref))
     if overwrite:
         assert ds is dp  # dS took dP's buffer over
-    kept = {"p": (p, before[0]), "D": (D, before[2])} | ({} if overwrite else {"dp": (dp, before[1])})
-    for a, b in kept.values():
+    kept = [(p, before[0]), (D, before[2])] + ([] if overwrite else [(dp, before[1])])
+    for a, b in kept:
         np.testing.assert_array_equal(a, b)  # inputs are never mutated (but dP, taken over, with overwrite)
