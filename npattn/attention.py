@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from . import fast_numpy
 from .chunked import chunked_backward, chunked_forward
 from .dense import dense_backward, dense_forward
@@ -263,11 +265,14 @@ def attention_forward(
     (2, 4, 5, 8)
     """
     spec = None
-    if causal is False and type(dropout_p) is float and dropout_p == 0.0 and type(impl) is str and impl == "auto":
-        unset = [mask, bias, window, align, q_lengths, kv_lengths, scale, seed, block_q, block_k, softcap]
-        unset += [alibi_slopes, sinks, q_segment_ids, kv_segment_ids, score_mods, mask_mod, block_mask, xp]
-        if all(option is None for option in unset):
-            spec = plain_spec(q, k, v)  # no option given: the same spec from fewer checks, or None
+    if (  # each option at its default: one chain of identity tests (0.1 µs, a list and all() take 0.8)
+        (causal is False and type(dropout_p) is float and dropout_p == 0.0 and type(impl) is str and impl == "auto")
+        and (mask is None and bias is None and window is None and align is None and scale is None and seed is None)
+        and (q_lengths is None and kv_lengths is None and block_q is None and block_k is None and xp is None)
+        and (softcap is None and alibi_slopes is None and sinks is None and score_mods is None and mask_mod is None)
+        and (q_segment_ids is None and kv_segment_ids is None and block_mask is None)
+    ):
+        spec = plain_call_spec(q, k, v)  # no option given: the same spec from fewer checks, or None
     if spec is None:
         spec = make_spec(
             q,
@@ -297,7 +302,7 @@ def attention_forward(
             xp=xp,
         )
     out, residuals = forward_from_spec(spec, q, k, v)
-    return spec.xp.astype(out, spec.dtype, copy=False), residuals
+    return _in_dtype(spec.xp, out, spec.dtype), residuals
 
 
 def forward_from_spec(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, AttentionResiduals]:
@@ -308,7 +313,8 @@ def forward_from_spec(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any,
     :func:`~npattn.options.make_spec`."""
     spec = choose_impl(spec)
     xp = spec.xp
-    qc, kc, vc = (xp.astype(a, spec.compute_dtype, copy=False) for a in (q, k, v))
+    cdtype = spec.compute_dtype
+    qc, kc, vc = _in_dtype(xp, q, cdtype), _in_dtype(xp, k, cdtype), _in_dtype(xp, v, cdtype)
     residuals: AttentionResiduals
     if spec.impl == "dense":
         out, lse, probs = dense_forward(spec, qc, kc, vc)
@@ -380,7 +386,7 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
             spec, residuals.q, residuals.k, residuals.v, residuals.out, residuals.lse, dout_c, dlse_c
         )
     dsinks = sinks_grad(spec, dout_c, residuals.out, residuals.lse, dlse_c)
-    dq, dk, dv = (xp.astype(g, spec.dtype, copy=False) for g in (dq, dk, dv))
+    dq, dk, dv = _in_dtype(xp, dq, spec.dtype), _in_dtype(xp, dk, spec.dtype), _in_dtype(xp, dv, spec.dtype)
     return AttentionGrads(
         dq,
         dk,
@@ -398,9 +404,53 @@ def _mod_grads(spec: AttentionSpec, grads: dict[str, Any]) -> dict[str, Any]:
     return {name: spec.xp.astype(grad, dtypes[name], copy=False) for name, grad in grads.items()}
 
 
-def _in_dtype(xp: Any, grad: Any | None, dtype: Any) -> Any | None:
-    """A parameter's gradient in the parameter's own dtype (None stays None)."""
-    return None if grad is None else xp.astype(grad, dtype, copy=False)
+def _in_dtype(xp: Any, x: Any | None, dtype: Any) -> Any | None:
+    """``x`` in ``dtype``: ``x`` itself when it has it already (the common
+    case, without the namespace's ``astype`` wrapper), and None stays None."""
+    return x if x is None or x.dtype == dtype else xp.astype(x, dtype)
+
+
+#: :func:`plain_call_spec`'s answers by ``(dtypes, shapes)``, which alone
+#: decide them; emptied when it reaches :data:`PLAIN_CALL_CACHE_SIZE` entries.
+_PLAIN_CALLS: dict[tuple, AttentionSpec | None] = {}
+PLAIN_CALL_CACHE_SIZE = 256
+
+
+def plain_call_spec(q: Any, k: Any, v: Any) -> AttentionSpec | None:
+    """:func:`~npattn.options.plain_spec` for a call with every option at
+    its default, with the path chosen (:func:`choose_impl`) where the sizes
+    alone choose it: dense, below :data:`~npattn.options.AUTO_FAST_MIN_SCORES`
+    scores. Looked up by the arrays' dtypes and shapes, so a repeated small
+    call (a decode step, a training step) skips both (1 µs against 7: the
+    per-call floor). A larger call's path is chosen per call, since
+    ``NPATTN_FAST_NUMPY`` may change between calls.
+
+    >>> import numpy as np
+    >>> x = np.zeros((1, 2, 3, 4))
+    >>> plain_call_spec(x, x, x).impl, plain_call_spec(x, x, x) is plain_call_spec(x, x, x)
+    ('dense', True)
+    >>> plain_call_spec(x, x, x.astype(np.float32)) is None  # make_spec's checks then apply
+    True
+    """
+    if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
+        return None
+    key = (q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape)
+    try:
+        return _PLAIN_CALLS[key]
+    except KeyError:
+        pass
+    spec = plain_spec(q, k, v)
+    if spec is not None and _scores(spec) < AUTO_FAST_MIN_SCORES:
+        spec = choose_impl(spec)  # dense on any platform and setting
+    if len(_PLAIN_CALLS) >= PLAIN_CALL_CACHE_SIZE:
+        _PLAIN_CALLS.clear()
+    _PLAIN_CALLS[key] = spec
+    return spec
+
+
+def _scores(spec: AttentionSpec) -> int:
+    """Entries of the dense score tensor ``(..., N, T, S)``."""
+    return spec.num_batch * spec.num_heads * spec.q_len * spec.kv_len
 
 
 def choose_impl(spec: AttentionSpec) -> AttentionSpec:
@@ -421,7 +471,7 @@ def choose_impl(spec: AttentionSpec) -> AttentionSpec:
     """
     if spec.impl != "auto":
         return spec
-    scores = spec.num_batch * spec.num_heads * spec.q_len * spec.kv_len  # entries of (..., N, T, S)
+    scores = _scores(spec)
     large = scores > AUTO_CHUNKED_MIN_SCORES
     fast = scores >= AUTO_FAST_MIN_SCORES and fast_numpy.supports(spec)
     return spec.replace(impl="chunked" if large or fast else "dense")

@@ -4,6 +4,7 @@ CONVENTIONS §1."""
 
 from __future__ import annotations
 
+import math
 from unittest import mock
 
 import numpy as np
@@ -295,6 +296,33 @@ def test_a_call_without_options_takes_the_plain_lane_with_the_general_paths_bits
         np.testing.assert_array_equal(a, b)
     for name in ("dq", "dk", "dv"):
         np.testing.assert_array_equal(getattr(grads, name), getattr(ref_grads, name), err_msg=name)
+
+
+def test_a_repeated_plain_call_looks_up_its_spec_with_the_path_chosen_by_size(monkeypatch):
+    """``plain_call_spec``: one spec object per dtypes and shapes, equal to
+    ``choose_impl(make_spec(...))`` where the sizes alone send the call to
+    the dense path; from AUTO_FAST_MIN_SCORES the path stays unchosen, so
+    ``NPATTN_FAST_NUMPY`` read at each call still decides; None where
+    ``make_spec``'s checks must run; and the table stays bounded."""
+    from npattn.attention import _PLAIN_CALLS, PLAIN_CALL_CACHE_SIZE, choose_impl, plain_call_spec
+    from npattn.options import AUTO_FAST_MIN_SCORES, make_spec
+
+    x = np.zeros((2, 4, 8, 3), dtype=np.float32)
+    small = plain_call_spec(x, x, x)
+    assert small is plain_call_spec(x.copy(), x.copy(), x.copy())
+    assert small.__dict__ == choose_impl(make_spec(x, x, x)).__dict__ and small.impl == "dense"
+    side = math.isqrt(AUTO_FAST_MIN_SCORES)  # T = S = side: exactly the threshold
+    big = np.zeros((1, 1, side, 1), dtype=np.float32)
+    assert plain_call_spec(big, big, big).impl == "auto"
+    assert choose_impl(plain_call_spec(big, big, big)).impl == "chunked"
+    monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")
+    assert choose_impl(plain_call_spec(big, big, big)).impl == "dense"
+    assert plain_call_spec(x, x, x.astype(np.float64)) is None
+    assert plain_call_spec(x.tolist(), x, x) is None
+    for T in range(1, PLAIN_CALL_CACHE_SIZE + 2):
+        y = np.zeros((1, 1, T, 2))
+        assert plain_call_spec(y, y, y).q_len == T
+    assert 0 < len(_PLAIN_CALLS) <= PLAIN_CALL_CACHE_SIZE
 
 
 def test_inputs_the_plain_lane_does_not_take_still_get_make_specs_checks():
