@@ -208,7 +208,9 @@ def _linear(xp, a, w, b):
     B, L, width = a.shape
     y = xp.reshape(a, (B * L, width)) @ xp.matrix_transpose(w)  # (B*L, in) @ (in, out) -> (B*L, out)
     y = xp.reshape(y, (B, L, w.shape[0]))  # (B, L, out)
-    return y if b is None else y + b
+    if b is not None:
+        y += b  # in place: y is the product's own fresh array (a second (B, L, out) costs its page faults)
+    return y
 
 
 def _linear_backward(xp, dy, a, w, with_bias):
