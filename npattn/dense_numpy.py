@@ -56,7 +56,7 @@ def masked_softmax(
     if empty is not None:
         np.copyto(l, 1, where=empty)
     e /= l
-    lse = np.log(l)
+    lse = np.log(l, out=l)  # l is spent: its buffer takes lse
     lse += m
     if empty is not None:
         np.copyto(lse, -np.inf, where=empty)
