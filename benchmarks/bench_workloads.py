@@ -5,6 +5,7 @@
     python benchmarks/bench_workloads.py --base HEAD~1   # also that git revision of npattn, A/B
     python benchmarks/bench_workloads.py --quick         # small shapes, a smoke run
     python benchmarks/bench_workloads.py --auto-grid     # chunked ÷ dense: impl="auto"'s rule
+    python benchmarks/bench_workloads.py --more          # workloads of the same kinds, not listed below
 
 Rows (float32; torch's 2.x CPU kernels limited to the same threads):
 
@@ -18,6 +19,11 @@ MHA E512                  the layer, E=512, 8 heads, B=8, T=256, self-attention
                           (torch: ``nn.MultiheadAttention``, the same weights)
 headline T4096            B=1, N=8, T=S=4096, H=64, full
 ========================  ==========================================================
+
+``--more`` prints other mixes of the same kinds instead: float64, GQA
+training, a long causal call, H=128, padding by ``kv_lengths`` (torch: the
+same keys hidden by a bool mask), batched decoding with lengths, and short
+sequences, full and causal (see :func:`more_workloads`).
 
 Each row but decoding runs forward and forward+backward. npattn runs
 ``impl="auto"`` and the ``path`` column says which path that chose. The
@@ -113,11 +119,12 @@ class OtherLoad:
 # --- the calls of each workload ---------------------------------------------
 
 
-def _attention_calls(lib, torch, q, k, v, dout, causal: bool) -> dict:
+def _attention_calls(lib, torch, q, k, v, dout, causal: bool, kv_lengths: Any = None) -> dict:
     """``{"forward": {...}, "fwd+bwd": {...}}``, each mapping a side to a call."""
+    options = {"causal": causal} if kv_lengths is None else {"causal": causal, "kv_lengths": kv_lengths}
 
     def fwd():
-        return lib.attention_forward(q, k, v, causal=causal)
+        return lib.attention_forward(q, k, v, **options)
 
     def fwd_bwd():
         return lib.attention_backward(dout, fwd()[1])
@@ -128,33 +135,54 @@ def _attention_calls(lib, torch, q, k, v, dout, causal: bool) -> dict:
         gqa = q.shape[-3] != k.shape[-3]
         tq, tk, tv = (torch.from_numpy(a.copy()).requires_grad_() for a in (q, k, v))
         tdout = torch.from_numpy(dout)
+        mask = None
+        if kv_lengths is not None:  # (B, 1, 1, S): the keys each batch element sees
+            mask = torch.from_numpy(np.arange(k.shape[-2]) < kv_lengths[:, None])[:, None, None, :]
 
         def t_fwd():
             with torch.no_grad():
-                return sdpa(tq, tk, tv, is_causal=causal, enable_gqa=gqa)
+                return sdpa(tq, tk, tv, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
         def t_fwd_bwd():
-            sdpa(tq, tk, tv, is_causal=causal, enable_gqa=gqa).backward(tdout)
+            sdpa(tq, tk, tv, attn_mask=mask, is_causal=causal, enable_gqa=gqa).backward(tdout)
             tq.grad = tk.grad = tv.grad = None
 
         calls["forward"]["torch"], calls["fwd+bwd"]["torch"] = t_fwd, t_fwd_bwd
     return calls
 
 
-def attention_workload(name: str, B: int, N: int, K: int, T: int, S: int, H: int, causal=False, backward=True):
+def attention_workload(
+    name: str,
+    B: int,
+    N: int,
+    K: int,
+    T: int,
+    S: int,
+    H: int,
+    causal=False,
+    backward=True,
+    dtype: Any = np.float32,
+    kv_lengths: list[int] | None = None,
+):
     """A row of :func:`npattn.attention_forward` on ``(B, N, T, H)`` queries
-    against ``(B, K, S, H)`` keys and values."""
+    against ``(B, K, S, H)`` keys and values, each batch element seeing its
+    first ``kv_lengths[b]`` keys when given (B of them, non-causal)."""
     visible = 0.5 if causal and T == S else 1.0
+    if kv_lengths is not None:
+        visible = sum(kv_lengths) / (B * S)
+    lengths = None if kv_lengths is None else np.asarray(kv_lengths)
 
     def make(lib, torch, rng):
-        q = rng.standard_normal((B, N, T, H), dtype=np.float32)  # (B, N, T, H)
-        k = rng.standard_normal((B, K, S, H), dtype=np.float32)  # (B, K, S, H)
-        v = rng.standard_normal((B, K, S, H), dtype=np.float32)  # (B, K, S, Hv)
-        dout = rng.standard_normal((B, N, T, H), dtype=np.float32)  # (B, N, T, Hv)
-        return _attention_calls(lib, torch, q, k, v, dout, causal)
+        q = rng.standard_normal((B, N, T, H)).astype(dtype)  # (B, N, T, H)
+        k = rng.standard_normal((B, K, S, H)).astype(dtype)  # (B, K, S, H)
+        v = rng.standard_normal((B, K, S, H)).astype(dtype)  # (B, K, S, Hv)
+        dout = rng.standard_normal((B, N, T, H)).astype(dtype)  # (B, N, T, Hv)
+        return _attention_calls(lib, torch, q, k, v, dout, causal, lengths)
 
     kv = f" on K={K}" if K != N else ""
-    shape = f"B={B} N={N}{kv} T={T} S={S} H={H}{' causal' if causal else ''}"
+    extra = (" causal" if causal else "") + (" kv_lengths" if kv_lengths else "")
+    extra += "" if np.dtype(dtype) == np.float32 else f" {np.dtype(dtype).name}"
+    shape = f"B={B} N={N}{kv} T={T} S={S} H={H}{extra}"
     return Workload(name, shape, 4 * B * N * T * S * H * visible, make, backward)
 
 
@@ -213,6 +241,31 @@ def workloads(quick: bool) -> list[Workload]:
         attention_workload("tiny", 1, 1, 1, 16, 16, 16),
         mha_workload("MHA E512", 8, 256, 512, 8),
         attention_workload("headline T4096", 1, 8, 8, 4096, 4096, 64),
+    ]
+
+
+def more_workloads(quick: bool) -> list[Workload]:
+    """Other mixes of the same kinds (issue 17: "workloads of the same kinds
+    that are not listed here ... are measured too")."""
+    pad = [512, 400, 300, 512, 256, 128, 500, 450]  # kv_lengths of B=8
+    if quick:
+        return [
+            attention_workload("f64 B2 N2 T32", 2, 2, 2, 32, 32, 16, dtype=np.float64),
+            attention_workload("pad B2 N2 T32", 2, 2, 2, 32, 32, 16, kv_lengths=[32, 20]),
+            attention_workload("decode pad B2 S64", 2, 4, 2, 1, 64, 16, backward=False, kv_lengths=[64, 9]),
+        ]
+    return [
+        attention_workload("f64 B8 N8 T256", 8, 8, 8, 256, 256, 64, dtype=np.float64),
+        attention_workload("GQA B4 N16/4 T512 c", 4, 16, 4, 512, 512, 64, causal=True),
+        attention_workload("B1 N16 T2048 causal", 1, 16, 16, 2048, 2048, 64, causal=True),
+        attention_workload("B2 N4 T1024 H128", 2, 4, 4, 1024, 1024, 128),
+        attention_workload("pad B8 N12 T512", 8, 12, 12, 512, 512, 64, kv_lengths=pad),
+        attention_workload(
+            "decode pad B8 S4096", 8, 32, 8, 1, 4096, 128, backward=False, kv_lengths=[x * 8 for x in pad]
+        ),
+        attention_workload("B16 N12 T64", 16, 12, 12, 64, 64, 64),
+        attention_workload("B4 N8 T128 causal", 4, 8, 8, 128, 128, 64, causal=True),
+        attention_workload("B1 N8 T64", 1, 8, 8, 64, 64, 64),
     ]
 
 
@@ -322,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--auto-grid", action="store_true", help="instead: chunked ÷ dense time by B and T=S, for impl='auto''s rule"
     )
+    parser.add_argument("--more", action="store_true", help="instead: other mixes of the same kinds of workload")
     args = parser.parse_args(argv)
     if args.quick:
         args.budget, args.min_samples = min(args.budget, 0.05), 2
@@ -338,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     libraries = {"npattn": npattn}
     if args.base:
         libraries["base"] = load_base(args.base)
-    print(f"{cpu_model()}, {os.cpu_count()} cores, float32, torch {torch.__version__ if torch else '-'}")
+    dtype = "float32 unless a row says" if args.more else "float32"
+    print(f"{cpu_model()}, {os.cpu_count()} cores, {dtype}, torch {torch.__version__ if torch else '-'}")
     header = (
         f"{'workload':<20} {'mode':<8} {'path':<6} {'npattn ms':>10} {'torch ms':>9} {'ratio':>6} {'GFLOP/s':>8}"
         + (f" {'base ms':>9} {'÷ base':>6}" if args.base else "")
@@ -346,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(header)
     print("-" * len(header))
-    for workload in workloads(args.quick):
+    for workload in more_workloads(args.quick) if args.more else workloads(args.quick):
         if args.rows in workload.name:
             print_workload(workload, libraries, torch, args)
     return 0

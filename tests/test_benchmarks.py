@@ -129,6 +129,16 @@ def test_workloads_benchmark_quick_prints_every_row_with_its_path(capsys):
     assert sum(row[-7] == "fwd+bwd" for row in rows) == 3  # decoding runs forward only
 
 
+def test_workloads_benchmark_more_prints_the_other_mixes_with_options_and_dtypes(capsys):
+    assert _run_script("bench_workloads.py", ["--quick", "--no-torch", "--more"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line and line[0].isalpha()][2:]
+    names = {" ".join(row[:-7]) for row in rows}
+    assert names == {"f64 B2 N2 T32", "pad B2 N2 T32", "decode pad B2 S64"}
+    assert "float64" in out and "kv_lengths" in out
+    assert all(float(row[-5]) > 0 for row in rows)
+
+
 def test_workloads_benchmark_times_a_base_revision_beside(capsys):
     assert _run_script("bench_workloads.py", ["--quick", "--no-torch", "--rows", "tiny", "--base", "worktree"]) == 0
     out = capsys.readouterr().out
