@@ -265,14 +265,20 @@ def attention_forward(
     (2, 4, 5, 8)
     """
     spec = None
-    if (  # each option at its default: one chain of identity tests (0.1 µs, a list and all() take 0.8)
-        (causal is False and type(dropout_p) is float and dropout_p == 0.0 and type(impl) is str and impl == "auto")
+    if (  # each option at its default but causal: one chain of identity tests (0.1 µs; a list and all() take 0.8)
+        (
+            type(causal) is bool
+            and type(dropout_p) is float
+            and dropout_p == 0.0
+            and type(impl) is str
+            and impl == "auto"
+        )
         and (mask is None and bias is None and window is None and align is None and scale is None and seed is None)
         and (q_lengths is None and kv_lengths is None and block_q is None and block_k is None and xp is None)
         and (softcap is None and alibi_slopes is None and sinks is None and score_mods is None and mask_mod is None)
         and (q_segment_ids is None and kv_segment_ids is None and block_mask is None)
     ):
-        spec = plain_call_spec(q, k, v)  # no option given: the same spec from fewer checks, or None
+        spec = plain_call_spec(q, k, v, causal)  # no option but causal: the same spec from fewer checks, or None
     if spec is None:
         spec = make_spec(
             q,
@@ -416,30 +422,37 @@ _PLAIN_CALLS: dict[tuple, AttentionSpec | None] = {}
 PLAIN_CALL_CACHE_SIZE = 256
 
 
-def plain_call_spec(q: Any, k: Any, v: Any) -> AttentionSpec | None:
+def plain_call_spec(q: Any, k: Any, v: Any, causal: bool = False) -> AttentionSpec | None:
     """:func:`~npattn.options.plain_spec` for a call with every option at
-    its default, with the path chosen (:func:`choose_impl`) where the sizes
-    alone choose it: dense, below :data:`~npattn.options.AUTO_FAST_MIN_SCORES`
-    scores. Looked up by the arrays' dtypes and shapes, so a repeated small
-    call (a decode step, a training step) skips both (1 µs against 7: the
-    per-call floor). A larger call's path is chosen per call, since
-    ``NPATTN_FAST_NUMPY`` may change between calls.
+    its default but ``causal``, with the path chosen (:func:`choose_impl`)
+    where the sizes alone choose it: dense, below
+    :data:`~npattn.options.AUTO_FAST_MIN_SCORES` scores. Looked up by the
+    arrays' dtypes and shapes and ``causal``, so a repeated small call (a
+    decode step, a training step) skips both (1 µs against 7, or 17 with
+    ``causal``: the per-call floor). A larger call's path is chosen per
+    call, since ``NPATTN_FAST_NUMPY`` may change between calls. A causal
+    call with ``T != S`` raises :func:`~npattn.options.make_spec`'s error
+    (it needs ``align``), and nothing is kept.
 
     >>> import numpy as np
     >>> x = np.zeros((1, 2, 3, 4))
     >>> plain_call_spec(x, x, x).impl, plain_call_spec(x, x, x) is plain_call_spec(x, x, x)
     ('dense', True)
+    >>> plain_call_spec(x, x, x, causal=True).window_right
+    0
     >>> plain_call_spec(x, x, x.astype(np.float32)) is None  # make_spec's checks then apply
     True
     """
     if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
         return None
-    key = (q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape)
+    key = (q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape, causal)
     try:
         return _PLAIN_CALLS[key]
     except KeyError:
         pass
     spec = plain_spec(q, k, v)
+    if spec is not None and causal:
+        spec = make_spec(q, k, v, causal=True)  # the inputs fit; causal's own checks
     if spec is not None and _scores(spec) < AUTO_FAST_MIN_SCORES:
         spec = choose_impl(spec)  # dense on any platform and setting
     if len(_PLAIN_CALLS) >= PLAIN_CALL_CACHE_SIZE:

@@ -131,8 +131,8 @@ def dense_scores(spec: AttentionSpec, q: Any, k: Any) -> Any:
 
 def dense_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
     """Return ``(out, lse, probs)`` in the compute dtype; inputs already cast."""
-    if spec.is_plain and dense_numpy.handles(spec.xp, spec.compute_dtype):
-        return dense_numpy.plain_forward(spec, q, k, v)  # the same bits, a smaller floor
+    if spec.scores_are_raw and dense_numpy.handles(spec.xp, spec.compute_dtype):  # the same bits, a smaller floor
+        return dense_numpy.plain_forward(spec, q, k, v, visible_tile(spec, 0, spec.q_len, 0, spec.kv_len))
     xp = spec.xp
     s = dense_scores(spec, q, k)  # (..., N, T, S)
     visible = visible_tile(spec, 0, spec.q_len, 0, spec.kv_len)
@@ -153,7 +153,7 @@ def dense_backward(
     pre-dropout probabilities and ``out`` the forward's output (sinks merged,
     like ``p``): ``D = rowsum(dO * O)`` equals ``rowsum(P * dP)`` and costs
     ``T x Hv`` rather than ``T x S``."""
-    if spec.is_plain and dense_numpy.handles(spec.xp, spec.compute_dtype):
+    if spec.scores_are_raw and dense_numpy.handles(spec.xp, spec.compute_dtype):
         return (*dense_numpy.plain_backward(spec, q, k, v, p, out, dout, dlse), None, {})  # the same bits
     xp = spec.xp
     N, K = spec.num_heads, spec.num_kv_heads

@@ -72,19 +72,23 @@ def softmax_backward(p: np.ndarray, dp: np.ndarray, D: np.ndarray, *, overwrite:
     return ds
 
 
-def plain_forward(spec: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[Any, Any, Any]:
-    """:func:`npattn.dense.dense_forward` for a plain spec (``spec.is_plain``):
-    the same operations in the same order, hence the same bits, with NumPy's
-    own methods and none of the pipeline's steps, which are all unset: a
-    small call's floor (the array methods skip ``np.reshape``'s and
-    ``np.swapaxes``' Python wrappers, 0.3-0.6 µs a call)."""
+def plain_forward(
+    spec: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray | None = None
+) -> tuple[Any, Any, Any]:
+    """:func:`npattn.dense.dense_forward` for raw scores (``spec.scores_are_raw``:
+    no step of the pipeline changes them), of which ``visible`` (the
+    pipeline's :func:`~npattn.scores.visibility.visible_tile` over the whole
+    ``(..., N, T, S)``, or None) hides some: the same operations in the same
+    order, hence the same bits, with NumPy's own methods and without the
+    namespace's wrappers (``np.reshape``'s and ``np.swapaxes``' Python layers
+    cost 0.3-0.6 µs a call): a small call's floor."""
     *lead, N, T, H = q.shape
     K, S, Hv = k.shape[-3], k.shape[-2], v.shape[-1]
     rows = (N // K) * T if K else 0  # G*T: the query heads of a kv head, stacked
     qs = (spec.scale * q).reshape((*lead, K, rows, H))  # (..., K, G*T, H)
     qs_t = narrow_columns(qs.swapaxes(-1, -2))  # (..., K, H, G*T)
     s = (k @ qs_t).swapaxes(-1, -2).reshape((*lead, N, T, S))  # (..., N, T, S): (K Q^T)^T
-    p, lse = masked_softmax(s, None, overwrite=True)  # (..., N, T, S), (..., N, T): P over the products
+    p, lse = masked_softmax(s, visible, overwrite=True)  # (..., N, T, S), (..., N, T): P over the products
     out = (p.reshape((*lead, K, rows, S)) @ v).reshape((*lead, N, T, Hv))  # (..., K, G*T, Hv) -> (..., N, T, Hv)
     return out, lse, p
 
@@ -92,8 +96,9 @@ def plain_forward(spec: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tup
 def plain_backward(
     spec: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, p: np.ndarray, out: np.ndarray, dout: np.ndarray, dlse: Any
 ) -> tuple[Any, Any, Any]:
-    """:func:`npattn.dense.dense_backward` for a plain spec: ``(dq, dk, dv)``
-    from the same operations in the same order, hence the same bits."""
+    """:func:`npattn.dense.dense_backward` for raw scores (``spec.scores_are_raw``):
+    ``(dq, dk, dv)`` from the same operations in the same order, hence the
+    same bits (hidden keys have ``P = 0``, so ``dS = 0`` there)."""
     *lead, N, T, H = q.shape
     K, S, Hv = k.shape[-3], k.shape[-2], v.shape[-1]
     rows = (N // K) * T if K else 0

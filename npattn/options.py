@@ -216,20 +216,18 @@ class AttentionSpec:
         return self.mask is not None or self.mask_mod is not None
 
     @property
-    def is_plain(self) -> bool:
-        """Whether no option changes the scores, their visibility or the
-        probabilities: ``softmax(scale Q K^T) V``, with any scale, GQA and
-        sinks (which every path merges after its kernel)."""
+    def scores_are_raw(self) -> bool:
+        """Whether no option changes the scores or drops probabilities: no
+        bias, softcap, ALiBi, score modification or dropout. The mask,
+        causal/window, lengths, segment ids and a mask modification may
+        still hide keys (:func:`~npattn.scores.visibility.visible_tile`);
+        sinks merge after every path's kernel."""
         return not (
-            self.mask is not None
-            or self.bias is not None
-            or self.has_positional_mask
+            self.bias is not None
             or self.dropout_p
             or self.softcap is not None
             or self.alibi_slopes is not None
-            or self.has_segments
             or self.score_mods
-            or self.mask_mod is not None
         )
 
     @property

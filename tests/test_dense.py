@@ -269,9 +269,10 @@ def test_a_call_without_options_takes_the_plain_lane_with_the_general_paths_bits
     """No option given: ``plain_spec`` builds the spec :func:`make_spec`
     would, and the dense path's NumPy plain kernels
     (:func:`npattn.dense_numpy.plain_forward` / ``plain_backward``) give the
-    general dense code's bits (which runs when ``is_plain`` is False),
+    general dense code's bits (which runs when ``scores_are_raw`` is False),
     forward and backward, GQA and empty sizes included."""
     from npattn.options import AttentionSpec, make_spec, plain_spec
+    from npattn.scores.visibility import visible_tile
 
     batch, K, G, T = shape
     H, Hv = dims
@@ -280,7 +281,7 @@ def test_a_call_without_options_takes_the_plain_lane_with_the_general_paths_bits
     k = rng.standard_normal((*batch, K, S, H)).astype(dtype)
     v = rng.standard_normal((*batch, K, S, Hv)).astype(dtype)
     plain = plain_spec(q, k, v)
-    assert plain is not None and plain.is_plain
+    assert plain is not None and plain.scores_are_raw and visible_tile(plain, 0, T, 0, S) is None
     general = make_spec(q, k, v)
     assert plain.__dict__.keys() == general.__dict__.keys()
     for name, value in general.__dict__.items():
@@ -289,13 +290,61 @@ def test_a_call_without_options_takes_the_plain_lane_with_the_general_paths_bits
     dout = rng.standard_normal(out.shape).astype(dtype)
     dlse = rng.standard_normal(res.lse.shape).astype(dtype) if with_lse else None
     grads = npattn.attention_backward(dout, res, dlse=dlse)
-    with mock.patch.object(AttentionSpec, "is_plain", property(lambda spec: False)):  # the general code
+    with mock.patch.object(AttentionSpec, "scores_are_raw", property(lambda spec: False)):  # the general code
         ref, ref_res = npattn.attention_forward(q, k, v)
         ref_grads = npattn.attention_backward(dout, ref_res, dlse=dlse)
     for a, b in ((out, ref), (res.lse, ref_res.lse), (res.probs, ref_res.probs)):
         np.testing.assert_array_equal(a, b)
     for name in ("dq", "dk", "dv"):
         np.testing.assert_array_equal(getattr(grads, name), getattr(ref_grads, name), err_msg=name)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=attention_cases(features=("mask", "causal", "window", "lengths", "segments", "sinks", "masked_row")))
+def test_raw_scores_with_hidden_keys_take_the_numpy_lane_with_the_general_paths_bits(case):
+    """Options that only hide keys (mask, causal/window, lengths, segment
+    ids) or merge after the kernel (sinks) keep the scores raw
+    (``scores_are_raw``): the dense path runs the NumPy kernels of
+    :mod:`npattn.dense_numpy` with the pipeline's visibility, and gives the
+    general dense code's bits, forward and backward, fully masked rows
+    included."""
+    from npattn.options import AttentionSpec
+
+    for dtype in (np.float64, np.float32):
+        q, k, v = (a.astype(dtype) for a in case.arrays)
+        options = {**case.options, "impl": "dense"}
+        out, res = npattn.attention_forward(q, k, v, **options)
+        assert res.spec.scores_are_raw
+        rng = np.random.default_rng(0)
+        dout = rng.standard_normal(out.shape).astype(dtype)
+        dlse = rng.standard_normal(res.lse.shape).astype(dtype)
+        grads = npattn.attention_backward(dout, res, dlse=dlse)
+        with mock.patch.object(AttentionSpec, "scores_are_raw", property(lambda spec: False)):  # the general code
+            ref, ref_res = npattn.attention_forward(q, k, v, **options)
+            ref_grads = npattn.attention_backward(dout, ref_res, dlse=dlse)
+        for a, b in ((out, ref), (res.lse, ref_res.lse), (res.probs, ref_res.probs)):
+            np.testing.assert_array_equal(a, b)
+        for name in ("dq", "dk", "dv", "dsinks"):
+            np.testing.assert_array_equal(getattr(grads, name), getattr(ref_grads, name), err_msg=name)
+
+
+def test_options_that_change_the_scores_leave_the_raw_score_lane():
+    """A bias, softcap, ALiBi, score modifications or dropout change the
+    scores or the probabilities: ``scores_are_raw`` is False for each, so
+    the dense path runs its general code."""
+    from npattn.options import make_spec
+
+    x = np.zeros((1, 2, 3, 4))
+    assert make_spec(x, x, x, causal=True, mask=np.ones((3, 3), bool), sinks=np.zeros(2)).scores_are_raw
+    changes = [
+        dict(bias=np.zeros((3, 3))),
+        dict(softcap=5.0),
+        dict(alibi_slopes=np.ones(2)),
+        dict(dropout_p=0.1, seed=0),
+        dict(score_mods=npattn.ScoreMod(lambda s, idx: s * 1.0, lambda s, idx, ds: ds)),
+    ]
+    for options in changes:
+        assert not make_spec(x, x, x, **options).scores_are_raw, options
 
 
 def test_a_repeated_plain_call_looks_up_its_spec_with_the_path_chosen_by_size(monkeypatch):
@@ -317,6 +366,14 @@ def test_a_repeated_plain_call_looks_up_its_spec_with_the_path_chosen_by_size(mo
     assert choose_impl(plain_call_spec(big, big, big)).impl == "chunked"
     monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")
     assert choose_impl(plain_call_spec(big, big, big)).impl == "dense"
+    causal = plain_call_spec(x, x, x, True)
+    assert causal is plain_call_spec(x, x, x, True) and causal is not small
+    assert causal.__dict__ == choose_impl(make_spec(x, x, x, causal=True)).__dict__
+    wide = np.zeros((2, 4, 9, 3), dtype=np.float32)  # S = 9 != T = 8: causal needs align, as make_spec says
+    for _ in range(2):
+        with pytest.raises(ValueError, match="align"):
+            npattn.attention_forward(x, wide, wide, causal=True)
+    assert all(key[-2] != wide.shape for key in _PLAIN_CALLS)
     assert plain_call_spec(x, x, x.astype(np.float64)) is None
     assert plain_call_spec(x.tolist(), x, x) is None
     for T in range(1, PLAIN_CALL_CACHE_SIZE + 2):
