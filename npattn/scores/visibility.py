@@ -52,7 +52,7 @@ def visible_tile(
         mask = select_item(spec, spec.mask, batch, heads)
         parts.append(slice_tile(mask, q0, q1, k0, k1))  # (..., N|1, tq|1, tk|1)
     if spec.has_positional_mask:
-        rows, cols = row_indices(spec, q0, q1), key_positions(spec, k0, k1)  # (tq, 1), (1, tk)
+        cols = key_positions(spec, k0, k1)  # (1, tk)
         if spec.window_left is not None or spec.window_right is not None:
             position = query_positions(spec, q0, q1, batch)  # (tq, 1) or (..., 1, tq, 1)
             # Positions lie in [-T, T + S) and keys in [0, S), so a side wider
@@ -63,6 +63,7 @@ def visible_tile(
             if spec.window_right is not None:
                 parts.append(cols <= position + min(spec.window_right, reach))
         if spec.q_lengths is not None:
+            rows = row_indices(spec, q0, q1)  # (tq, 1)
             parts.append(rows < per_batch(spec, spec.q_lengths, batch))  # (..., 1, tq, 1)
         if spec.kv_lengths is not None:
             parts.append(cols < per_batch(spec, spec.kv_lengths, batch))  # (..., 1, 1, tk)
