@@ -4,7 +4,7 @@
     python benchmarks/bench_workloads.py --rows decode   # rows whose name contains "decode"
     python benchmarks/bench_workloads.py --base HEAD~1   # also that git revision of npattn, A/B
     python benchmarks/bench_workloads.py --quick         # small shapes, a smoke run
-    python benchmarks/bench_workloads.py --auto-grid     # chunked ÷ dense: impl="auto"'s rule
+    python benchmarks/bench_workloads.py --auto-grid     # chunked ÷ dense: impl="auto"'s rules
     python benchmarks/bench_workloads.py --more          # workloads of the same kinds, not listed below
 
 Rows (float32; torch's 2.x CPU kernels limited to the same threads):
@@ -417,36 +417,70 @@ def auto_grid_shapes(quick: bool) -> list[tuple[int, int]]:
     return grid + [(1, 724), (2, 512), (16, 181)]
 
 
-def _path_call(impl: str, q: Any, k: Any, v: Any, dout: Any) -> Callable[[], Any]:
+#: The index rules of the auto grid's second table, which
+#: :data:`~npattn.options.AUTO_FAST_CUT_MIN_SCORES` covers.
+CUT_RULES = ("causal", "window", "kv_lengths", "segments", "causal+kv_lengths")
+
+
+def cut_grid_shapes(quick: bool) -> list[tuple[int, int]]:
+    """``(B, T)`` of the second table: 2**21 scores (N=8) three ways, and
+    2**20 once."""
+    return [(1, 32)] if quick else [(16, 128), (4, 256), (1, 512), (2, 256)]
+
+
+def _rule_options(rule: str, B: int, T: int, rng: np.random.Generator) -> dict:
+    """The options of one index rule at ``(B, T)``: lengths drawn from
+    ``[T/3, T]``, a causal window of ``T/4``, four documents."""
+    lengths = rng.integers(T // 3, T + 1, size=B)
+    ids = np.repeat(np.arange(4), -(-T // 4))[:T][None].repeat(B, axis=0)  # (B, T)
+    return {
+        "causal": dict(causal=True),
+        "window": dict(window=(T // 4, 0)),
+        "kv_lengths": dict(kv_lengths=lengths),
+        "segments": dict(causal=True, q_segment_ids=ids, kv_segment_ids=ids),
+        "causal+kv_lengths": dict(causal=True, kv_lengths=lengths),
+    }[rule]
+
+
+def _path_call(impl: str, q: Any, k: Any, v: Any, dout: Any, options: dict | None = None) -> Callable[[], Any]:
     """One call of ``impl``'s forward, and its backward when ``dout`` is given."""
 
     def call() -> Any:
-        out, residuals = npattn.attention_forward(q, k, v, impl=impl)
+        out, residuals = npattn.attention_forward(q, k, v, impl=impl, **(options or {}))
         return out if dout is None else npattn.attention_backward(dout, residuals)
 
     return call
 
 
 def print_auto_grid(args) -> int:
-    """The table behind ``impl="auto"``'s NumPy rule: the chunked (fast)
+    """The tables behind ``impl="auto"``'s NumPy rules: the chunked (fast)
     path's time over the dense path's, forward and forward+backward, each
-    side settled in a loop of its own calls and the two interleaved."""
+    side settled in a loop of its own calls and the two interleaved; full
+    attention, then each index rule."""
     N, H = 8, 64
     print(f"{cpu_model()}, {os.cpu_count()} cores, float32, N={N}, H={H}: chunked ÷ dense time")
-    print(f"{'B':>3} {'T=S':>5} {'log2 scores':>11} {'forward':>8} {'fwd+bwd':>8} {'dense ms':>17} {'chunked ms':>17}")
-    for B, T in auto_grid_shapes(args.quick):
+    print(
+        f"{'rule':<18} {'B':>3} {'T=S':>5} {'log2 scores':>11} {'forward':>8} {'fwd+bwd':>8}"
+        f" {'dense ms':>17} {'chunked ms':>17}"
+    )
+    rows = [("full", B, T) for B, T in auto_grid_shapes(args.quick)]
+    rows += [(rule, B, T) for rule in CUT_RULES for B, T in cut_grid_shapes(args.quick)]
+    for rule, B, T in rows:
         rng = np.random.default_rng(0)
         q, k, v, dout = (rng.standard_normal((B, N, T, H), dtype=np.float32) for _ in range(4))
+        options = {} if rule == "full" else _rule_options(rule, B, T, rng)
         ratios, dense_ms, chunked_ms = [], [], []
         for backward in (False, True):
-            calls = {impl: _path_call(impl, q, k, v, dout if backward else None) for impl in ("dense", "chunked")}
+            calls = {
+                impl: _path_call(impl, q, k, v, dout if backward else None, options) for impl in ("dense", "chunked")
+            }
             medians = interleaved_medians(calls, args.budget, args.min_samples)
             ratios.append(medians["chunked"] / medians["dense"])
             dense_ms.append(f"{medians['dense'] * 1e3:.2f}")
             chunked_ms.append(f"{medians['chunked'] * 1e3:.2f}")
         log_scores = np.log2(B * N * T * T)
         print(
-            f"{B:>3} {T:>5} {log_scores:>11.2f} {ratios[0]:>8.2f} {ratios[1]:>8.2f}"
+            f"{rule:<18} {B:>3} {T:>5} {log_scores:>11.2f} {ratios[0]:>8.2f} {ratios[1]:>8.2f}"
             f" {' | '.join(dense_ms):>17} {' | '.join(chunked_ms):>17}",
             flush=True,
         )

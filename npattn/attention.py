@@ -18,7 +18,14 @@ from . import fast_numpy
 from .chunked import chunked_backward, chunked_forward
 from .dense import dense_backward, dense_forward
 from .namespace import resolve_namespace
-from .options import AUTO_CHUNKED_MIN_SCORES, AUTO_FAST_MIN_SCORES, AttentionSpec, make_spec, plain_spec
+from .options import (
+    AUTO_CHUNKED_MIN_SCORES,
+    AUTO_FAST_CUT_MIN_SCORES,
+    AUTO_FAST_MIN_SCORES,
+    AttentionSpec,
+    make_spec,
+    plain_spec,
+)
 from .scores.sinks import apply_sinks, sinks_grad
 
 __all__ = [
@@ -192,8 +199,10 @@ def attention_forward(
         ``npattn.options.AUTO_CHUNKED_MIN_SCORES`` (2**24) entries, and on
         NumPy (float32/float64, where the chunked path is the fast path of
         :mod:`npattn.fast_numpy`) also once they reach
-        ``npattn.options.AUTO_FAST_MIN_SCORES`` (2**22), from where that path
-        is the faster. Pass ``"dense"`` to get ``probs`` back.
+        ``npattn.options.AUTO_FAST_MIN_SCORES`` (2**22), or
+        ``npattn.options.AUTO_FAST_CUT_MIN_SCORES`` (2**21) where causal,
+        window, lengths, segment ids or a block mask hide keys, from where
+        that path is the faster. Pass ``"dense"`` to get ``probs`` back.
     block_q, block_k : int, optional
         Tile sizes of the chunked path; given ones always win. Defaults
         (:func:`npattn.chunked.default_blocks`): the NumPy fast path picks
@@ -426,7 +435,8 @@ def plain_call_spec(q: Any, k: Any, v: Any, causal: bool = False) -> AttentionSp
     """:func:`~npattn.options.plain_spec` for a call with every option at
     its default but ``causal``, with the path chosen (:func:`choose_impl`)
     where the sizes alone choose it: dense, below
-    :data:`~npattn.options.AUTO_FAST_MIN_SCORES` scores. Looked up by the
+    :data:`~npattn.options.AUTO_FAST_MIN_SCORES` scores (2**21 with
+    ``causal``). Looked up by the
     arrays' dtypes and shapes and ``causal``, so a repeated small call (a
     decode step, a training step) skips both (1 µs against 7, or 17 with
     ``causal``: the per-call floor). A larger call's path is chosen per
@@ -453,7 +463,7 @@ def plain_call_spec(q: Any, k: Any, v: Any, causal: bool = False) -> AttentionSp
     spec = plain_spec(q, k, v)
     if spec is not None and causal:
         spec = make_spec(q, k, v, causal=True)  # the inputs fit; causal's own checks
-    if spec is not None and _scores(spec) < AUTO_FAST_MIN_SCORES:
+    if spec is not None and _scores(spec) < _fast_min_scores(spec):
         spec = choose_impl(spec)  # dense on any platform and setting
     if len(_PLAIN_CALLS) >= PLAIN_CALL_CACHE_SIZE:
         _PLAIN_CALLS.clear()
@@ -466,6 +476,12 @@ def _scores(spec: AttentionSpec) -> int:
     return spec.num_batch * spec.num_heads * spec.q_len * spec.kv_len
 
 
+def _fast_min_scores(spec: AttentionSpec) -> int:
+    """Scores from which ``"auto"`` takes the NumPy fast path: fewer where
+    an index rule hides keys, whose tiles that path cuts."""
+    return AUTO_FAST_CUT_MIN_SCORES if spec.has_index_rules else AUTO_FAST_MIN_SCORES
+
+
 def choose_impl(spec: AttentionSpec) -> AttentionSpec:
     """``spec`` with ``impl="auto"`` resolved to the path that runs it; a
     forced ``"dense"`` or ``"chunked"`` is returned as is.
@@ -473,7 +489,10 @@ def choose_impl(spec: AttentionSpec) -> AttentionSpec:
     Chunked once the dense score tensor ``(..., N, T, S)`` would hold more
     than :data:`~npattn.options.AUTO_CHUNKED_MIN_SCORES` entries, or where the
     NumPy fast path takes the inputs and they reach
-    :data:`~npattn.options.AUTO_FAST_MIN_SCORES`; dense otherwise.
+    :data:`~npattn.options.AUTO_FAST_MIN_SCORES` (or
+    :data:`~npattn.options.AUTO_FAST_CUT_MIN_SCORES` where an index rule,
+    causal/window, lengths, segment ids or a block mask, hides keys);
+    dense otherwise.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
@@ -486,7 +505,7 @@ def choose_impl(spec: AttentionSpec) -> AttentionSpec:
         return spec
     scores = _scores(spec)
     large = scores > AUTO_CHUNKED_MIN_SCORES
-    fast = scores >= AUTO_FAST_MIN_SCORES and fast_numpy.supports(spec)
+    fast = scores >= _fast_min_scores(spec) and fast_numpy.supports(spec)
     return spec.replace(impl="chunked" if large or fast else "dense")
 
 

@@ -48,6 +48,18 @@ AUTO_CHUNKED_MIN_SCORES = 2**24
 #: ``docs/performance.rst``.
 AUTO_FAST_MIN_SCORES = 2**22
 
+#: :data:`AUTO_FAST_MIN_SCORES` for a call whose keys an index rule hides
+#: (causal/window, lengths, segment ids, a block mask): the fast path skips
+#: the tiles the rule hides and fills the rest once, where the dense path
+#: computes the whole square and masks it in extra passes. Measured as
+#: above (``benchmarks/bench_workloads.py --auto-grid``, its causal table
+#: and the rules beside it): at 2**21 the forward takes 0.28-0.92 and
+#: forward+backward 0.47-0.99 of the dense path's time (causal, window,
+#: kv_lengths, segment ids and causal with kv_lengths; B=16 T=128, B=4
+#: T=256, B=1 T=512); at 2**20 forward+backward loses at some shapes
+#: (1.19-1.45 at B=2 T=256).
+AUTO_FAST_CUT_MIN_SCORES = 2**21
+
 #: Tile sizes of the generic chunked path on the CPU (array-api-strict on any
 #: device, torch CPU tensors) when ``block_q``/``block_k`` are None. On an
 #: accelerator the defaults grow with the budget below, see

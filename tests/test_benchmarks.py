@@ -149,6 +149,10 @@ def test_workloads_benchmark_times_a_base_revision_beside(capsys):
 
 def test_workloads_benchmark_prints_the_auto_rule_grid(capsys):
     assert _run_script("bench_workloads.py", ["--quick", "--auto-grid"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
-    assert [(int(row[0]), int(row[1])) for row in rows] == [(1, 32), (2, 32)]
-    assert all(float(row[3]) > 0 and float(row[4]) > 0 for row in rows)
+    lines = capsys.readouterr().out.splitlines()[2:]
+    rows = [line.split() for line in lines]
+    rules = ["causal", "window", "kv_lengths", "segments", "causal+kv_lengths"]
+    assert [(row[0], int(row[1]), int(row[2])) for row in rows] == [("full", 1, 32), ("full", 2, 32)] + [
+        (rule, 1, 32) for rule in rules
+    ]
+    assert all(float(row[4]) > 0 and float(row[5]) > 0 for row in rows)

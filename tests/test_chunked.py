@@ -39,7 +39,7 @@ from strategies import ALL_FEATURES, attention_cases
 import npattn
 import npattn.chunked as chunked
 from npattn.attention import choose_impl
-from npattn.options import AUTO_CHUNKED_MIN_SCORES, AUTO_FAST_MIN_SCORES, make_spec
+from npattn.options import AUTO_CHUNKED_MIN_SCORES, AUTO_FAST_CUT_MIN_SCORES, AUTO_FAST_MIN_SCORES, make_spec
 from npattn.scores.sinks import apply_sinks, sinks_grad
 
 TOL = dict(rtol=1e-12, atol=1e-12)
@@ -583,6 +583,35 @@ def test_auto_picks_the_numpy_fast_path_from_2_to_the_22_scores_in_total(monkeyp
     monkeypatch.delenv("NPATTN_FAST_NUMPY")
     x = xps.zeros((16, 512, 4), dtype=xps.float32)  # 2**22 scores
     assert choose_impl(make_spec(x, x, x)).impl == "dense"  # no fast path for other namespaces
+
+
+def test_auto_picks_the_fast_path_from_2_to_the_21_scores_where_an_index_rule_hides_keys(monkeypatch):
+    """Causal/window, lengths, segment ids: the fast path cuts their hidden
+    tiles, so ``"auto"`` takes it from AUTO_FAST_CUT_MIN_SCORES; a bool mask
+    (no index rule) and full attention keep AUTO_FAST_MIN_SCORES."""
+    B, N, T = 4, 8, 256  # 2**21 scores
+
+    def impl(T, **options):
+        q = np.broadcast_to(np.zeros((), dtype=np.float32), (B, N, T, 4))  # no memory behind it
+        return choose_impl(make_spec(q, q, q, **options)).impl
+
+    def rules(T):
+        ids = np.zeros((B, T), dtype=np.int64)
+        yield from [dict(causal=True), dict(window=(8, 0)), dict(kv_lengths=np.full(B, T // 2))]
+        yield dict(q_segment_ids=ids, kv_segment_ids=ids)
+
+    assert AUTO_FAST_CUT_MIN_SCORES == 2**21
+    for options in rules(T):
+        assert impl(T, **options) == "chunked", options
+    for options in rules(T - 1):
+        assert impl(T - 1, **options) == "dense", options
+    assert impl(T) == impl(T, mask=np.ones((T, T), dtype=bool)) == "dense"
+    assert (
+        npattn.attention_forward(*(np.zeros((B, N, T, 4), dtype=np.float32),) * 3, causal=True)[1].spec.impl
+        == "chunked"
+    )
+    monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")
+    assert impl(T, causal=True) == "dense"
 
 
 def test_spec_replace_is_dataclasses_replace_without_init():
