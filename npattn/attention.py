@@ -201,8 +201,8 @@ def attention_forward(
         :mod:`npattn.fast_numpy`) also once they reach
         ``npattn.options.AUTO_FAST_MIN_SCORES`` (2**22), or
         ``npattn.options.AUTO_FAST_CUT_MIN_SCORES`` (2**21) where causal,
-        window, lengths, segment ids or a block mask hide keys, from where
-        that path is the faster. Pass ``"dense"`` to get ``probs`` back.
+        window or segment ids hide keys, from where that path is the
+        faster. Pass ``"dense"`` to get ``probs`` back.
     block_q, block_k : int, optional
         Tile sizes of the chunked path; given ones always win. Defaults
         (:func:`npattn.chunked.default_blocks`): the NumPy fast path picks
@@ -478,8 +478,8 @@ def _scores(spec: AttentionSpec) -> int:
 
 def _fast_min_scores(spec: AttentionSpec) -> int:
     """Scores from which ``"auto"`` takes the NumPy fast path: fewer where
-    an index rule hides keys, whose tiles that path cuts."""
-    return AUTO_FAST_CUT_MIN_SCORES if spec.has_index_rules else AUTO_FAST_MIN_SCORES
+    causal/window or segment ids hide regions, whose tiles that path skips."""
+    return AUTO_FAST_CUT_MIN_SCORES if spec.hides_regions else AUTO_FAST_MIN_SCORES
 
 
 def choose_impl(spec: AttentionSpec) -> AttentionSpec:
@@ -490,9 +490,8 @@ def choose_impl(spec: AttentionSpec) -> AttentionSpec:
     than :data:`~npattn.options.AUTO_CHUNKED_MIN_SCORES` entries, or where the
     NumPy fast path takes the inputs and they reach
     :data:`~npattn.options.AUTO_FAST_MIN_SCORES` (or
-    :data:`~npattn.options.AUTO_FAST_CUT_MIN_SCORES` where an index rule,
-    causal/window, lengths, segment ids or a block mask, hides keys);
-    dense otherwise.
+    :data:`~npattn.options.AUTO_FAST_CUT_MIN_SCORES` where causal/window or
+    segment ids hide keys); dense otherwise.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec

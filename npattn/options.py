@@ -48,16 +48,19 @@ AUTO_CHUNKED_MIN_SCORES = 2**24
 #: ``docs/performance.rst``.
 AUTO_FAST_MIN_SCORES = 2**22
 
-#: :data:`AUTO_FAST_MIN_SCORES` for a call whose keys an index rule hides
-#: (causal/window, lengths, segment ids, a block mask): the fast path skips
-#: the tiles the rule hides and fills the rest once, where the dense path
-#: computes the whole square and masks it in extra passes. Measured as
-#: above (``benchmarks/bench_workloads.py --auto-grid``, its causal table
-#: and the rules beside it): at 2**21 the forward takes 0.28-0.92 and
-#: forward+backward 0.47-0.99 of the dense path's time (causal, window,
-#: kv_lengths, segment ids and causal with kv_lengths; B=16 T=128, B=4
-#: T=256, B=1 T=512); at 2**20 forward+backward loses at some shapes
-#: (1.19-1.45 at B=2 T=256).
+#: :data:`AUTO_FAST_MIN_SCORES` for a call whose keys causal/window or
+#: segment ids hide (``AttentionSpec.hides_regions``): the fast path skips
+#: the tiles they hide, where the dense path computes the whole square and
+#: masks it in extra passes. Measured as above
+#: (``benchmarks/bench_workloads.py --auto-grid``, its rules' table), at
+#: 2**21 (B=16 T=128, B=4 T=256, B=1 T=512) over causal, window, segment
+#: ids and causal with kv_lengths: forward 0.28-0.92 of the dense path's
+#: time; forward+backward 0.47-0.99 in a fresh process (where the dense
+#: path's arrays fault their pages in on every call) and 0.60-1.15 in one
+#: whose allocator keeps freed arrays (after larger ones). At 2**20
+#: forward+backward mostly loses (0.66-1.46). ``kv_lengths`` alone hides
+#: too little to gain in both (forward+backward 0.63-0.85 fresh, 1.18-1.30
+#: otherwise) and keeps the full rule, as do block masks, unmeasured.
 AUTO_FAST_CUT_MIN_SCORES = 2**21
 
 #: Tile sizes of the generic chunked path on the CPU (array-api-strict on any
@@ -221,6 +224,13 @@ class AttentionSpec:
         segment ids, a block mask's mask_mod) hides some keys: such tiles can
         be classified and cut."""
         return self.has_positional_mask or self.has_segments or self.block_mask is not None
+
+    @property
+    def hides_regions(self) -> bool:
+        """Whether causal/window or segment ids hide keys: a triangle, a band
+        or blocks of every head's square, which tiles can skip (lengths hide
+        only its ends)."""
+        return self.window_left is not None or self.window_right is not None or self.has_segments
 
     @property
     def has_user_mask(self) -> bool:

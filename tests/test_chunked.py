@@ -586,9 +586,9 @@ def test_auto_picks_the_numpy_fast_path_from_2_to_the_22_scores_in_total(monkeyp
 
 
 def test_auto_picks_the_fast_path_from_2_to_the_21_scores_where_an_index_rule_hides_keys(monkeypatch):
-    """Causal/window, lengths, segment ids: the fast path cuts their hidden
-    tiles, so ``"auto"`` takes it from AUTO_FAST_CUT_MIN_SCORES; a bool mask
-    (no index rule) and full attention keep AUTO_FAST_MIN_SCORES."""
+    """Causal/window and segment ids: the fast path skips the tiles they
+    hide, so ``"auto"`` takes it from AUTO_FAST_CUT_MIN_SCORES; lengths
+    alone, a bool mask and full attention keep AUTO_FAST_MIN_SCORES."""
     B, N, T = 4, 8, 256  # 2**21 scores
 
     def impl(T, **options):
@@ -597,7 +597,7 @@ def test_auto_picks_the_fast_path_from_2_to_the_21_scores_where_an_index_rule_hi
 
     def rules(T):
         ids = np.zeros((B, T), dtype=np.int64)
-        yield from [dict(causal=True), dict(window=(8, 0)), dict(kv_lengths=np.full(B, T // 2))]
+        yield from [dict(causal=True), dict(window=(8, 0)), dict(causal=True, kv_lengths=np.full(B, T // 2))]
         yield dict(q_segment_ids=ids, kv_segment_ids=ids)
 
     assert AUTO_FAST_CUT_MIN_SCORES == 2**21
@@ -605,7 +605,7 @@ def test_auto_picks_the_fast_path_from_2_to_the_21_scores_where_an_index_rule_hi
         assert impl(T, **options) == "chunked", options
     for options in rules(T - 1):
         assert impl(T - 1, **options) == "dense", options
-    assert impl(T) == impl(T, mask=np.ones((T, T), dtype=bool)) == "dense"
+    assert impl(T) == impl(T, mask=np.ones((T, T), dtype=bool)) == impl(T, kv_lengths=np.full(B, 9)) == "dense"
     assert (
         npattn.attention_forward(*(np.zeros((B, N, T, 4), dtype=np.float32),) * 3, causal=True)[1].spec.impl
         == "chunked"
