@@ -425,8 +425,9 @@ def _in_dtype(xp: Any, x: Any | None, dtype: Any) -> Any | None:
     return x if x is None or x.dtype == dtype else xp.astype(x, dtype)
 
 
-#: :func:`plain_call_spec`'s answers by ``(dtypes, shapes)``, which alone
-#: decide them; emptied when it reaches :data:`PLAIN_CALL_CACHE_SIZE` entries.
+#: :func:`plain_call_spec`'s answers by ``(dtypes, shapes, causal)``, which
+#: alone decide them; emptied when it reaches :data:`PLAIN_CALL_CACHE_SIZE`
+#: entries.
 _PLAIN_CALLS: dict[tuple, AttentionSpec | None] = {}
 PLAIN_CALL_CACHE_SIZE = 256
 
@@ -436,10 +437,9 @@ def plain_call_spec(q: Any, k: Any, v: Any, causal: bool = False) -> AttentionSp
     its default but ``causal``, with the path chosen (:func:`choose_impl`)
     where the sizes alone choose it: dense, below
     :data:`~npattn.options.AUTO_FAST_MIN_SCORES` scores (2**21 with
-    ``causal``). Looked up by the
-    arrays' dtypes and shapes and ``causal``, so a repeated small call (a
-    decode step, a training step) skips both (1 µs against 7, or 17 with
-    ``causal``: the per-call floor). A larger call's path is chosen per
+    ``causal``). Looked up by the arrays' dtypes and shapes and ``causal``,
+    so a repeated small call (a decode step, a training step) skips both
+    (1 µs against 7, or 17 with ``causal``: the per-call floor). A larger call's path is chosen per
     call, since ``NPATTN_FAST_NUMPY`` may change between calls. A causal
     call with ``T != S`` raises :func:`~npattn.options.make_spec`'s error
     (it needs ``align``), and nothing is kept.

@@ -7,6 +7,13 @@ pass. These functions do the same arithmetic in the same order, hence give
 the same bits, on one buffer updated with ``out=``. :mod:`npattn.softmax`
 calls them for NumPy float32/float64 arrays; ``tests/test_softmax.py``
 checks them against the generic versions bit for bit.
+
+:func:`plain_forward` and :func:`plain_backward` are the whole dense pass
+for a call whose scores stay raw (``AttentionSpec.scores_are_raw``: keys
+may be hidden, but no bias, softcap, ALiBi, score modification or dropout
+applies), which :mod:`npattn.dense` hands them: the same operations with
+NumPy's own methods, the per-call floor of small calls;
+``tests/test_dense.py`` checks them against the general code bit for bit.
 """
 
 from __future__ import annotations
