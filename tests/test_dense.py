@@ -328,6 +328,30 @@ def test_raw_scores_with_hidden_keys_take_the_numpy_lane_with_the_general_paths_
             np.testing.assert_array_equal(getattr(grads, name), getattr(ref_grads, name), err_msg=name)
 
 
+def test_a_mask_modification_and_a_block_mask_keep_the_raw_score_lane_bit_for_bit():
+    """A user's ``mask_mod`` (and the block mask built from it) only hides
+    keys: the raw-score lane gives the general code's bits with them too."""
+    from npattn.options import AttentionSpec
+
+    def striped(idx):
+        return ((idx.q + 2 * idx.k + 3 * idx.head + 5 * idx.batch) % 4) != 0
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((2, 2, 5, 3)) for _ in range(3))
+    blocks = npattn.block_mask(striped, 5, 5, block_q=2, block_k=2, batch_shape=(2,), num_heads=2, align="top_left")
+    for options in (dict(mask_mod=striped, align="top_left"), dict(block_mask=blocks, align="top_left")):
+        out, res = npattn.attention_forward(q, k, v, impl="dense", **options)
+        assert res.spec.scores_are_raw
+        grads = npattn.attention_backward(out, res)
+        with mock.patch.object(AttentionSpec, "scores_are_raw", property(lambda spec: False)):
+            ref, ref_res = npattn.attention_forward(q, k, v, impl="dense", **options)
+            ref_grads = npattn.attention_backward(out, ref_res)
+        np.testing.assert_array_equal(out, ref)
+        np.testing.assert_array_equal(res.probs, ref_res.probs)
+        for name in ("dq", "dk", "dv"):
+            np.testing.assert_array_equal(getattr(grads, name), getattr(ref_grads, name), err_msg=name)
+
+
 def test_options_that_change_the_scores_leave_the_raw_score_lane():
     """A bias, softcap, ALiBi, score modifications or dropout change the
     scores or the probabilities: ``scores_are_raw`` is False for each, so
