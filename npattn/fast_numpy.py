@@ -939,12 +939,11 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     groups = range(len(call.groups))
     items = [(b, g, qi) for qi in order for b in range(spec.num_batch) for g in groups if cost[qi] and spec.group_size]
     _run(items, call.work, spare_thread=True)
-    for qi in (qi for qi in order if not cost[qi]):  # query tiles that see no key: fully masked rows
+    for qi in (qi for qi in order if not cost[qi]):  # query tiles that see no key: fully masked rows (l = 0)
         q0, q1 = call.q_tiles[qi]
         call.out[:, :, q0:q1] = 0
-        call.lse[:, :, q0:q1] = -np.inf
     bs, N, T = spec.batch_shape, spec.num_heads, spec.q_len
-    return call.out.reshape(bs + (N, T, spec.value_dim)), call.lse.reshape(bs + (N, T))
+    return call.out.reshape(bs + (N, T, spec.value_dim)), call.lse().reshape(bs + (N, T))
 
 
 #: The forward keeps every row's reference at 0 (no running maximum) when
@@ -1003,9 +1002,11 @@ class _Forward:
         self.v3 = np.reshape(v, (Bf, K, S, Hv))  # (B, K, S, Hv)
         self.q_norms3, self.k_norms = _row_norms(self.q3), _row_norms(self.k3)  # (B, N, T), (B, K, S): for the bounds
         self.mode = mode = _Mode(spec, self.q_norms3, self.k_norms)
-        # Every item writes its rows; query tiles that see no key are filled in forward().
+        # Every item writes its rows of out, l and m; query tiles that see no key
+        # are filled in forward(), which turns l and m into lse in one pass (lse()).
         self.out = np.empty((Bf, N, T, Hv), dtype=dtype)
-        self.lse = np.empty((Bf, N, T), dtype=dtype)
+        self.row_l = np.zeros((Bf, N, T), dtype=dtype)  # rowsum(P~), 0 on rows that saw no key
+        self.row_m = np.zeros((Bf, N, T), dtype=dtype)  # the reference maximum, 0 at the zero reference
         block_q, self.block_k = _blocks(spec)
         self.q_tiles, self.k_tiles = tile_ranges(T, block_q), tile_ranges(S, self.block_k)
         self.plans = _plans(spec, self.q_tiles, self.k_tiles)
@@ -1198,19 +1199,30 @@ class _Forward:
         return m
 
     def _finish(self, item: _Item, q0: int, q1: int, sums: _Sums, m: Any | None) -> None:
-        """``O = acc / l`` and ``lse = (m + log_b l) / b`` in nats (``m = 0``
-        at the zero reference; -inf where ``l = 0``), summed in float64 and
-        rounded once, written head-major."""
+        """``O = acc / l`` (0 where ``l = 0``), and the rows' ``l`` and ``m``
+        for :meth:`lse`, written head-major."""
         tq, G, nk, heads, l = q1 - q0, self.G, item.nk, item.head_slice, sums.l
-        empty = l == 0
-        l[empty] = 1
+        self.row_l[item.b, heads, q0:q1] = _head_major(l, tq, G, nk)  # (nk*G, tq)
+        if m is not None:
+            self.row_m[item.b, heads, q0:q1] = _head_major(m, tq, G, nk)
+        # A row that saw a key has l >= 2**-bound (its largest P~, or 1 with a
+        # running maximum), far above tiny: only the empty rows move, to 0 / tiny.
+        np.maximum(l, np.finfo(self.dtype).tiny, out=l)
         np.divide(
             _head_major(sums.acc, tq, G, nk), _head_major(l, tq, G, nk)[..., None], out=self.out[item.b, heads, q0:q1]
         )  # (nk*G, tq, Hv) / (nk*G, tq, 1)
-        m64, l64 = (0.0 if m is None else m.astype(np.float64)), l.astype(np.float64)
-        row_lse = ((m64 + np.log2(l64)) / self.b_eff if self.mode.base2 else m64 + np.log(l64)).astype(self.dtype)
-        row_lse[empty] = -np.inf
-        self.lse[item.b, heads, q0:q1] = _head_major(row_lse, tq, G, nk)  # (nk*G, tq)
+
+    def lse(self) -> Any:
+        """``lse = (m + log_b l) / b`` in nats over every row (``m = 0`` at
+        the zero reference; -inf where ``l = 0``), summed in float64 and
+        rounded once: one pass after the items rather than one per item."""
+        l64 = self.row_l.astype(np.float64)  # (B, N, T)
+        empty = l64 == 0
+        l64[empty] = 1
+        m64 = self.row_m.astype(np.float64)
+        lse = ((m64 + np.log2(l64)) / self.b_eff if self.mode.base2 else m64 + np.log(l64)).astype(self.dtype)
+        lse[empty] = -np.inf
+        return lse
 
 
 class _Sums:
