@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from . import fast_numpy
 from .chunked import chunked_backward, chunked_forward
 from .dense import dense_backward, dense_forward
@@ -24,6 +22,7 @@ from .options import (
     AUTO_FAST_MIN_SCORES,
     AttentionSpec,
     make_spec,
+    plain_key,
     plain_spec,
 )
 from .scores.sinks import apply_sinks, sinks_grad
@@ -453,9 +452,10 @@ def plain_call_spec(q: Any, k: Any, v: Any, causal: bool = False) -> AttentionSp
     >>> plain_call_spec(x, x, x.astype(np.float32)) is None  # make_spec's checks then apply
     True
     """
-    if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
+    arrays = plain_key(q, k, v)  # NumPy arrays only: None for any other type
+    if arrays is None:
         return None
-    key = (q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape, causal)
+    key = (arrays, causal)
     try:
         return _PLAIN_CALLS[key]
     except KeyError:

@@ -1205,8 +1205,9 @@ class _Forward:
         self.row_l[item.b, heads, q0:q1] = _head_major(l, tq, G, nk)  # (nk*G, tq)
         if m is not None:
             self.row_m[item.b, heads, q0:q1] = _head_major(m, tq, G, nk)
-        # A row that saw a key has l >= 2**-bound (its largest P~, or 1 with a
-        # running maximum), far above tiny: only the empty rows move, to 0 / tiny.
+        # A row with l > 0 has l >= 2**-bound (its largest P~; 1 with a running
+        # maximum; P~ is never subnormal), far above tiny: only rows with l = 0
+        # move, and their acc = 0 divides to 0 as before.
         np.maximum(l, np.finfo(self.dtype).tiny, out=l)
         np.divide(
             _head_major(sums.acc, tq, G, nk), _head_major(l, tq, G, nk)[..., None], out=self.out[item.b, heads, q0:q1]

@@ -738,6 +738,15 @@ def _check_path(impl, block_q, block_k) -> tuple[str, int | None, int | None]:
 _PLAIN_SPECS: dict[Any, AttentionSpec] = {}
 
 
+def plain_key(q: Any, k: Any, v: Any) -> tuple | None:
+    """``(dtypes, shapes)`` of NumPy arrays ``q``, ``k``, ``v``, which alone
+    decide :func:`plain_spec`; None for arrays of any other type (the key
+    of :func:`npattn.attention.plain_call_spec`'s table)."""
+    if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
+        return None
+    return (q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape)
+
+
 def plain_spec(q: Any, k: Any, v: Any) -> AttentionSpec | None:
     """:func:`make_spec` for a call whose every option is at its default, on
     NumPy float32 or float64 arrays of one dtype whose shapes fit: the same
@@ -751,7 +760,7 @@ def plain_spec(q: Any, k: Any, v: Any) -> AttentionSpec | None:
     >>> plain_spec(x, x, x.astype(np.float64)) is None
     True
     """
-    if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
+    if plain_key(q, k, v) is None:
         return None
     dtype = q.dtype
     if not (dtype == k.dtype == v.dtype and dtype in (np.float32, np.float64) and q.ndim == k.ndim == v.ndim >= 3):

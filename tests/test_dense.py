@@ -378,7 +378,7 @@ def test_a_repeated_plain_call_looks_up_its_spec_with_the_path_chosen_by_size(mo
     ``NPATTN_FAST_NUMPY`` read at each call still decides; None where
     ``make_spec``'s checks must run; and the table stays bounded."""
     from npattn.attention import _PLAIN_CALLS, PLAIN_CALL_CACHE_SIZE, choose_impl, plain_call_spec
-    from npattn.options import AUTO_FAST_MIN_SCORES, make_spec
+    from npattn.options import AUTO_FAST_MIN_SCORES, make_spec, plain_key
 
     x = np.zeros((2, 4, 8, 3), dtype=np.float32)
     small = plain_call_spec(x, x, x)
@@ -397,7 +397,7 @@ def test_a_repeated_plain_call_looks_up_its_spec_with_the_path_chosen_by_size(mo
     for _ in range(2):
         with pytest.raises(ValueError, match="align"):
             npattn.attention_forward(x, wide, wide, causal=True)
-    assert all(key[-2] != wide.shape for key in _PLAIN_CALLS)
+    assert (plain_key(x, x, x), True) in _PLAIN_CALLS and (plain_key(x, wide, wide), True) not in _PLAIN_CALLS
     assert plain_call_spec(x, x, x.astype(np.float64)) is None
     assert plain_call_spec(x.tolist(), x, x) is None
     for T in range(1, PLAIN_CALL_CACHE_SIZE + 2):
