@@ -76,8 +76,9 @@ The variants of the score pipeline (:mod:`npattn.scores`) call its units:
 the softcap is :func:`~npattn.scores.softcap.softcap_forward_inplace` on
 each span's products and :func:`~npattn.scores.softcap.softcap_backward_inplace`
 on its ``dS``;
-bias and ALiBi are :func:`~npattn.scores.pipeline.additive_tile`, with each
-span's ``|p_i - j|`` built once per call and shared (:class:`_AlibiDistances`);
+the bias is :func:`~npattn.scores.pipeline.bias_tile` and ALiBi
+:func:`~npattn.scores.alibi.alibi_tile`, built along each span's diagonals
+and added through a Toeplitz view (:meth:`_Item.add_bias`), never as a tile;
 the slope gradients are :func:`~npattn.scores.alibi.alibi_slopes_grad_tile`
 per span, summed per (batch element, kv head) item into its own slice of a
 ``(B, N)`` buffer (so in a fixed order whatever the thread count), then
@@ -95,10 +96,13 @@ tricks each variant keeps is decided per call (:class:`_Mode`):
 - **ALiBi**: the fused shifts and base 2 while the slopes times the largest
   ``|p_i - j|`` keep every score under :func:`_fused_shift_limit` (the term
   joins the bound), and the upper bound when every slope is >= 0 (the term is
-  then <= 0), so settled spans still skip their row-max pass. Never the lower
-  bound (the term is unbounded below): no row starts at the reference 0
-  without its row max, every ``exp`` is the flushed one, hidden entries are
-  set to -inf before it. Each query tile visits its nearest key tiles first,
+  then <= 0), so settled spans still skip their row-max pass. The lower
+  bound holds per span only, the raw one less ``max m_n`` times the span's
+  largest distance (:meth:`_Item.alibi_reach`): where that keeps every entry
+  above the flush floor (flat heads, spans near the diagonal), rows may start
+  at the reference 0 without their row max and the ``exp`` is the plain
+  one; elsewhere it is the flushed one, hidden entries set to -inf before
+  it. Each query tile visits its nearest key tiles first,
   so a row's reference is set by its highest scores; then a span where the
   upper bound minus ``min m_n`` times its smallest distance
   (:func:`~npattn.scores.alibi.alibi_min_distance`) stays below the flush
@@ -142,11 +146,17 @@ from . import dropout as _dropout
 from .chunked import tile_ranges
 from .namespace import sum_to_shape
 from .options import AttentionSpec
-from .scores.alibi import alibi_distance, alibi_min_distance, alibi_slopes_grad_tile
+from .scores.alibi import (
+    alibi_distance,
+    alibi_max_distance,
+    alibi_min_distance,
+    alibi_slopes_grad_tile,
+    alibi_tile,
+)
 from .scores.mods import mods_backward, tile_index
-from .scores.pipeline import additive_tile, mods_keeping_masked, param_grads_from_heads
+from .scores.pipeline import bias_tile, mods_keeping_masked, param_grads_from_heads
 from .scores.softcap import softcap_backward_inplace, softcap_forward_inplace
-from .scores.tiles import select_item
+from .scores.tiles import diagonal_view, select_item
 from .scores.visibility import ALL, NONE, classify_tile, segments_hide_nothing, visible_tile
 
 __all__ = ["supports", "forward", "backward", "num_threads", "FAST_BLOCKS"]
@@ -645,22 +655,22 @@ class _Item:
     head's 2-D ``(tq*G, tk)`` (``nk = 1``), as the derivative modes'
     kernels pass."""
 
-    def __init__(
-        self, spec: AttentionSpec, b: int, kv_heads: tuple[int, int], mode: _Mode, distances: _AlibiDistances | None
-    ):
+    def __init__(self, spec: AttentionSpec, b: int, kv_heads: tuple[int, int], mode: _Mode):
         kv0, kv1 = kv_heads
         self.spec, self.b, self.G = spec, b, spec.group_size
         self.kv_slice, self.nk = slice(kv0, kv1), kv1 - kv0
         self.heads = (kv0 * self.G, kv1 * self.G)
         self.head_slice = slice(*self.heads)
-        self.mode, self.distances = mode, distances
+        self.mode = mode
         self.mod_grads: dict[str, Any] = {}  # the score modifications' parameter cotangents, summed over spans
         self.keep_inputs = False  # the backward sets it: the modifications' inputs are read after scores()
-        self.slope_min: float | None = None  # min_n m_n over this item's heads, in the scores' base
+        # min_n m_n and max_n m_n over this item's heads, in the scores' base
+        self.slope_min: float | None = None
+        self.slope_max: float | None = None
         self.additive = spec.bias is not None or spec.alibi_slopes is not None  # step 3 adds a term
         if spec.alibi_slopes is not None:
             slopes = select_item(spec, spec.alibi_slopes, b, self.heads)  # (nk*G|1, 1, 1)
-            self.slope_min = float(np.min(slopes)) * mode.base
+            self.slope_min, self.slope_max = float(np.min(slopes)) * mode.base, float(np.max(slopes)) * mode.base
 
     def _as_rows(self, tile: Any, tq: int, tk: int, like: Any = None) -> Any:
         """``(nk*G|1, tq|1, tk|1)`` or ``(tq|1, tk|1)`` -> ``(nk, tq*G, tk)``,
@@ -674,12 +684,36 @@ class _Item:
 
     def add_bias(self, s: Any, p0: int, p1: int, c0: int, c1: int) -> None:
         """Add step 3 (bias, ALiBi) over positions ``[p0, p1)`` and keys
-        ``[c0, c1)`` to ``s``, in the scores' base (base 2 means no bias, so
-        the base-scaled distance scales the ALiBi term alone)."""
-        distance = None if self.distances is None else self.distances.get(self.b, p0, p1, c0, c1)
-        bias = additive_tile(self.spec, p0, p1, c0, c1, batch=self.b, heads=self.heads, distance=distance)
+        ``[c0, c1)`` to the span's contiguous ``s``, in the scores' base
+        (base 2 means no bias, so the base-scaled distance scales the ALiBi
+        term alone). The ALiBi term ``-m_n b |p_i - j|`` is the pipeline's
+        :func:`~npattn.scores.alibi.alibi_tile` along the span's diagonals
+        (:meth:`_diagonals`), added through a Toeplitz view: one pass over
+        ``s``, reading ``tq + tk - 1`` values per head."""
+        spec, tq, tk = self.spec, p1 - p0, c1 - c0
+        bias = bias_tile(spec, p0, p1, c0, c1, batch=self.b, heads=self.heads)
         if bias is not None:
-            s += self._as_rows(bias, p1 - p0, c1 - c0, like=s)
+            s += self._as_rows(bias, tq, tk, like=s)
+        if spec.alibi_slopes is not None:
+            assert self.nk == 1 and s.flags.c_contiguous, "one kv head per item with ALiBi (_kv_groups), s a buffer"
+            distance = self._diagonals(p0, p1, c0, c1)  # (tq + tk - 1,)
+            term = alibi_tile(spec, p0, p0 + 1, c0 - (tq - 1), c1, self.b, self.heads, distance)  # (G|1, 1, L)
+            view = diagonal_view(term.reshape(term.shape[0], -1), tq, tk)  # (G|1, tq, tk)
+            s.reshape(tq, self.G, tk)[...] += np.swapaxes(view, 0, 1)  # rows t*G + g as (tq, G, tk)
+
+    def _diagonals(self, p0: int, p1: int, c0: int, c1: int) -> Any:
+        """The base-scaled ``b |p_i - j|`` along the diagonals of the span
+        ``[p0, p1) x [c0, c1)``, ``(tq + tk - 1,)``: entry ``z`` holds every
+        ``(i, j)`` with ``j - i = z - (tq - 1)``, so
+        :func:`~npattn.scores.tiles.diagonal_view` views
+        it as the span's distances. It is the pipeline's
+        :func:`~npattn.scores.alibi.alibi_distance` of the span's first query
+        against the keys its diagonals start at, ``[c0 - tq + 1, c1)``
+        (``|p_i - j|`` depends on ``p_i - j`` alone)."""
+        tq = p1 - p0
+        distance = alibi_distance(self.spec, p0, p0 + 1, c0 - (tq - 1), c1, batch=self.b)  # (1, tq + tk - 1)
+        base = self.spec.compute_dtype.type(self.mode.base)
+        return distance.reshape(-1) * base if base != 1 else distance.reshape(-1)
 
     def fill_hidden(self, s: Any, span: tuple, value: float) -> None:
         """Set the hidden entries of the span's ``(..., R, c1 - c0)`` array ``s`` to ``value``."""
@@ -758,11 +792,21 @@ class _Item:
         reach = self.slope_min * alibi_min_distance(self.spec, p0, p1, c0, c1)
         return reach > 0 and float(np.max(row_bounds)) - reach < floor
 
+    def alibi_reach(self, span: tuple) -> float:
+        """How far below its raw product ALiBi can take a score of the span,
+        in the scores' base: ``max_n m_n`` times the span's largest distance
+        (:func:`~npattn.scores.alibi.alibi_max_distance`), for slopes >= 0
+        (which the caller's ``upper`` mode ensures); 0 without ALiBi. With
+        the raw bound, ``S_ij >= -(bound + reach)``: the lower bound ALiBi
+        keeps per span, though not per call."""
+        if self.slope_max is None:
+            return 0.0
+        return self.slope_max * alibi_max_distance(self.spec, *span[:4])
+
     def alibi_grad(self, ds: Any, p0: int, p1: int, c0: int, c1: int) -> Any:
         """This span's share of the item's slope gradients, ``(nk*G,)``, from
         its ``dS``; times the base (the distances carry it)."""
-        assert self.distances is not None, "only with ALiBi"
-        distance = self.distances.get(self.b, p0, p1, c0, c1)
+        distance = diagonal_view(self._diagonals(p0, p1, c0, c1), p1 - p0, c1 - c0)  # (tq, tk), a view
         ds_heads = self._heads(ds, p1 - p0)  # (nk*G, tq, tk)
         return alibi_slopes_grad_tile(self.spec, ds_heads, p0, p1, c0, c1, batch=self.b, distance=distance)
 
@@ -788,36 +832,6 @@ class _Item:
         cols = slice(None) if dbias.shape[-1] == 1 else slice(c0, c1)
         target = dbias[batch + (heads, rows, cols)]  # (nk*G|1, tq|1, tk|1)
         target += sum_to_shape(np, self._heads(ds, p1 - p0), target.shape)
-
-
-class _AlibiDistances:
-    """The base-scaled ``b |p_i - j|`` of a span
-    (:func:`npattn.scores.alibi.alibi_distance` times the scores' base),
-    shared by every item of one call: building it from indices costs more
-    than a tile's GEMM. Memoized by what it depends on, the span's shape and
-    its first query position minus its first key (``|p_i - j|`` is a function
-    of ``p_i - j``), so at most one per diagonal of tiles and span shape is
-    kept, ``O((T + S) / block * block_q * block_k)`` entries, not ``T S``.
-    Threads may build the same entry twice; both are equal."""
-
-    def __init__(self, spec: AttentionSpec, base: float):
-        self.spec, self.base = spec, spec.compute_dtype.type(base)
-        offset = spec.q_offset
-        self.offsets = np.reshape(offset, (-1,)) if hasattr(offset, "shape") else None  # per batch element
-        self.offset = 0 if self.offsets is not None else int(offset)
-        self.memo: dict[tuple[int, int, int], Any] = {}
-
-    def get(self, b: int, p0: int, p1: int, c0: int, c1: int) -> Any:
-        """``(p1 - p0, c1 - c0)`` distances for batch element ``b``."""
-        offset = self.offset if self.offsets is None else int(self.offsets[b])
-        key = (p0 + offset - c0, p1 - p0, c1 - c0)
-        found = self.memo.get(key)
-        if found is None:
-            found = alibi_distance(self.spec, p0, p1, c0, c1, batch=b)  # (tq, tk)
-            if self.base != 1:
-                found = found * self.base
-            self.memo[key] = found
-        return found
 
 
 class _RangeMax:
@@ -1025,7 +1039,6 @@ class _Forward:
         self.threshold = RESCALE_THRESHOLD * mode.base
         self.ones_k = np.ones(self.block_k, dtype=dtype)
         self.k_norm_max = [[_RangeMax(self.k_norms[b, slice(*group)]) for group in self.groups] for b in range(Bf)]
-        self.distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, mode.base)
 
     def _at_zero_reference(self, b: int, g: int) -> bool:
         """Whether batch element ``b``'s group ``g`` keeps every row at the
@@ -1070,7 +1083,7 @@ class _Forward:
         """The item ``(b, g, qi)``: its spans, then its rows of ``out`` and ``lse``."""
         b, g, qi = job
         q0, q1 = self.q_tiles[qi]
-        item = _Item(self.spec, b, self.groups[g], self.mode, self.distances)
+        item = _Item(self.spec, b, self.groups[g], self.mode)
         q_rows = self.q3[b, item.head_slice, q0:q1]  # (nk*G, tq, H)
         # (nk, tq*G, H+1) = [Q_i, -m], the running maximum's shift riding in the
         # product; (nk, tq*G, H) = Q_i at the zero reference, which has none
@@ -1106,7 +1119,7 @@ class _Forward:
         """The spans of one query tile with a reference maximum ``m`` per
         row, updated lazily (see :func:`forward`); returns ``m``."""
         spec, mode, dtype, exp, G, nk = self.spec, self.mode, self.dtype, self.exp, self.G, item.nk
-        fused, upper, lower, threshold = mode.fused, mode.upper, mode.lower, self.threshold
+        fused, upper, threshold = mode.fused, mode.upper, self.threshold
         H, rows = qa.shape[2] - 1, qa.shape[1]
         m = np.zeros((nk, rows), dtype=dtype)  # reference row maximum
         l = sums.l
@@ -1126,24 +1139,27 @@ class _Forward:
                 s = _buffer(s_flat, nk, r.stop - r.start, c1 - c0)  # (nk, R, tk)
                 m_r, unset_r = m[:, r], unset[:, r]  # views
                 span_unset = any_unset and bool(unset_r.any())
-                if upper:  # Cauchy-Schwarz: S_ij <= |scale q_i| |k_j| <= bound, and S_ij >= -bound if lower
+                # Cauchy-Schwarz: -low <= S_ij <= bound with bound = |scale q_i| |k_j|, and
+                # low = bound + ALiBi's reach (slopes >= 0: its term lies in [-reach, 0]).
+                if upper:
                     k_max = k_norm_max[c0, c1]
                     bound = min(q_norm_max * k_max, mode.cap)  # a softcap bounds |S_ij| too
+                    low = bound + item.alibi_reach(span)
                 else:
-                    k_max = bound = np.inf
+                    k_max = bound = low = np.inf
                 # ALiBi far from the diagonal: when S_ij - m_i < floor for every entry, the
                 # flushed exp gives exactly 0 throughout, so the span adds nothing to l and
                 # acc and is skipped (the same numbers, no GEMMs).
                 if upper and not any_unset and item.below_floor(q_norms[:, r] * k_max - m_r, span, exp.floor):
                     continue
-                # A row's first visible keys set its reference m. When the bound keeps
+                # A row's first visible keys set its reference m. When the bounds keep
                 # every score of the span within +-threshold, the unset rows take m = 0
                 # (their visible scores are within the threshold of it, so no exp can
                 # overflow or lose the row), and no row-max pass is needed. The rows
                 # that see no key here (hidden, as on a causal diagonal) are unset
                 # again after it: their l stayed 0.
                 provisional = None
-                if lower and span_unset and bound <= threshold:
+                if span_unset and low <= threshold:
                     provisional = unset_r.copy()
                     unset_r[...] = False
                     span_unset = False
@@ -1156,11 +1172,11 @@ class _Forward:
                     and not span_unset
                     and (bound - m_min <= threshold or np.max(q_norms[:, r] * k_max - m_r) <= threshold)
                 )
-                # In a settled span where also S_ij - m_i >= -bound - m_max stays above the
+                # In a settled span where also S_ij - m_i >= -low - m_max stays above the
                 # floor, every entry, hidden or not, has a plain exp: the hidden ones are
                 # zeroed after it rather than set to -inf before (two passes fewer than
                 # the flushed exp, which -inf needs).
-                exp_then_hide = settled and lower and bound + m_max < -exp.floor
+                exp_then_hide = settled and low + m_max < -exp.floor
                 item.scores(s, qa[:, r], keys, span, hide=not exp_then_hide)  # scale Q K^T [- m]
                 if settled:
                     grow = None
@@ -1188,7 +1204,7 @@ class _Forward:
                 if exp_then_hide:
                     exp.fast(s, out=s)
                     item.fill_hidden(s, span, 0)
-                elif lower and not span_unset and not span[4] and bound + m_max < -exp.floor:  # after the row max
+                elif not span_unset and not span[4] and low + m_max < -exp.floor:  # after the row max
                     exp.fast(s, out=s)
                 else:
                     exp.flushed(s)
@@ -1300,15 +1316,14 @@ def backward(
     base_scale, b_eff = _base_scale(spec, mode)  # the forward's own scale and base of the scores
     one = dtype.type(1)
     fold_D = mode.base2 and spec.dropout_p == 0
-    distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, base)
     groups = _kv_groups(spec, G * block_q * block_k, 1)  # an item: (batch element, group of kv heads), every query
     # Each item writes the slope gradients of its own heads: summed in a fixed order.
-    alibi_grads = None if distances is None else np.zeros((Bf, N), dtype=dtype)
+    alibi_grads = None if spec.alibi_slopes is None else np.zeros((Bf, N), dtype=dtype)
     mod_grads: list[dict[str, Any]] = [{} for _ in range(Bf * len(groups))]  # per item, summed in item order below
 
     def work(job):
         b, g = job
-        item = _Item(spec, b, groups[g], mode, distances)
+        item = _Item(spec, b, groups[g], mode)
         item.keep_inputs = True
         heads, kvs, nk = item.head_slice, item.kv_slice, item.nk
         # The item's query side, all T positions stacked position-major: row t*G + g' per kv head.
@@ -1327,13 +1342,13 @@ def backward(
         q_norms = _position_major(q_norms3[b, heads], nk) * abs(scale * base)  # (nk, T*G) |base scale q_i|
         bounds = [
             (
-                float(q_norms[:, q0 * G : q1 * G].max()) if mode.lower and q1 > q0 and G else 0.0,
+                float(q_norms[:, q0 * G : q1 * G].max()) if mode.upper and q1 > q0 and G else 0.0,
                 base * float(lse_b[:, q0 * G : q1 * G].min()) if q1 > q0 and G else 0.0,
                 base * float(lse_b[:, q0 * G : q1 * G].max()) if q1 > q0 and G else 0.0,
             )
             for q0, q1 in q_tiles
         ]
-        k_norm_max = _RangeMax(k_norms[b, kvs])  # read only when lower
+        k_norm_max = _RangeMax(k_norms[b, kvs])  # read only when upper
         s_flat = np.empty(nk * G * block_q * block_k, dtype=dtype)  # scores, then P, of one span
         dp_flat = np.empty_like(s_flat)  # dP - D, then dS, of one span
         tanh_flat = None if spec.softcap is None else np.empty_like(s_flat)  # tanh(s / c) of one span
@@ -1361,9 +1376,11 @@ def backward(
                     # the floor, and the hidden ones (which lse_i does not bound, as it
                     # does the visible ones) also below -floor, the plain exp runs on all
                     # of them and the hidden entries are zeroed after it.
-                    # The lower bound is needed for every entry, the upper one for the hidden.
-                    bound = min(q_norm_max * k_norm_max[c0, c1], mode.cap) if mode.lower else np.inf
-                    exp_then_hide = bound + lse_max < -exp.floor and (not span[4] or bound - lse_min < -exp.floor)
+                    # The lower bound (-low, ALiBi's reach below the raw one) is needed for
+                    # every entry, the upper one for the hidden.
+                    bound = min(q_norm_max * k_norm_max[c0, c1], mode.cap) if mode.upper else np.inf
+                    low = bound + item.alibi_reach(span)
+                    exp_then_hide = low + lse_max < -exp.floor and (not span[4] or bound - lse_min < -exp.floor)
                     t = None if tanh_flat is None else _buffer(tanh_flat, nk, R, tk)
                     inputs = item.scores(p, qa[:, r], kTa, span, hide=not exp_then_hide, tanh=t)  # S_ij [- lse_i]
                     if not fused:

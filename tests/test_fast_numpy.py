@@ -1055,3 +1055,44 @@ def test_steep_alibi_spans_below_the_flush_floor_are_skipped_with_the_same_numbe
     steep_head, flat_head = run(np.array([steep, 0.0]))
     assert steep_head < flat_head / 2  # the steep head's far spans were skipped, the flat head's not
     assert run(np.array([0.0, 0.0]))[0] == flat_head
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_flat_alibi_spans_keep_a_lower_bound_and_take_the_plain_exp(monkeypatch, dtype):
+    """ALiBi has no lower bound over a call, but has one per span: the raw
+    bound less ``max m_n`` times the span's largest distance. Unit q and k
+    with a flat slope keep every score of every span far above the flush
+    floor, so neither pass runs the flushed exp (nor a forward row-max pass
+    for the first keys); a steep slope over the same keys needs it. Both
+    give the generic path's numbers, dalibi_slopes too."""
+    rng = np.random.default_rng(6)
+    q, k = (_unit_rows(rng.standard_normal((1, 2, 256, 8))) for _ in range(2))
+    v, dout = (rng.standard_normal((1, 2, 256, 4)) for _ in range(2))
+    flushed = []
+    real_flushed = fast_numpy._Exp.flushed
+
+    def counting_flushed(self, s):
+        flushed.append(s.size)
+        return real_flushed(self, s)
+
+    def run(slopes):
+        options = dict(alibi_slopes=slopes, causal=True, block_q=32, block_k=32)
+        narrow = [a.astype(dtype) for a in (q, k, v)]
+        spec = make_spec(*narrow, impl="chunked", **options)
+        flushed.clear()
+        monkeypatch.setattr(fast_numpy._Exp, "flushed", counting_flushed)
+        out, lse = fast_numpy.forward(spec, *narrow)
+        grads = fast_numpy.backward(spec, *narrow, out, lse, dout.astype(dtype), None)
+        monkeypatch.undo()
+        wide = make_spec(q, k, v, impl="chunked", **options)
+        out_w, lse_w = chunked.chunked_forward(wide, q, k, v)
+        grads_w = chunked.chunked_backward(wide, q, k, v, out_w, lse_w, dout, None)
+        tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == np.float64 else dict(rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(out, out_w, **tolerance)
+        np.testing.assert_allclose(lse, lse_w, **tolerance)
+        for got, want in zip([*grads[:3], grads[4]["alibi_slopes"]], [*grads_w[:3], grads_w[4]["alibi_slopes"]]):
+            np.testing.assert_allclose(got, want, rtol=tolerance["rtol"], atol=tolerance["atol"] * np.abs(want).max())
+        return len(flushed)
+
+    assert run(np.array([1e-3, 2e-3])) == 0
+    assert run(np.array([1.0, 2.0])) > 0

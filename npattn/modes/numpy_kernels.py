@@ -30,7 +30,6 @@ import numpy as np
 
 from ..chunked import tile_ranges
 from ..fast_numpy import (
-    _AlibiDistances,
     _augmented_rows,
     _augmented_transposed,
     _blocks,
@@ -119,11 +118,10 @@ class _Call:
         self.plans = _plans(spec, self.q_tiles, self.k_tiles)
         self.exp, self.scale = _Exp(False, dtype), dtype.type(spec.scale)
         self.ones_k = np.ones(self.block_k, dtype=dtype)
-        self.distances = None if spec.alibi_slopes is None else _AlibiDistances(spec, 1.0)
 
     def item(self, b: int, kv: int) -> _Item:
         """The (batch element, kv head) item ``(b, kv)``."""
-        return _Item(self.spec, b, (kv, kv + 1), self.mode, self.distances)
+        return _Item(self.spec, b, (kv, kv + 1), self.mode)
 
 
 class _QueryTile:

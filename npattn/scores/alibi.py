@@ -21,7 +21,14 @@ import array_api_compat.numpy as numpy_namespace
 from ..options import AttentionSpec, check_int
 from .tiles import key_positions, query_positions, select_item
 
-__all__ = ["alibi_slopes", "alibi_distance", "alibi_min_distance", "alibi_tile", "alibi_slopes_grad_tile"]
+__all__ = [
+    "alibi_slopes",
+    "alibi_distance",
+    "alibi_min_distance",
+    "alibi_max_distance",
+    "alibi_tile",
+    "alibi_slopes_grad_tile",
+]
 
 
 def _geometric(n: int) -> list[float]:
@@ -93,6 +100,24 @@ def alibi_min_distance(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) 
     return max(0, k0 - last, first - (k1 - 1))
 
 
+def alibi_max_distance(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> int:
+    """The largest ``|p_i - j|`` over the tile in any batch element, on the
+    host from the offsets' bounds: with slopes ``m_n >= 0`` every ALiBi term
+    of the tile is at least ``-max_n m_n`` times this, so the tile's scores
+    stay within a known distance below the raw products'.
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> x = np.zeros((1, 8, 2))
+    >>> spec = make_spec(x, x, x, alibi_slopes=np.ones(1))
+    >>> alibi_max_distance(spec, 6, 8, 0, 2), alibi_max_distance(spec, 0, 4, 2, 8)
+    (7, 7)
+    """
+    omin, omax = spec.offset_bounds
+    first, last = q0 + omin, q1 - 1 + omax  # extreme query positions of the tile
+    return max(abs(last - k0), abs(first - (k1 - 1)), abs(first - k0), abs(last - (k1 - 1)))
+
+
 def _slopes(spec: AttentionSpec, batch: int | None, heads: tuple[int, int] | None) -> Any:
     """The slopes as ``(..., N|1, 1, 1)`` in the compute dtype, selected like a tile."""
     slopes = select_item(spec, spec.alibi_slopes, batch, heads)
@@ -112,8 +137,9 @@ def alibi_tile(
     """``-m_n |p_i - j|`` over the tile, broadcastable to ``(..., N, tq, tk)``.
 
     ``distance``: the tile's :func:`alibi_distance`, when the caller already
-    has it (the NumPy fast path reuses one per tile position); a multiple
-    ``c |p_i - j|`` gives ``c`` times the term."""
+    has it, in any layout that broadcasts against the slopes (the NumPy fast
+    path passes it along a span's diagonals); a multiple ``c |p_i - j|``
+    gives ``c`` times the term."""
     if distance is None:
         distance = alibi_distance(spec, q0, q1, k0, k1, batch)
     return -_slopes(spec, batch, heads) * distance  # (..., N|1, tq, tk)

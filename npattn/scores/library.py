@@ -28,6 +28,7 @@ from numpy.lib.stride_tricks import as_strided
 from ..namespace import to_numpy
 from .mods import ScoreMod, TileIndex
 from .softcap import softcap_backward, softcap_forward
+from .tiles import diagonal_view
 
 __all__ = ["softcap_mod", "alibi_mod", "relative_position_bias", "t5_buckets", "head_temperature"]
 
@@ -248,9 +249,7 @@ class _Diagonals:
         """``out[., n, i, j] = vec[n, tq - 1 - i + j]``: ``(1, n, tq, tk)``."""
         n, tq, tk = vec.shape[0], self.tq, self.tk
         if array_api_compat.is_numpy_array(vec):
-            vec = np.ascontiguousarray(vec)
-            item = vec.itemsize
-            return as_strided(vec[:, tq - 1 :], shape=(1, n, tq, tk), strides=(0, vec.strides[0], -item, item))
+            return diagonal_view(vec, tq, tk)[None]  # (1, n, tq, tk)
         xp = self.xp
         index = xp.reshape(self.idx.k - self.idx.q[:1, ...], (tq, tk)) - int(self.relative[0])  # (tq, tk) in [0, R)
         flat = xp.reshape(

@@ -71,15 +71,12 @@ def additive_tile(
     k1: int,
     batch: int | None = None,
     heads: tuple[int, int] | None = None,
-    distance: Any | None = None,
 ) -> Any | None:
     """Step 3's term over the tile, ``bias_ij - m_n |p_i - j|``, in the
-    canonical layout and the compute dtype; None when neither is set.
-    ``distance``: the tile's ``|p_i - j|`` when the caller has it (see
-    :func:`~npattn.scores.alibi.alibi_tile`)."""
+    canonical layout and the compute dtype; None when neither is set."""
     terms = [bias_tile(spec, q0, q1, k0, k1, batch, heads)]
     if spec.alibi_slopes is not None:
-        terms.append(alibi_tile(spec, q0, q1, k0, k1, batch, heads, distance))
+        terms.append(alibi_tile(spec, q0, q1, k0, k1, batch, heads))
     present = [term for term in terms if term is not None]
     if not present:
         return None

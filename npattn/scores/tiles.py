@@ -18,9 +18,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from numpy.lib.stride_tricks import as_strided
+
 from ..options import AttentionSpec
 
-__all__ = ["slice_tile", "per_batch", "select_item", "unravel", "query_positions", "key_positions", "row_indices"]
+__all__ = [
+    "slice_tile",
+    "per_batch",
+    "select_item",
+    "unravel",
+    "query_positions",
+    "key_positions",
+    "row_indices",
+    "diagonal_view",
+]
 
 
 def slice_tile(a: Any, q0: int, q1: int, k0: int, k1: int) -> Any:
@@ -84,3 +95,26 @@ def query_positions(spec: AttentionSpec, q0: int, q1: int, batch: int | None = N
     if hasattr(offset, "shape"):
         offset = per_batch(spec, offset, batch)  # (..., 1, 1, 1) or ()
     return row_indices(spec, q0, q1) + offset  # (tq, 1) or (..., 1, tq, 1)
+
+
+def diagonal_view(diagonals: Any, tq: int, tk: int) -> Any:
+    """A NumPy array ``(..., tq + tk - 1)`` of values along a tile's
+    diagonals, seen as the ``(..., tq, tk)`` tile: entry ``[..., i, j]`` is
+    ``diagonals[..., tq - 1 - i + j]``, so entries with the same ``j - i``
+    share a value (a Toeplitz matrix). A read-only strided view, no copy;
+    the last axis stays contiguous. Position terms that depend on ``p_i - j``
+    alone (ALiBi, relative-position biases) are built this way on NumPy.
+
+    >>> import numpy as np
+    >>> diagonal_view(np.arange(4), 2, 3).tolist()
+    [[1, 2, 3], [0, 1, 2]]
+    """
+    contiguous = diagonals if diagonals.flags.c_contiguous else diagonals.copy()
+    assert contiguous.shape[-1] == tq + tk - 1, "one value per diagonal of the tile"
+    step = contiguous.itemsize
+    return as_strided(
+        contiguous[..., tq - 1 :],
+        shape=contiguous.shape[:-1] + (tq, tk),
+        strides=contiguous.strides[:-1] + (-step, step),
+        writeable=False,
+    )
