@@ -111,7 +111,7 @@ tricks each variant keeps is decided per call (:class:`_Mode`):
   it. Each query tile visits its nearest key tiles first,
   so a row's reference is set by its highest scores; then a span where the
   upper bound minus ``min m_n`` times its smallest distance
-  (:func:`~npattn.scores.alibi.alibi_min_distance`) stays below the flush
+  (:func:`~npattn.scores.alibi.alibi_distance_bounds`) stays below the flush
   floor for every row, relative to the row's reference (``lse`` in the
   backward), holds only exact zeros after the flushed ``exp`` and is skipped
   in both passes: far from the diagonal, steep heads cost nothing.
@@ -154,8 +154,7 @@ from .namespace import sum_to_shape
 from .options import AttentionSpec
 from .scores.alibi import (
     alibi_distance,
-    alibi_max_distance,
-    alibi_min_distance,
+    alibi_distance_bounds,
     alibi_slopes_grad_tile,
     alibi_tile,
 )
@@ -789,25 +788,26 @@ class _Item:
         """Whether every score of the span, shifted by its row's reference, lies
         below ``floor`` (the flushed exp's, so every probability there is an
         exact 0): ``row_bounds`` bound ``S_ij - ref_i`` without ALiBi, per row,
-        in the scores' base, and ALiBi takes at least ``min_n m_n`` times
-        :func:`~npattn.scores.alibi.alibi_min_distance` off every entry (slopes
-        >= 0, which the caller's ``upper`` mode ensures). False without ALiBi."""
+        in the scores' base, and ALiBi takes at least ``min_n m_n`` times the
+        span's smallest distance (:func:`~npattn.scores.alibi.alibi_distance_bounds`)
+        off every entry (slopes >= 0, which the caller's ``upper`` mode
+        ensures). False without ALiBi."""
         if self.slope_min is None:
             return False
         p0, p1, c0, c1, _ = span
-        reach = self.slope_min * alibi_min_distance(self.spec, p0, p1, c0, c1)
+        reach = self.slope_min * alibi_distance_bounds(self.spec, p0, p1, c0, c1)[0]
         return reach > 0 and float(np.max(row_bounds)) - reach < floor
 
     def alibi_reach(self, span: tuple) -> float:
         """How far below its raw product ALiBi can take a score of the span,
         in the scores' base: ``max_n m_n`` times the span's largest distance
-        (:func:`~npattn.scores.alibi.alibi_max_distance`), for slopes >= 0
+        (:func:`~npattn.scores.alibi.alibi_distance_bounds`), for slopes >= 0
         (which the caller's ``upper`` mode ensures); 0 without ALiBi. With
         the raw bound, ``S_ij >= -(bound + reach)``: the lower bound ALiBi
         keeps per span, though not per call."""
         if self.slope_max is None:
             return 0.0
-        return self.slope_max * alibi_max_distance(self.spec, *span[:4])
+        return self.slope_max * alibi_distance_bounds(self.spec, *span[:4])[1]
 
     def alibi_grad(self, ds: Any, p0: int, p1: int, c0: int, c1: int) -> Any:
         """This span's share of the item's slope gradients, ``(nk*G,)``, from

@@ -1016,6 +1016,29 @@ def test_packed_documents_skip_the_cross_document_tiles(monkeypatch, causal):
     assert sum(computed) == area
 
 
+def _assert_causal_alibi_matches_generic(monkeypatch, arrays, slopes, dtype, tolerance):
+    """Causal ALiBi in 32-tiles: the fast path in ``dtype`` (under the
+    caller's monkeypatches, undone after it) against the generic chunked path
+    in float64, for out, lse, dq, dk, dv and dalibi_slopes. ``arrays``:
+    float64 ``(q, k, v, dout, dlse)``, ``dlse`` may be None."""
+    q, k, v, dout, dlse = arrays
+    options = dict(alibi_slopes=slopes, causal=True, block_q=32, block_k=32)
+    narrow = [a.astype(dtype) for a in (q, k, v)]
+    spec = make_spec(*narrow, impl="chunked", **options)
+    out, lse = fast_numpy.forward(spec, *narrow)
+    grads = fast_numpy.backward(
+        spec, *narrow, out, lse, dout.astype(dtype), None if dlse is None else dlse.astype(dtype)
+    )
+    monkeypatch.undo()
+    wide = make_spec(q, k, v, impl="chunked", **options)
+    out_w, lse_w = chunked.chunked_forward(wide, q, k, v)
+    grads_w = chunked.chunked_backward(wide, q, k, v, out_w, lse_w, dout, dlse)
+    np.testing.assert_allclose(out, out_w, **tolerance)
+    np.testing.assert_allclose(lse, lse_w, **tolerance)
+    for got, want in zip([*grads[:3], grads[4]["alibi_slopes"]], [*grads_w[:3], grads_w[4]["alibi_slopes"]]):
+        np.testing.assert_allclose(got, want, rtol=tolerance["rtol"], atol=tolerance["atol"] * np.abs(want).max())
+
+
 @pytest.mark.parametrize(("dtype", "steep"), [(np.float64, 64.0), (np.float32, 4.0)])
 def test_steep_alibi_spans_below_the_flush_floor_are_skipped_with_the_same_numbers(monkeypatch, dtype, steep):
     """Far from the diagonal a steep head's every probability is below the
@@ -1034,22 +1057,10 @@ def test_steep_alibi_spans_below_the_flush_floor_are_skipped_with_the_same_numbe
         return real_scores(self, *args, **kwargs)
 
     def run(slopes):
-        options = dict(alibi_slopes=slopes, causal=True, block_q=32, block_k=32)
-        narrow = [a.astype(dtype) for a in (q, k, v)]
-        spec = make_spec(*narrow, impl="chunked", **options)
         calls.clear()
         monkeypatch.setattr(fast_numpy._Item, "scores", counted)
-        out, lse = fast_numpy.forward(spec, *narrow)
-        grads = fast_numpy.backward(spec, *narrow, out, lse, dout.astype(dtype), dlse.astype(dtype))
-        monkeypatch.undo()
-        wide = make_spec(q, k, v, impl="chunked", **options)
-        out_w, lse_w = chunked.chunked_forward(wide, q, k, v)
-        grads_w = chunked.chunked_backward(wide, q, k, v, out_w, lse_w, dout, dlse)
         tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == np.float64 else dict(rtol=2e-3, atol=2e-3)
-        np.testing.assert_allclose(out, out_w, **tolerance)
-        np.testing.assert_allclose(lse, lse_w, **tolerance)
-        for got, want in zip([*grads[:3], grads[4]["alibi_slopes"]], [*grads_w[:3], grads_w[4]["alibi_slopes"]]):
-            np.testing.assert_allclose(got, want, rtol=tolerance["rtol"], atol=tolerance["atol"] * np.abs(want).max())
+        _assert_causal_alibi_matches_generic(monkeypatch, (q, k, v, dout, dlse), slopes, dtype, tolerance)
         return calls.count(0), calls.count(1)
 
     steep_head, flat_head = run(np.array([steep, 0.0]))
@@ -1076,22 +1087,10 @@ def test_flat_alibi_spans_keep_a_lower_bound_and_take_the_plain_exp(monkeypatch,
         return real_flushed(self, s)
 
     def run(slopes):
-        options = dict(alibi_slopes=slopes, causal=True, block_q=32, block_k=32)
-        narrow = [a.astype(dtype) for a in (q, k, v)]
-        spec = make_spec(*narrow, impl="chunked", **options)
         flushed.clear()
         monkeypatch.setattr(fast_numpy._Exp, "flushed", counting_flushed)
-        out, lse = fast_numpy.forward(spec, *narrow)
-        grads = fast_numpy.backward(spec, *narrow, out, lse, dout.astype(dtype), None)
-        monkeypatch.undo()
-        wide = make_spec(q, k, v, impl="chunked", **options)
-        out_w, lse_w = chunked.chunked_forward(wide, q, k, v)
-        grads_w = chunked.chunked_backward(wide, q, k, v, out_w, lse_w, dout, None)
         tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == np.float64 else dict(rtol=2e-4, atol=2e-5)
-        np.testing.assert_allclose(out, out_w, **tolerance)
-        np.testing.assert_allclose(lse, lse_w, **tolerance)
-        for got, want in zip([*grads[:3], grads[4]["alibi_slopes"]], [*grads_w[:3], grads_w[4]["alibi_slopes"]]):
-            np.testing.assert_allclose(got, want, rtol=tolerance["rtol"], atol=tolerance["atol"] * np.abs(want).max())
+        _assert_causal_alibi_matches_generic(monkeypatch, (q, k, v, dout, None), slopes, dtype, tolerance)
         return len(flushed)
 
     assert run(np.array([1e-3, 2e-3])) == 0

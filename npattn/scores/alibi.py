@@ -24,8 +24,7 @@ from .tiles import key_positions, query_positions, select_item
 __all__ = [
     "alibi_slopes",
     "alibi_distance",
-    "alibi_min_distance",
-    "alibi_max_distance",
+    "alibi_distance_bounds",
     "alibi_tile",
     "alibi_slopes_grad_tile",
 ]
@@ -82,40 +81,27 @@ def alibi_distance(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int, batc
     return xp.astype(distance, spec.compute_dtype)
 
 
-def alibi_min_distance(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> int:
-    """The smallest ``|p_i - j|`` over the tile in any batch element, on the
-    host from the offsets' bounds: with slopes ``m_n >= 0`` every ALiBi term
-    of the tile is at most ``-m_n`` times this (whole-tile knowledge: far from
-    the diagonal a steep head's scores all fall below what a softmax can see).
+def alibi_distance_bounds(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> tuple[int, int]:
+    """The smallest and largest ``|p_i - j|`` over the tile in any batch
+    element, on the host from the offsets' bounds (whole-tile knowledge).
+    With slopes ``m_n >= 0`` every ALiBi term of the tile lies between
+    ``-max_n m_n`` times the largest and ``-m_n`` times the smallest: far
+    from the diagonal a steep head's scores all fall below what a softmax
+    can see, and near it or on a flat head they stay within a known
+    distance below the raw products.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
     >>> x = np.zeros((1, 8, 2))
     >>> spec = make_spec(x, x, x, alibi_slopes=np.ones(1))
-    >>> alibi_min_distance(spec, 6, 8, 0, 2), alibi_min_distance(spec, 0, 4, 2, 8)
-    (5, 0)
+    >>> alibi_distance_bounds(spec, 6, 8, 0, 2), alibi_distance_bounds(spec, 0, 4, 2, 8)
+    ((5, 7), (0, 7))
     """
     omin, omax = spec.offset_bounds
     first, last = q0 + omin, q1 - 1 + omax  # extreme query positions of the tile
-    return max(0, k0 - last, first - (k1 - 1))
-
-
-def alibi_max_distance(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> int:
-    """The largest ``|p_i - j|`` over the tile in any batch element, on the
-    host from the offsets' bounds: with slopes ``m_n >= 0`` every ALiBi term
-    of the tile is at least ``-max_n m_n`` times this, so the tile's scores
-    stay within a known distance below the raw products'.
-
-    >>> import numpy as np
-    >>> from npattn.options import make_spec
-    >>> x = np.zeros((1, 8, 2))
-    >>> spec = make_spec(x, x, x, alibi_slopes=np.ones(1))
-    >>> alibi_max_distance(spec, 6, 8, 0, 2), alibi_max_distance(spec, 0, 4, 2, 8)
-    (7, 7)
-    """
-    omin, omax = spec.offset_bounds
-    first, last = q0 + omin, q1 - 1 + omax  # extreme query positions of the tile
-    return max(abs(last - k0), abs(first - (k1 - 1)), abs(first - k0), abs(last - (k1 - 1)))
+    # |p - j| over the box [first, last] x [k0, k1 - 1]: at least the gap between
+    # the two ranges (0 where they meet), at most the farther of the two corners.
+    return max(0, k0 - last, first - (k1 - 1)), max(last - k0, k1 - 1 - first)
 
 
 def _slopes(spec: AttentionSpec, batch: int | None, heads: tuple[int, int] | None) -> Any:
