@@ -59,12 +59,13 @@ NumPy on a multi-core CPU:
   partly visible span's rows last to first (products of row-reversed copies
   of ``P`` and ``dS``) brought dV to 0.4-0.7x the dense path's error on
   every case tried, but cost 8-12% of forward+backward at B=8, N=12,
-  T=S=512 causal, where every span is partly visible; not shipped. ``D = rowsum(dO * O)`` (FlashAttention-2's, and the
-  dense path's) is not the ``rowsum(P * dP)`` of the ``P`` and ``dP`` that
-  ``dS`` uses, whose rounding it would cancel: with it, dQ's error on a
-  causal mask is 1.2-1.6x smaller (as the dense path's was until issue
-  17), but the correction needs ``P K`` summed beside ``dS K``, one more
-  product per span (24-47% more backward time when tried).
+  T=S=512 causal, where every span is partly visible; not shipped.
+  ``D = rowsum(dO * O)`` (FlashAttention-2's, and the dense path's) is not
+  the ``rowsum(P * dP)`` of the ``P`` and ``dP`` that ``dS`` uses, whose
+  rounding it would cancel: with it, dQ's error on a causal mask is
+  1.2-1.6x smaller (as the dense path's was until issue 17), but the
+  correction needs ``P K`` summed beside ``dS K``, one more product per
+  span (24-47% more backward time when tried).
 - **tile skipping** as the generic path (:func:`npattn.scores.visibility.classify_tile`),
   and within a partly visible tile, spans that skip what no row can see
   (:func:`plan_tile`).
@@ -676,6 +677,7 @@ class _Item:
         if spec.alibi_slopes is not None:
             slopes = select_item(spec, spec.alibi_slopes, b, self.heads)  # (nk*G|1, 1, 1)
             self.slope_min, self.slope_max = float(np.min(slopes)) * mode.base, float(np.max(slopes)) * mode.base
+        self._last_diagonals: tuple[tuple[int, int, int, int], Any] | None = None  # see _diagonals
 
     def _as_rows(self, tile: Any, tq: int, tk: int, like: Any = None) -> Any:
         """``(nk*G|1, tq|1, tk|1)`` or ``(tq|1, tk|1)`` -> ``(nk, tq*G, tk)``,
@@ -714,11 +716,17 @@ class _Item:
         it as the span's distances. It is the pipeline's
         :func:`~npattn.scores.alibi.alibi_distance` of the span's first query
         against the keys its diagonals start at, ``[c0 - tq + 1, c1)``
-        (``|p_i - j|`` depends on ``p_i - j`` alone)."""
+        (``|p_i - j|`` depends on ``p_i - j`` alone). The last span's is kept:
+        the backward's scores and slope gradient read it in turn."""
+        span = (p0, p1, c0, c1)
+        if self._last_diagonals is not None and self._last_diagonals[0] == span:
+            return self._last_diagonals[1]
         tq = p1 - p0
         distance = alibi_distance(self.spec, p0, p0 + 1, c0 - (tq - 1), c1, batch=self.b)  # (1, tq + tk - 1)
         base = self.spec.compute_dtype.type(self.mode.base)
-        return distance.reshape(-1) * base if base != 1 else distance.reshape(-1)
+        diagonals = distance.reshape(-1) * base if base != 1 else distance.reshape(-1)
+        self._last_diagonals = (span, diagonals)
+        return diagonals
 
     def fill_hidden(self, s: Any, span: tuple, value: float) -> None:
         """Set the hidden entries of the span's ``(..., R, c1 - c0)`` array ``s`` to ``value``."""
