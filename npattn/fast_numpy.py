@@ -46,20 +46,18 @@ NumPy on a multi-core CPU:
   the same float32 ``scale * log2 e`` (:func:`_base_scale`; the backward's
   own rounding of it differed for scales that are not powers of 2).
 - **float32 sums in the backward.** ``dV_j`` and ``dK_j`` sum over the
-  item's ``tq * G`` stacked rows. On a causal diagonal a key's largest
-  ``P_ij`` come first and the G heads make the sum G times longer, so each
-  later term rounds at their size: dV's error was up to 1.9x the dense
-  path's (8 heads on one kv head, H=128, T=S=200). Partly visible spans sum
-  in products of :data:`ROW_CHUNK` rows, last rows first, and the query
-  tiles and spans of a key tile run last first (:func:`_add_row_products`):
-  0.9x, at no measurable cost, since fully visible spans, most of the work,
-  stay one product. Short packed documents defeat the chunks, since all the
-  rows that see a key fall in one: 4 documents of 32 in T=S=128, 4 heads per
-  kv head, take 1.75x the dense path's dV error (16 seeds). Summing every
-  partly visible span's rows last to first (products of row-reversed copies
-  of ``P`` and ``dS``) brought dV to 0.4-0.7x the dense path's error on
-  every case tried, but cost 8-12% of forward+backward at B=8, N=12,
-  T=S=512 causal, where every span is partly visible; not shipped.
+  item's ``tq * G`` stacked rows. In a partly visible span (a causal
+  diagonal, a short packed document, a narrow window) a key's largest
+  ``P_ij`` come first, and position-major rows put the G heads' largest
+  terms together, so each later term rounds at their size: dV's error was
+  up to 1.9x the dense path's (8 heads on one kv head, H=128, T=S=200),
+  1.75x with 4 documents of 32 in T=S=128 and 1.65x with a window of 8
+  (4 heads per kv head). Partly visible spans sum head by head, in
+  products of :data:`ROW_CHUNK` positions, last positions first, and the
+  query tiles and spans of a key tile run last first
+  (:func:`_add_row_products`): 0.6-1.1x, for 0-4% of a GQA causal
+  backward (B=4, N=16 on K=4, T=S=512), since fully visible spans, most of
+  the work, stay one product.
   ``D = rowsum(dO * O)`` (FlashAttention-2's, and the dense path's) is not
   the ``rowsum(P * dP)`` of the ``P`` and ``dP`` that ``dS`` uses, whose
   rounding it would cancel: with it, dQ's error on a causal mask is
@@ -196,8 +194,8 @@ FLUSH_EXPONENT = {np.dtype(np.float32): -100, np.dtype(np.float64): -1000}
 LOG2E = 1.4426950408889634
 
 #: In a partly visible span, the backward sums ``dV_j`` and ``dK_j`` over
-#: the query rows in products of at most this many rows, the last rows
-#: first (see :func:`_add_row_products`).
+#: one head's query positions at a time, in products of at most this many
+#: positions, the last positions first (see :func:`_add_row_products`).
 ROW_CHUNK = 128
 
 
@@ -899,25 +897,34 @@ def _key_order(spec: AttentionSpec, row: list, q0: int, k_tiles: list) -> list:
     return [row[j] for j in sorted(range(len(row)), key=lambda j: (distance[j], j))]
 
 
-def _add_row_products(acc: Any, a: Any, b: Any, tmp: Any, chunked: bool) -> None:
-    """``acc += a^T b`` for ``a (..., R, n)`` and ``b (..., R, m)``; with
-    ``chunked``, as products of :data:`ROW_CHUNK` rows, the last rows first.
+def _add_row_products(acc: Any, a: Any, b: Any, tmp: Any, partial: bool, G: int) -> None:
+    """``acc += a^T b`` for ``a (..., R, n)`` and ``b (..., R, m)`` whose
+    ``R = tq * G`` rows stack G heads position-major (row ``t*G + g``); with
+    ``partial``, head by head, each as products of :data:`ROW_CHUNK`
+    positions, the last positions first.
 
     A float32 product adds its R terms one after another, each rounded at
-    the size of the sum so far. In a partly visible span (a causal
-    diagonal), key j's largest ``P_ij`` and ``dS_ij`` are in the first rows,
-    just after it: summed first, they make every later term of ``dV_j`` and
-    ``dK_j`` round at their size. Short products, last rows first, keep those
-    roundings few (see the module docstring)."""
+    the size of the sum so far. In a partly visible span (a causal diagonal,
+    a short packed document, a window's edge), key j's largest ``P_ij`` and
+    ``dS_ij`` are in the first rows that see it, and position-major rows put
+    the G heads' largest terms together: summed first, they make every later
+    term of ``dV_j`` and ``dK_j`` round at G times their size. One head's
+    rows at a time (strided views, no copy), in short products last
+    positions first, keep those roundings few (see the module docstring)."""
     R = a.shape[-2]
-    if not chunked or R <= ROW_CHUNK:
+    if not partial or (G <= 1 and R <= ROW_CHUNK):  # G = 0: no query heads, R = 0
         np.matmul(np.swapaxes(a, -1, -2), b, out=tmp)  # (..., n, R) @ (..., R, m) -> (..., n, m)
         acc += tmp
         return
-    for i0 in range((R - 1) // ROW_CHUNK * ROW_CHUNK, -1, -ROW_CHUNK):
-        rows = slice(i0, i0 + ROW_CHUNK)
-        np.matmul(np.swapaxes(a[..., rows, :], -1, -2), b[..., rows, :], out=tmp)  # (..., n, chunk) @ (..., chunk, m)
-        acc += tmp
+    tq = R // G
+    a_heads = np.reshape(a, (*a.shape[:-2], tq, G, a.shape[-1]))  # (..., tq, G, n), a view
+    b_heads = np.reshape(b, (*b.shape[:-2], tq, G, b.shape[-1]))  # (..., tq, G, m)
+    for g in range(G):
+        for t0 in range((tq - 1) // ROW_CHUNK * ROW_CHUNK, -1, -ROW_CHUNK):
+            rows = slice(t0, t0 + ROW_CHUNK)
+            a_rows, b_rows = a_heads[..., rows, g, :], b_heads[..., rows, g, :]  # (..., chunk, n), (..., chunk, m)
+            np.matmul(np.swapaxes(a_rows, -1, -2), b_rows, out=tmp)  # (..., n, chunk) @ (..., chunk, m)
+            acc += tmp
 
 
 def _rows(span: tuple, q0: int, G: int) -> slice:
@@ -1407,7 +1414,7 @@ def backward(
                     drop = item.dropout_scale(*span[:4])
                     p_dropped = p if drop is None else p * drop
                     partial = bool(span[4])  # some entries hidden: a diagonal, an edge
-                    _add_row_products(dv_j[:, cols], p_dropped, do_b[:, r], dv_tmp[:, :tk], partial)  # (nk, tk, Hv)
+                    _add_row_products(dv_j[:, cols], p_dropped, do_b[:, r], dv_tmp[:, :tk], partial, G)  # (nk, tk, Hv)
                     ds = _buffer(dp_flat, nk, R, tk)
                     np.matmul(doa[:, r], vTa[..., c0:c1], out=ds)  # (nk, R, Hv+1) @ (nk, Hv+1, tk) -> dP [- D]
                     if drop is not None:
@@ -1425,7 +1432,7 @@ def backward(
                         softcap_backward_inplace(np, t, ds)
                     np.matmul(ds, k3[b, kvs, c0:c1], out=dq_tmp[:, :R])  # (nk, R, tk) @ (nk, tk, H) -> (nk, R, H)
                     dq_b[:, r] += dq_tmp[:, :R]
-                    _add_row_products(dk_j[:, cols], ds, qs[:, r], dk_tmp[:, :tk], partial)  # (nk, tk, H)
+                    _add_row_products(dk_j[:, cols], ds, qs[:, r], dk_tmp[:, :tk], partial, G)  # (nk, tk, H)
             if mode.ratio:
                 dk_j *= dtype.type(spec.softcap)  # qs carried scale * Q / softcap
             elif base != 1.0:
