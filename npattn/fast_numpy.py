@@ -44,7 +44,12 @@ NumPy on a multi-core CPU:
   each rounding happens once: the forward sums ``m + log l`` in float64,
   the backward converts ``lse`` to base 2 in float64, and both scale Q by
   the same float32 ``scale * log2 e`` (:func:`_base_scale`; the backward's
-  own rounding of it differed for scales that are not powers of 2).
+  own rounding of it differed for scales that are not powers of 2). Q, not
+  K: the backward's ``P = exp(S - lse)`` is accurate where its ``S`` are the
+  sums the forward's ``lse`` came from. A forward that scaled K instead
+  (one query head per kv head, at the zero reference) made dV 1.5x the
+  dense path's error where a key's dV rests on a few large ``P_ij``
+  (windows of 8, documents of 8 to 16 positions), and saved no time.
 - **float32 sums in the backward.** ``dV_j`` and ``dK_j`` sum over the
   item's ``tq * G`` stacked rows. In a partly visible span (a causal
   diagonal, a short packed document, a narrow window) a key's largest
@@ -441,10 +446,10 @@ def _base_scale(spec: AttentionSpec, mode: _Mode) -> tuple[Any, float]:
     but for rounding; 1 in base e). Without a softcap ``c = scale * base``,
     rounded once, and ``b = c / scale``; with one (``mode.ratio``) ``c =
     scale / softcap``, so that the products are ``s / softcap``, and ``b =
-    mode.cap / softcap``. The forward and the backward both multiply by
-    ``c`` (Q, or in the fused forward's zero reference K, see
-    :meth:`_Forward._scaled_keys`), so that unfused the backward recomputes
-    the forward's scores bit for bit, and convert ``lse`` with ``b``."""
+    mode.cap / softcap``. The forward and the backward both multiply Q by
+    ``c``, so that the backward's products ``c Q K^T`` are the forward's (bit
+    for bit unfused; fused, the shift column then adds to the same sums),
+    and convert ``lse`` with ``b``."""
     dtype = spec.compute_dtype
     if mode.ratio:
         assert spec.softcap is not None, "a ratio mode has a softcap"
@@ -459,23 +464,18 @@ def _base_scale(spec: AttentionSpec, mode: _Mode) -> tuple[Any, float]:
 TRANSPOSE_CHUNK = 128
 
 
-def _augmented_transposed(x3: Any, dtype: Any, *, ones: bool = True, scale: Any = None) -> Any:
+def _augmented_transposed(x3: Any, dtype: Any, *, ones: bool = True) -> Any:
     """``[x^T; 1]``: ``(..., L, D) -> (..., D + 1, L)``, contiguous, with a
     row of ones appended, so that ``[a, c] @ [x^T; 1] = a x^T + c`` adds a
     per-row constant ``c`` inside the matrix product; ``x^T`` alone, ``(...,
-    D, L)``, without ``ones`` (the forward's zero reference has no ``c``);
-    ``scale * x^T`` with a ``scale``."""
+    D, L)``, without ``ones`` (the forward's zero reference has no ``c``)."""
     *lead, L, D = x3.shape
     xt = np.empty((*lead, D + ones, L), dtype=dtype)
     if ones:
         xt[..., D, :] = 1
     for start in range(0, L, TRANSPOSE_CHUNK):
         chunk = slice(start, start + TRANSPOSE_CHUNK)
-        x_chunk_t = np.swapaxes(x3[..., chunk, :], -1, -2)  # (..., D, chunk)
-        if scale is None:
-            xt[..., :D, chunk] = x_chunk_t
-        else:
-            np.multiply(x_chunk_t, scale, out=xt[..., :D, chunk])
+        xt[..., :D, chunk] = np.swapaxes(x3[..., chunk, :], -1, -2)  # (..., D, chunk)
     return xt
 
 
@@ -1075,28 +1075,15 @@ class _Forward:
             self.zero_reference[slot] = found
         return found
 
-    def _scaled_keys(self, b: int, g: int) -> bool:
-        """Whether the group's ``K^T`` carries Q's scale, so that its items
-        read Q's rows as they are instead of each copying them scaled: at
-        the zero reference, one query head per kv head (Q's rows are then
-        position-major already), ``|scale| <= 1`` (``scale K`` stays finite)
-        and fused scores (whose backward, shifting by ``lse`` inside the
-        product, never rounds as the forward did; unfused, both scale Q, see
-        :func:`_base_scale`)."""
-        single, small = self.G == 1, abs(float(self.scale)) <= 1.0
-        return single and small and self.mode.fused and self._at_zero_reference(b, g)
-
     def _keys(self, b: int, g: int) -> Any:
         """``[K^T; 1] (nk, H+1, S)`` of batch element ``b``'s group ``g``
-        (``K^T (nk, H, S)`` at the zero reference, times Q's scale with
-        :meth:`_scaled_keys`), built by the first item that asks (threads may
-        build it twice; both copies are equal)."""
+        (``K^T (nk, H, S)`` at the zero reference), built by the first item
+        that asks (threads may build it twice; both copies are equal)."""
         slot = b * len(self.groups) + g
         found = self.keys[slot]
         if found is None:
             k_rows = self.k3[b, slice(*self.groups[g])]  # (nk, S, H)
-            scale = self.scale if self._scaled_keys(b, g) else None
-            found = _augmented_transposed(k_rows, self.dtype, ones=not self._at_zero_reference(b, g), scale=scale)
+            found = _augmented_transposed(k_rows, self.dtype, ones=not self._at_zero_reference(b, g))
             self.keys[slot] = found
         return found
 
@@ -1106,14 +1093,11 @@ class _Forward:
         q0, q1 = self.q_tiles[qi]
         item = _Item(self.spec, b, self.groups[g], self.mode)
         q_rows = self.q3[b, item.head_slice, q0:q1]  # (nk*G, tq, H)
-        # (nk, tq*G, H+1) = [Q_i, -m], the running maximum's shift riding in the
-        # product; (nk, tq*G, H) = Q_i at the zero reference, which has none
-        # (Q's own rows when K^T carries the scale).
+        # (nk, tq*G, H+1) = [c Q_i, -m], the running maximum's shift riding in the
+        # product; (nk, tq*G, H) = c Q_i at the zero reference, which has none.
+        # Always Q scaled, never K: the backward's products are then the same sums.
         zero = self._at_zero_reference(b, g)
-        if self._scaled_keys(b, g):
-            qa = q_rows  # (nk, tq, H): G = 1, position-major already
-        else:
-            qa = _augmented_rows(q_rows, None if zero else 0, self.scale, self.dtype, item.nk)
+        qa = _augmented_rows(q_rows, None if zero else 0, self.scale, self.dtype, item.nk)
         sums = _Sums(item.nk, qa.shape[1], self.Hv, self.dtype)
         if zero:
             self._spans_at_zero_reference(item, g, qi, q0, qa, sums)
