@@ -71,7 +71,9 @@ NumPy on a multi-core CPU:
   span (24-47% more backward time when tried).
 - **tile skipping** as the generic path (:func:`npattn.scores.visibility.classify_tile`),
   and within a partly visible tile, spans that skip what no row can see
-  (:func:`plan_tile`).
+  (:func:`plan_tile`). With lengths each batch element plans its own
+  unpadded square (:func:`_batch_plans`): padding is neither computed nor
+  masked.
 - **no subnormal probabilities**: those below ``2**FLUSH_EXPONENT`` are
   flushed to zero (:class:`_Exp`), since NumPy's loops and the BLAS run
   10-100 times slower on subnormal numbers.
@@ -607,7 +609,8 @@ def plan_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> list[t
 
 def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list[list[tuple]]]:
     """``plans[i][j]``: :func:`plan_tile` of query tile ``i`` and key tile ``j``,
-    made once per call and shared by every (batch element, kv head) item.
+    made once per call and shared by every (batch element, kv head) item
+    (per batch element with lengths, see :func:`_batch_plans`).
 
     Each hidden range becomes ``(j0, j1, hidden)``: when visibility is the
     same for every item (only causal/window rules, no mask, no lengths, no
@@ -636,6 +639,43 @@ def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list[list[
     return [
         [[with_masks(span) for span in plan_tile(spec, q0, q1, k0, k1)] for k0, k1 in k_tiles] for q0, q1 in q_tiles
     ]
+
+
+def _batch_plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list[list[list[tuple]]]]:
+    """``plans[b][i][j]``: the spans of batch element ``b``'s tile ``(i, j)``.
+
+    Without lengths every element shares :func:`_plans`. With ``q_lengths``
+    or ``kv_lengths`` each element plans its own unpadded square: its
+    tiles cut at its ``q_len`` rows and ``kv_len`` keys, planned with a spec
+    that has no lengths and that element's query offset. Its spans then
+    compute no padded key or query and mask nothing for the lengths (a
+    shared plan would compute every element's tile up to the longest one
+    and mask each one's padding). Elements with the same lengths and offset
+    share one plan."""
+    if spec.q_lengths is None and spec.kv_lengths is None:
+        return [_plans(spec, q_tiles, k_tiles)] * spec.num_batch
+    Bf, T, S = spec.num_batch, spec.q_len, spec.kv_len
+    q_lens = np.full(Bf, T) if spec.q_lengths is None else np.reshape(spec.q_lengths, (Bf,))
+    kv_lens = np.full(Bf, S) if spec.kv_lengths is None else np.reshape(spec.kv_lengths, (Bf,))
+    offsets = np.reshape(np.broadcast_to(np.asarray(spec.q_offset), spec.batch_shape), (Bf,))
+    by_lengths: dict[tuple[int, int, int], list] = {}
+    plans = []
+    for q_len, kv_len, offset in zip(q_lens.tolist(), kv_lens.tolist(), offsets.tolist()):
+        found = by_lengths.get((q_len, kv_len, offset))
+        if found is None:
+            unpadded = spec.replace(
+                q_lengths=None,
+                kv_lengths=None,
+                q_len_bounds=(T, T),
+                kv_len_bounds=(S, S),
+                q_offset=offset,
+                offset_bounds=(offset, offset),
+            )
+            cut_q = [(q0, min(q1, q_len)) for q0, q1 in q_tiles]  # empty past q_len: no spans
+            cut_k = [(k0, min(k1, kv_len)) for k0, k1 in k_tiles]
+            found = by_lengths[(q_len, kv_len, offset)] = _plans(unpadded, cut_q, cut_k)
+        plans.append(found)
+    return plans
 
 
 class ModState(NamedTuple):
@@ -969,14 +1009,18 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     """
     call = _Forward(spec, q, k, v)
     # Costliest query tiles first, so that no thread is left with a long one at the end.
-    cost = [sum((p1 - p0) * (c1 - c0) for plan in row for p0, p1, c0, c1, _ in plan) for row in call.plans]
-    order = sorted(range(len(call.q_tiles)), key=lambda qi: -cost[qi])
+    cost = {
+        (b, qi): sum((p1 - p0) * (c1 - c0) for plan in row for p0, p1, c0, c1, _ in plan)
+        for b, plans in enumerate(call.plans)
+        for qi, row in enumerate(plans)
+    }
+    order = sorted(cost, key=lambda tile: -cost[tile])
     groups = range(len(call.groups))
-    items = [(b, g, qi) for qi in order for b in range(spec.num_batch) for g in groups if cost[qi] and spec.group_size]
+    items = [(b, g, qi) for b, qi in order for g in groups if cost[b, qi] and spec.group_size]
     _run(items, call.work, spare_thread=True)
-    for qi in (qi for qi in order if not cost[qi]):  # query tiles that see no key: fully masked rows (l = 0)
+    for b, qi in (tile for tile in order if not cost[tile]):  # query tiles that see no key: fully masked rows (l = 0)
         q0, q1 = call.q_tiles[qi]
-        call.out[:, :, q0:q1] = 0
+        call.out[b, :, q0:q1] = 0
     bs, N, T = spec.batch_shape, spec.num_heads, spec.q_len
     return call.out.reshape(bs + (N, T, spec.value_dim)), call.lse().reshape(bs + (N, T))
 
@@ -1044,7 +1088,7 @@ class _Forward:
         self.row_m = np.zeros((Bf, N, T), dtype=dtype)  # the reference maximum, 0 at the zero reference
         block_q, self.block_k = _blocks(spec)
         self.q_tiles, self.k_tiles = tile_ranges(T, block_q), tile_ranges(S, self.block_k)
-        self.plans = _plans(spec, self.q_tiles, self.k_tiles)
+        self.plans = _batch_plans(spec, self.q_tiles, self.k_tiles)  # [b][qi][kj]
         self.groups = _kv_groups(spec, self.G * block_q * self.block_k, len(self.q_tiles))
         # [K^T; 1] per (batch element, group), built by its first item, in
         # parallel and while K is in cache (_keys).
@@ -1111,7 +1155,7 @@ class _Forward:
         nk, G = item.nk, self.G
         keys, values = self._keys(item.b, g), self.v3[item.b, item.kv_slice]  # (nk, H, S), (nk, S, Hv)
         s_flat = np.empty(nk * qa.shape[1] * self.block_k, dtype=self.dtype)  # one span's scores, reused
-        for plan in self.plans[qi]:
+        for plan in self.plans[item.b][qi]:
             for span in plan:
                 r, (c0, c1) = _rows(span, q0, G), span[2:4]
                 s = _buffer(s_flat, nk, r.stop - r.start, c1 - c0)  # (nk, R, tk)
@@ -1138,7 +1182,7 @@ class _Forward:
         # widens them), and whether any row is unset (refreshed when m moves).
         q_norm_max = float(q_norms.max()) if upper and q_norms.size else 0.0
         m_min, m_max, any_unset = 0.0, 0.0, True
-        for plan in _key_order(spec, self.plans[qi], q0, self.k_tiles):
+        for plan in _key_order(spec, self.plans[item.b][qi], q0, self.k_tiles):
             for span in plan:
                 r, (c0, c1) = _rows(span, q0, G), span[2:4]
                 s = _buffer(s_flat, nk, r.stop - r.start, c1 - c0)  # (nk, R, tk)
@@ -1314,7 +1358,7 @@ def backward(
     dbias = None if spec.bias is None else np.zeros(spec.bias.shape, dtype=dtype)  # full-rank view shape
     block_q, block_k = _blocks(spec)
     q_tiles, k_tiles = tile_ranges(T, block_q), tile_ranges(S, block_k)
-    plans = _plans(spec, q_tiles, k_tiles)
+    plans_by_batch = _batch_plans(spec, q_tiles, k_tiles)  # [b][qi][kj]
     base = mode.base  # as in the forward
     exp = _Exp(mode.base2, dtype)
     scale = dtype.type(spec.scale)
@@ -1330,6 +1374,7 @@ def backward(
         b, g = job
         item = _Item(spec, b, groups[g], mode)
         item.keep_inputs = True
+        plans = plans_by_batch[b]
         heads, kvs, nk = item.head_slice, item.kv_slice, item.nk
         # The item's query side, all T positions stacked position-major: row t*G + g' per kv head.
         lse_b = _position_major(lse3[b, heads], nk)  # (nk, T*G)

@@ -20,6 +20,7 @@ import npattn
 from npattn import chunked, fast_numpy
 from npattn.chunked import tile_ranges
 from npattn.options import make_spec
+from npattn.scores.visibility import visible_tile
 
 
 def _run(module_forward, module_backward, case, dout_seed=0, **extra):
@@ -94,8 +95,6 @@ def test_items_of_several_kv_heads_equal_items_of_one(case, block_q, block_k):
 
 def _tile_visibility(spec, q0, q1, k0, k1):
     """``(any item sees it, every item sees it)`` over the tile, each ``(tq, tk)``."""
-    from npattn.scores.visibility import visible_tile
-
     visible = visible_tile(spec, q0, q1, k0, k1)
     if visible is None:
         everything = np.ones((q1 - q0, k1 - k0), dtype=bool)
@@ -131,6 +130,79 @@ def test_tile_plans_cover_every_visible_entry_once_and_mask_every_partial_one(da
     assert covered.max(initial=0) <= 1, "spans overlap"
     assert np.all(covered[seen_by_some] == 1), "a visible entry is in no span"
     assert np.all(seen_by_all[unmasked]), "an entry left unmasked is hidden from some item"
+
+
+@settings(max_examples=100)
+@given(data=st.data(), split=st.integers(1, 5), block=st.integers(1, 7))
+def test_batch_plans_cover_each_elements_visible_entries_once_and_mask_only_its_partial_ones(data, split, block):
+    """With lengths each batch element plans its own unpadded square
+    (:func:`npattn.fast_numpy._batch_plans`): no span reaches past its
+    ``q_len`` rows or ``kv_len`` keys, every entry it sees is in one span,
+    and every entry left unmasked is visible to it."""
+    case = data.draw(attention_cases(max_len=12, features=("causal", "window", "lengths")))
+    spec = make_spec(*case.arrays, impl="chunked", **case.options)
+    T, S, Bf = spec.q_len, spec.kv_len, spec.num_batch
+    q_tiles, k_tiles = tile_ranges(T, block), tile_ranges(S, block)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fast_numpy, "SPLIT_BLOCK", split)
+        plans = fast_numpy._batch_plans(spec, q_tiles, k_tiles)
+    q_lens = np.broadcast_to(T if spec.q_lengths is None else spec.q_lengths, spec.batch_shape).reshape(Bf)
+    kv_lens = np.broadcast_to(S if spec.kv_lengths is None else spec.kv_lengths, spec.batch_shape).reshape(Bf)
+    assert len(plans) == Bf
+    for b in range(Bf):
+        visible = visible_tile(spec, 0, T, 0, S, batch=b)
+        visible = np.ones((T, S), dtype=bool) if visible is None else np.broadcast_to(visible, (T, S))
+        covered = np.zeros((T, S), dtype=int)
+        unmasked = np.zeros((T, S), dtype=bool)
+        for row in plans[b]:
+            for plan in row:
+                for p0, p1, c0, c1, hidden in plan:
+                    assert p1 <= q_lens[b] and c1 <= kv_lens[b], "a span reaches into the padding"
+                    covered[p0:p1, c0:c1] += 1
+                    unmasked[p0:p1, c0:c1] = True
+                    for j0, j1, _ in hidden:
+                        unmasked[p0:p1, j0:j1] = False
+        assert covered.max(initial=0) <= 1, "spans overlap"
+        assert np.all(covered[visible] == 1), "a visible entry is in no span"
+        assert np.all(visible[unmasked]), "an entry left unmasked is hidden from this element"
+
+
+def test_padded_keys_and_queries_are_neither_computed_nor_masked(monkeypatch):
+    """Padding by ``kv_lengths`` and ``q_lengths`` alone, default tiles: each
+    element's spans cover exactly its ``q_len x kv_len`` and need no mask,
+    the forward computes exactly those entries (a shared plan would compute
+    every element up to the longest lengths and mask the rest), and the
+    numbers are the generic path's, backward included, in float64."""
+    T = S = 640
+    q_lens, kv_lens = np.array([640, 300, 77, 0]), np.array([640, 520, 128, 256])
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((4, 2, T, 8)) for _ in range(4))
+    spec = make_spec(q, k, v, impl="chunked", q_lengths=q_lens, kv_lengths=kv_lens)
+    block_q, block_k = fast_numpy._blocks(spec)
+    plans = fast_numpy._batch_plans(spec, tile_ranges(T, block_q), tile_ranges(S, block_k))
+    spans = [[span for row in element for plan in row for span in plan] for element in plans]
+    assert all(hidden == () for element in spans for *_, hidden in element), "a span masks padding"
+    areas = [sum((p1 - p0) * (c1 - c0) for p0, p1, c0, c1, _ in element) for element in spans]
+    assert areas == (q_lens * kv_lens).tolist()
+    computed = []
+    real_scores = fast_numpy._Item.scores
+
+    def counting_scores(self, out, qa, kTa, span, **kwargs):
+        computed.append(out.size)
+        return real_scores(self, out, qa, kTa, span, **kwargs)
+
+    monkeypatch.setattr(fast_numpy._Item, "scores", counting_scores)
+    out, lse = fast_numpy.forward(spec, q, k, v)
+    assert sum(computed) == 2 * sum(areas)  # two heads
+    grads = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)[:3]
+    out_g, lse_g = chunked.chunked_forward(spec, q, k, v)
+    grads_g = chunked.chunked_backward(spec, q, k, v, out_g, lse_g, dout, None)[:3]
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_g))
+    assert np.all(np.isneginf(lse[3])) and np.all(np.isneginf(lse[1, :, 300:])), "padded rows stay masked"
+    finite = np.isfinite(lse_g)
+    np.testing.assert_allclose(lse[finite], lse_g[finite], atol=1e-12, rtol=0)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_g, *grads_g)):
+        np.testing.assert_allclose(got, want, atol=1e-12, rtol=0, err_msg=name)
 
 
 def test_a_causal_diagonal_tile_computes_ten_sixteenths_of_its_area():
@@ -631,6 +703,9 @@ def test_hidden_keys_scoring_far_above_the_visible_ones_change_nothing(case):
 REAL_SIZE_CASES = {
     "causal bottom_right, lengths": dict(
         T=600, S=900, causal=True, align="bottom_right", kv_lengths=np.array([900, 401])
+    ),
+    "causal bottom_right, both lengths": dict(
+        T=700, S=900, causal=True, align="bottom_right", q_lengths=np.array([650, 700]), kv_lengths=np.array([900, 333])
     ),
     "window, T != S": dict(T=700, S=1000, window=(150, 0), align="top_left"),
     "causal, dropout": dict(T=640, S=640, causal=True, dropout_p=0.1, seed=3),

@@ -32,13 +32,13 @@ from ..chunked import tile_ranges
 from ..fast_numpy import (
     _augmented_rows,
     _augmented_transposed,
+    _batch_plans,
     _blocks,
     _buffer,
     _Exp,
     _head_major,
     _Item,
     _Mode,
-    _plans,
     _position_major,
     _rows,
     _run,
@@ -115,7 +115,7 @@ class _Call:
         self.spec, self.mode = spec, _Mode.exact(spec)
         self.block_q, self.block_k = _blocks(spec)
         self.q_tiles, self.k_tiles = tile_ranges(spec.q_len, self.block_q), tile_ranges(spec.kv_len, self.block_k)
-        self.plans = _plans(spec, self.q_tiles, self.k_tiles)
+        self.plans = _batch_plans(spec, self.q_tiles, self.k_tiles)  # [b][qi][kj]
         self.exp, self.scale = _Exp(False, dtype), dtype.type(spec.scale)
         self.ones_k = np.ones(self.block_k, dtype=dtype)
 
@@ -150,7 +150,7 @@ class _QueryTile:
         """``(span, r, s, s')`` for each span of the tile, ``s`` the scores and
         ``s'`` their tangent, ``(R, tk)`` each, hidden entries -inf / 0."""
         G = self.call.spec.group_size
-        for plan in self.call.plans[self.qi]:
+        for plan in self.call.plans[self.b][self.qi]:
             for span in plan:
                 r, (c0, c1) = _rows(span, self.q0, G), span[2:4]
                 s, sd, *tanh = (_buffer(flat, r.stop - r.start, c1 - c0) for flat in self.flats)
@@ -318,7 +318,7 @@ def backward_jvp(spec: AttentionSpec, res: Any, dO: Any, rows_terms: tuple, dots
         for kj, (k0, k1) in enumerate(k_tiles):
             dk_j, dv_j = np.zeros((k1 - k0, H), dtype=dtype), np.zeros((k1 - k0, Hv), dtype=dtype)
             kk_tile = np.concatenate([k3[b, kv, k0:k1], kd3[b, kv, k0:k1]])  # (2tk, H) = [K; K'] of the tile
-            for plan in (row[kj] for row in plans):
+            for plan in (row[kj] for row in plans[b]):
                 for span in plan:
                     r, (c0, c1) = _rows(span, 0, G), span[2:4]
                     cols = slice(c0 - k0, c1 - k0)
