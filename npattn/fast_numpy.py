@@ -1008,7 +1008,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     fused, with ``lse`` converted to nats).
     """
     call = _Forward(spec, q, k, v)
-    # Costliest query tiles first, so that no thread is left with a long one at the end.
+    # Costliest (batch element, query tile) first, so that no thread is left with a long one at the end.
     cost = {
         (b, qi): sum((p1 - p0) * (c1 - c0) for plan in row for p0, p1, c0, c1, _ in plan)
         for b, plans in enumerate(call.plans)
