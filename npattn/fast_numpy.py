@@ -27,7 +27,7 @@ NumPy on a multi-core CPU:
   bound below (or a softcap) keeps every score within
   :data:`ZERO_REFERENCE_BOUND` of 0, the forward exponentiates the scores
   themselves, with no row-max pass, rescaling or flush.
-- **per-row shifts inside the GEMMs.** ``[scale Q, -c] @ [K^T; 1]`` is
+- **per-row shifts inside the GEMMs.** ``[Q, -c] @ [scale K^T; 1]`` is
   ``scale Q K^T - c`` for a per-row constant ``c`` (the running maximum in the
   forward, ``lse`` and ``D`` in the backward), saving a pass over each tile.
   This rounds the shift with the product, which is harmless while scores are
@@ -42,14 +42,15 @@ NumPy on a multi-core CPU:
   as one float32 does: the backward's ``P = exp(S - lse)`` carries that
   rounding on every entry of a row (the dense path's ``P`` does not). So
   each rounding happens once: the forward sums ``m + log l`` in float64,
-  the backward converts ``lse`` to base 2 in float64, and both scale Q by
+  the backward converts ``lse`` to base 2 in float64, and both multiply by
   the same float32 ``scale * log2 e`` (:func:`_base_scale`; the backward's
-  own rounding of it differed for scales that are not powers of 2). Q, not
-  K: the backward's ``P = exp(S - lse)`` is accurate where its ``S`` are the
-  sums the forward's ``lse`` came from. A forward that scaled K instead
-  (one query head per kv head, at the zero reference) made dV 1.5x the
-  dense path's error where a key's dV rests on a few large ``P_ij``
-  (windows of 8, documents of 8 to 16 positions), and saved no time.
+  own rounding of it differed for scales that are not powers of 2), on the
+  same side: K, unless that could overflow (:func:`_keys_carry_scale`).
+  The backward's ``P = exp(S - lse)`` is accurate where its ``S`` are the
+  sums the forward's ``lse`` came from: a forward that scaled K (one query
+  head per kv head, at the zero reference) beside a backward that scaled Q
+  made dV 1.5x the dense path's error where a key's dV rests on a few
+  large ``P_ij`` (windows of 8, documents of 8 to 16 positions).
 - **float32 sums in the backward.** ``dV_j`` and ``dK_j`` sum over the
   item's ``tq * G`` stacked rows. In a partly visible span (a causal
   diagonal, a short packed document, a narrow window) a key's largest
@@ -448,10 +449,10 @@ def _base_scale(spec: AttentionSpec, mode: _Mode) -> tuple[Any, float]:
     but for rounding; 1 in base e). Without a softcap ``c = scale * base``,
     rounded once, and ``b = c / scale``; with one (``mode.ratio``) ``c =
     scale / softcap``, so that the products are ``s / softcap``, and ``b =
-    mode.cap / softcap``. The forward and the backward both multiply Q by
-    ``c``, so that the backward's products ``c Q K^T`` are the forward's (bit
-    for bit unfused; fused, the shift column then adds to the same sums),
-    and convert ``lse`` with ``b``."""
+    mode.cap / softcap``. The forward and the backward both multiply the
+    same side by ``c`` (:func:`_keys_carry_scale`), so that the backward's
+    products are the forward's (bit for bit unfused; fused, the shift column
+    then adds to the same sums), and convert ``lse`` with ``b``."""
     dtype = spec.compute_dtype
     if mode.ratio:
         assert spec.softcap is not None, "a ratio mode has a softcap"
@@ -460,24 +461,40 @@ def _base_scale(spec: AttentionSpec, mode: _Mode) -> tuple[Any, float]:
     return c, (float(c) / spec.scale if mode.base2 and spec.scale else mode.base)
 
 
+def _keys_carry_scale(c: Any) -> bool:
+    """Whether ``K`` carries the scores' factor ``c`` (:func:`_base_scale`),
+    as ``[c K^T; 1]``, built once per group of kv heads, rather than ``Q``:
+    whenever ``|c| <= 1``, so that ``c K`` cannot overflow where ``c Q K^T``
+    would not (tiny queries against huge keys). The forward and the backward
+    both ask it, so both compute the same products: the backward's
+    ``P = exp(S - lse)`` is accurate where its ``S`` are the sums the
+    forward's ``lse`` came from."""
+    return abs(float(c)) <= 1.0
+
+
 #: Positions transposed at a time by :func:`_augmented_transposed`: a
 #: ``(128, 64)`` float32 block and its transpose stay in the L1 cache, which
 #: makes the copy 2.5x faster than one strided copy of the whole array.
 TRANSPOSE_CHUNK = 128
 
 
-def _augmented_transposed(x3: Any, dtype: Any, *, ones: bool = True) -> Any:
+def _augmented_transposed(x3: Any, dtype: Any, *, ones: bool = True, scale: Any = None) -> Any:
     """``[x^T; 1]``: ``(..., L, D) -> (..., D + 1, L)``, contiguous, with a
     row of ones appended, so that ``[a, c] @ [x^T; 1] = a x^T + c`` adds a
     per-row constant ``c`` inside the matrix product; ``x^T`` alone, ``(...,
-    D, L)``, without ``ones`` (the forward's zero reference has no ``c``)."""
+    D, L)``, without ``ones`` (the forward's zero reference has no ``c``);
+    ``[scale x^T; 1]`` with a ``scale``."""
     *lead, L, D = x3.shape
     xt = np.empty((*lead, D + ones, L), dtype=dtype)
     if ones:
         xt[..., D, :] = 1
     for start in range(0, L, TRANSPOSE_CHUNK):
         chunk = slice(start, start + TRANSPOSE_CHUNK)
-        xt[..., :D, chunk] = np.swapaxes(x3[..., chunk, :], -1, -2)  # (..., D, chunk)
+        x_chunk_t = np.swapaxes(x3[..., chunk, :], -1, -2)  # (..., D, chunk)
+        if scale is None:
+            xt[..., :D, chunk] = x_chunk_t
+        else:
+            np.multiply(x_chunk_t, scale, out=xt[..., :D, chunk])
     return xt
 
 
@@ -486,14 +503,18 @@ def _augmented_rows(x: Any, column: Any, scale: Any, dtype: Any, nk: int | None 
     ``(tq*G,)`` -> ``(tq*G, D + 1)``, row ``t*G + g`` holding ``x[g, t]``;
     with ``nk``, one such stack per kv head of a group (:class:`_Item`):
     ``(nk*G, tq, D)`` and ``(nk, tq*G)`` -> ``(nk, tq*G, D + 1)``. A
-    ``column`` of None appends none: ``scale * x`` alone, ``(..., tq*G, D)``."""
+    ``column`` of None appends none: ``scale * x`` alone, ``(..., tq*G, D)``;
+    a ``scale`` of None copies ``x`` as it is."""
     GN, tq, D = x.shape
     n = 1 if nk is None else nk
     G = GN // n if n else 0
     width = D if column is None else D + 1
     xa = np.empty((n, tq * G, width), dtype=dtype)
     rows = np.swapaxes(np.reshape(x, (n, G, tq, D)), 1, 2)  # (n, tq, G, D)
-    np.multiply(rows, scale, out=xa.reshape(n, tq, G, width)[..., :D])
+    if scale is None:
+        xa.reshape(n, tq, G, width)[..., :D] = rows
+    else:
+        np.multiply(rows, scale, out=xa.reshape(n, tq, G, width)[..., :D])
     if column is not None:
         xa[..., D] = column
     return xa[0] if nk is None else xa
@@ -1099,7 +1120,8 @@ class _Forward:
         # In base 2 (log2(e) folded into the scale, exp2 for exp) where the mode
         # allows; otherwise in base e, exactly as the generic path.
         self.exp = _Exp(mode.base2, dtype)
-        self.scale, self.b_eff = _base_scale(spec, mode)  # Q's factor; the scores are b_eff times theirs in nats
+        self.scale, self.b_eff = _base_scale(spec, mode)  # the products' factor c; the scores are b_eff times nats
+        self.keys_scaled = _keys_carry_scale(self.scale)  # c on K (else on Q)
         self.norm_scale = abs(spec.scale) * mode.base  # |S_ij| <= norm_scale |q_i| |k_j|, in the scores' base
         self.threshold = RESCALE_THRESHOLD * mode.base
         self.ones_k = np.ones(self.block_k, dtype=dtype)
@@ -1121,13 +1143,16 @@ class _Forward:
 
     def _keys(self, b: int, g: int) -> Any:
         """``[K^T; 1] (nk, H+1, S)`` of batch element ``b``'s group ``g``
-        (``K^T (nk, H, S)`` at the zero reference), built by the first item
-        that asks (threads may build it twice; both copies are equal)."""
+        (``K^T (nk, H, S)`` at the zero reference), times the scores' factor
+        ``c`` where it carries it (:func:`_keys_carry_scale`), built by the
+        first item that asks (threads may build it twice; both copies are
+        equal)."""
         slot = b * len(self.groups) + g
         found = self.keys[slot]
         if found is None:
             k_rows = self.k3[b, slice(*self.groups[g])]  # (nk, S, H)
-            found = _augmented_transposed(k_rows, self.dtype, ones=not self._at_zero_reference(b, g))
+            scale = self.scale if self.keys_scaled else None
+            found = _augmented_transposed(k_rows, self.dtype, ones=not self._at_zero_reference(b, g), scale=scale)
             self.keys[slot] = found
         return found
 
@@ -1137,11 +1162,15 @@ class _Forward:
         q0, q1 = self.q_tiles[qi]
         item = _Item(self.spec, b, self.groups[g], self.mode)
         q_rows = self.q3[b, item.head_slice, q0:q1]  # (nk*G, tq, H)
-        # (nk, tq*G, H+1) = [c Q_i, -m], the running maximum's shift riding in the
-        # product; (nk, tq*G, H) = c Q_i at the zero reference, which has none.
-        # Always Q scaled, never K: the backward's products are then the same sums.
+        # (nk, tq*G, H+1) = [Q_i, -m], the running maximum's shift riding in the
+        # product; (nk, tq*G, H) = Q_i at the zero reference, which has none
+        # (Q's own rows with one query head per kv head, when K carries c).
         zero = self._at_zero_reference(b, g)
-        qa = _augmented_rows(q_rows, None if zero else 0, self.scale, self.dtype, item.nk)
+        if zero and self.G == 1 and self.keys_scaled:
+            qa = q_rows  # (nk, tq, H): position-major already
+        else:
+            q_scale = None if self.keys_scaled else self.scale
+            qa = _augmented_rows(q_rows, None if zero else 0, q_scale, self.dtype, item.nk)
         sums = _Sums(item.nk, qa.shape[1], self.Hv, self.dtype)
         if zero:
             self._spans_at_zero_reference(item, g, qi, q0, qa, sums)
@@ -1327,7 +1356,7 @@ def backward(
     When fused (see the module docstring), the two per-row subtractions ride
     inside matrix products, as in the forward::
 
-        P_ij          = exp([scale Q_i, -lse_i] @ [K_j^T; 1])
+        P_ij          = exp([Q_i, -lse_i] @ [scale K_j^T; 1])
         dP_ij - D_i   = [dO_i, -D_i] @ [V_j^T; 1]          (without dropout)
 
     then ``dS = P * (dP - D)``, ``dV_j += Pd^T dO_i``, ``dQ_i += dS K_j``,
@@ -1363,6 +1392,10 @@ def backward(
     exp = _Exp(mode.base2, dtype)
     scale = dtype.type(spec.scale)
     base_scale, b_eff = _base_scale(spec, mode)  # the forward's own scale and base of the scores
+    # c on the side the forward put it; dK = scale dR^T Q, from dR^T Q or dR^T (c Q)
+    keys_scaled = _keys_carry_scale(base_scale)
+    q_factor, k_factor = (None, base_scale) if keys_scaled else (base_scale, None)
+    dk_factor = dtype.type(spec.scale if keys_scaled else spec.scale / float(base_scale))
     one = dtype.type(1)
     fold_D = mode.base2 and spec.dropout_p == 0
     groups = _kv_groups(spec, G * block_q * block_k, 1)  # an item: (batch element, group of kv heads), every query
@@ -1381,11 +1414,11 @@ def backward(
         D_b = _position_major(D[b, heads], nk)  # (nk, T*G)
         # lse in the scores' base, b_eff lse, rounded once (from float64)
         lse_shift = (lse_b.astype(np.float64) * b_eff).astype(dtype) if base != 1.0 else lse_b  # (nk, T*G)
-        qa = _augmented_rows(q3[b, heads], -lse_shift if fused else 0, base_scale, dtype, nk)  # (nk, T*G, H+1)
+        qa = _augmented_rows(q3[b, heads], -lse_shift if fused else 0, q_factor, dtype, nk)  # (nk, T*G, H+1)
         doa = _augmented_rows(do3[b, heads], -D_b if fold_D else 0, one, dtype, nk)  # (nk, T*G, Hv+1)
-        qs, do_b = qa[..., :H], doa[..., :Hv]  # (nk, T*G, H), (nk, T*G, Hv) views
+        q_b, do_b = qa[..., :H], doa[..., :Hv]  # (nk, T*G, H) Q (or c Q), (nk, T*G, Hv) dO: views
         alibi_g = np.zeros(nk * G, dtype=dtype)  # this item's slope gradients, base-scaled
-        kTa = _augmented_transposed(k3[b, kvs], dtype)  # (nk, H+1, S), built here, in parallel
+        kTa = _augmented_transposed(k3[b, kvs], dtype, scale=k_factor)  # (nk, H+1, S), built here, in parallel
         vTa = _augmented_transposed(v3[b, kvs], dtype)  # (nk, Hv+1, S)
         dq_b = np.zeros((nk, T * G, H), dtype=dtype)
         # S_ij - lse_i >= -|base scale q_i| max_j |k_j| - lse_i (the forward's bound), per query tile
@@ -1461,11 +1494,8 @@ def backward(
                         softcap_backward_inplace(np, t, ds)
                     np.matmul(ds, k3[b, kvs, c0:c1], out=dq_tmp[:, :R])  # (nk, R, tk) @ (nk, tk, H) -> (nk, R, H)
                     dq_b[:, r] += dq_tmp[:, :R]
-                    _add_row_products(dk_j[:, cols], ds, qs[:, r], dk_tmp[:, :tk], partial, G)  # (nk, tk, H)
-            if mode.ratio:
-                dk_j *= dtype.type(spec.softcap)  # qs carried scale * Q / softcap
-            elif base != 1.0:
-                dk_j /= dtype.type(base)  # qs carried base * scale * Q
+                    _add_row_products(dk_j[:, cols], ds, q_b[:, r], dk_tmp[:, :tk], partial, G)  # (nk, tk, H)
+            dk_j *= dk_factor
             dk[b, kvs, k0:k1] = dk_j[:, : k1 - k0]
             dv[b, kvs, k0:k1] = dv_j[:, : k1 - k0]
         dq_b *= scale
