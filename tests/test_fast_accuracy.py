@@ -55,6 +55,15 @@ CASES = {
     ),
     "4 on 1, window of 8": ((2, 8, 2, 128, 64), dict(window=(8, 0))),
     "MHA, window of 8": ((2, 4, 4, 128, 64), dict(window=(8, 0))),
+    "4 on 1, ALiBi and sinks, causal": (
+        (2, 8, 2, 128, 64),
+        dict(causal=True, alibi_slopes=np.linspace(0.05, 0.5, 8), sinks=np.full(8, 0.5)),
+    ),
+    "2 on 1, dropout, causal": ((2, 8, 4, 128, 64), dict(causal=True, dropout_p=0.2, seed=5)),
+    "2 on 1, both lengths, causal bottom_right": (
+        (2, 8, 4, 128, 64),
+        dict(causal=True, align="bottom_right", q_lengths=np.array([128, 70]), kv_lengths=np.array([100, 128])),
+    ),
 }
 
 
