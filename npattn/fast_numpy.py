@@ -158,7 +158,7 @@ from threadpoolctl import ThreadpoolController
 from . import dropout as _dropout
 from .chunked import tile_ranges
 from .namespace import sum_to_shape
-from .options import AttentionSpec
+from .options import AttentionSpec, SegmentHost
 from .scores.alibi import (
     alibi_distance,
     alibi_distance_bounds,
@@ -665,36 +665,46 @@ def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list[list[
 def _batch_plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list[list[list[tuple]]]]:
     """``plans[b][i][j]``: the spans of batch element ``b``'s tile ``(i, j)``.
 
-    Without lengths every element shares :func:`_plans`. With ``q_lengths``
-    or ``kv_lengths`` each element plans its own unpadded square: its
-    tiles cut at its ``q_len`` rows and ``kv_len`` keys, planned with a spec
-    that has no lengths and that element's query offset. Its spans then
-    compute no padded key or query and mask nothing for the lengths (a
-    shared plan would compute every element's tile up to the longest one
-    and mask each one's padding). Elements with the same lengths and offset
-    share one plan."""
-    if spec.q_lengths is None and spec.kv_lengths is None:
+    Where every element sees the same keys, they share :func:`_plans`. With
+    ``q_lengths`` or ``kv_lengths``, or segment ids over several elements,
+    each element plans its own square: its tiles cut at its ``q_len`` rows
+    and ``kv_len`` keys, planned with a spec that has no lengths, that
+    element's query offset and only its own segment ids. Its spans then
+    compute no padded key or query and mask nothing for the lengths, and
+    skip what its own documents cannot see (a shared plan would compute
+    every element up to the longest lengths, and every tile that any
+    element's documents reach). Elements with the same lengths, offset and
+    ids share one plan."""
+    lengths = spec.q_lengths is not None or spec.kv_lengths is not None
+    segments = spec.segment_host if spec.has_segments and spec.num_batch > 1 else None
+    if not lengths and segments is None:
         return [_plans(spec, q_tiles, k_tiles)] * spec.num_batch
     Bf, T, S = spec.num_batch, spec.q_len, spec.kv_len
     q_lens = np.full(Bf, T) if spec.q_lengths is None else np.reshape(spec.q_lengths, (Bf,))
     kv_lens = np.full(Bf, S) if spec.kv_lengths is None else np.reshape(spec.kv_lengths, (Bf,))
     offsets = np.reshape(np.broadcast_to(np.asarray(spec.q_offset), spec.batch_shape), (Bf,))
-    by_lengths: dict[tuple[int, int, int], list] = {}
+    by_element: dict[tuple, list] = {}
     plans = []
-    for q_len, kv_len, offset in zip(q_lens.tolist(), kv_lens.tolist(), offsets.tolist()):
-        found = by_lengths.get((q_len, kv_len, offset))
+    for b, (q_len, kv_len, offset) in enumerate(zip(q_lens.tolist(), kv_lens.tolist(), offsets.tolist())):
+        ids = () if segments is None else (segments.q[b].tobytes(), segments.kv[b].tobytes())
+        key = (q_len, kv_len, offset, *ids)
+        found = by_element.get(key)
         if found is None:
-            unpadded = spec.replace(
+            host = spec.segment_host
+            if segments is not None:  # (1, T), (1, S): this element's ids alone
+                host = SegmentHost(segments.q[b : b + 1], segments.kv[b : b + 1], {})
+            element = spec.replace(
                 q_lengths=None,
                 kv_lengths=None,
                 q_len_bounds=(T, T),
                 kv_len_bounds=(S, S),
                 q_offset=offset,
                 offset_bounds=(offset, offset),
+                segment_host=host,
             )
             cut_q = [(q0, min(q1, q_len)) for q0, q1 in q_tiles]  # empty past q_len: no spans
             cut_k = [(k0, min(k1, kv_len)) for k0, k1 in k_tiles]
-            found = by_lengths[(q_len, kv_len, offset)] = _plans(unpadded, cut_q, cut_k)
+            found = by_element[key] = _plans(element, cut_q, cut_k)
         plans.append(found)
     return plans
 

@@ -135,11 +135,11 @@ def test_tile_plans_cover_every_visible_entry_once_and_mask_every_partial_one(da
 @settings(max_examples=100)
 @given(data=st.data(), split=st.integers(1, 5), block=st.integers(1, 7))
 def test_batch_plans_cover_each_elements_visible_entries_once_and_mask_only_its_partial_ones(data, split, block):
-    """With lengths each batch element plans its own unpadded square
+    """With lengths or segment ids each batch element plans its own square
     (:func:`npattn.fast_numpy._batch_plans`): no span reaches past its
     ``q_len`` rows or ``kv_len`` keys, every entry it sees is in one span,
     and every entry left unmasked is visible to it."""
-    case = data.draw(attention_cases(max_len=12, features=("causal", "window", "lengths")))
+    case = data.draw(attention_cases(max_len=12, features=("causal", "window", "lengths", "segments")))
     spec = make_spec(*case.arrays, impl="chunked", **case.options)
     T, S, Bf = spec.q_len, spec.kv_len, spec.num_batch
     q_tiles, k_tiles = tile_ranges(T, block), tile_ranges(S, block)
@@ -1060,6 +1060,42 @@ def _computed_tile_pairs(spec, block):
     pairs = sum(1 for row in plans for plan in row if plan)
     area = sum((p1 - p0) * (c1 - c0) for row in plans for plan in row for p0, p1, c0, c1, _ in plan)
     return pairs, area
+
+
+def test_batch_elements_packed_differently_each_skip_their_own_cross_document_tiles(monkeypatch):
+    """Two batch elements with their documents in other places (4 of 256 and
+    2 of 512 in T = S = 1024, causal, 256-tiles): each computes the spans of
+    its own documents alone, where one plan for both would compute every
+    tile that either element's documents reach; the numbers are the generic
+    path's, backward included, in float64."""
+    T, block = 1024, 256
+    ids = np.stack([np.repeat(np.arange(4), 256), np.repeat(np.arange(2), 512)])  # (B, T), B = 2
+    rng = np.random.default_rng(1)
+    q, k, v, dout = (rng.standard_normal((2, 2, T, 8)) for _ in range(4))
+    options = dict(causal=True, q_segment_ids=ids, kv_segment_ids=ids, block_q=block, block_k=block)
+    spec = make_spec(q, k, v, impl="chunked", **options)
+    plans = fast_numpy._batch_plans(spec, tile_ranges(T, block), tile_ranges(T, block))
+    pairs = [sum(1 for row in element for plan in row if plan) for element in plans]
+    assert pairs == [4, 2 * 3]  # each document's diagonal tiles, and the tile below them in documents of 2 tiles
+    shared = fast_numpy._plans(spec, tile_ranges(T, block), tile_ranges(T, block))
+    assert sum(1 for row in shared for plan in row if plan) == 6, "a plan for both covers either's tiles"
+    areas = [sum((p1 - p0) * (c1 - c0) for row in el for plan in row for p0, p1, c0, c1, _ in plan) for el in plans]
+    computed = []
+    real_scores = fast_numpy._Item.scores
+
+    def counting_scores(self, out, qa, kTa, span, **kwargs):
+        computed.append(out.size)
+        return real_scores(self, out, qa, kTa, span, **kwargs)
+
+    monkeypatch.setattr(fast_numpy._Item, "scores", counting_scores)
+    out, lse = fast_numpy.forward(spec, q, k, v)
+    assert sum(computed) == 2 * sum(areas)  # two heads
+    grads = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)[:3]
+    out_g, lse_g = chunked.chunked_forward(spec, q, k, v)
+    grads_g = chunked.chunked_backward(spec, q, k, v, out_g, lse_g, dout, None)[:3]
+    np.testing.assert_allclose(lse, lse_g, atol=1e-12, rtol=0)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_g, *grads_g)):
+        np.testing.assert_allclose(got, want, atol=1e-12, rtol=0, err_msg=name)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
