@@ -72,9 +72,9 @@ NumPy on a multi-core CPU:
   span (24-47% more backward time when tried).
 - **tile skipping** as the generic path (:func:`npattn.scores.visibility.classify_tile`),
   and within a partly visible tile, spans that skip what no row can see
-  (:func:`plan_tile`). With lengths each batch element plans its own
-  unpadded square (:func:`_batch_plans`): padding is neither computed nor
-  masked.
+  (:func:`plan_tile`). With lengths or segment ids each batch element
+  plans its own square (:func:`_batch_plans`): padding is neither computed
+  nor masked, and each element skips what its own documents cannot see.
 - **no subnormal probabilities**: those below ``2**FLUSH_EXPONENT`` are
   flushed to zero (:class:`_Exp`), since NumPy's loops and the BLAS run
   10-100 times slower on subnormal numbers.
@@ -631,7 +631,7 @@ def plan_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> list[t
 def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list[list[tuple]]]:
     """``plans[i][j]``: :func:`plan_tile` of query tile ``i`` and key tile ``j``,
     made once per call and shared by every (batch element, kv head) item
-    (per batch element with lengths, see :func:`_batch_plans`).
+    (per batch element with lengths or segment ids, see :func:`_batch_plans`).
 
     Each hidden range becomes ``(j0, j1, hidden)``: when visibility is the
     same for every item (only causal/window rules, no mask, no lengths, no
