@@ -22,8 +22,9 @@ headline T4096            B=1, N=8, T=S=4096, H=64, full
 
 ``--more`` prints other mixes of the same kinds instead: float64, GQA
 training, a long causal call, H=128, padding by ``kv_lengths`` (torch: the
-same keys hidden by a bool mask), batched decoding with lengths, and short
-sequences, full and causal (see :func:`more_workloads`).
+same keys hidden by a bool mask), batched decoding with lengths, short
+sequences, full and causal, and a sliding window of 256 at T=4096 (torch:
+the band as a bool mask; see :func:`more_workloads`).
 
 Each row but decoding runs forward and forward+backward. npattn runs
 ``impl="auto"`` and the ``path`` column says which path that chose. The
@@ -119,9 +120,16 @@ class OtherLoad:
 # --- the calls of each workload ---------------------------------------------
 
 
-def _attention_calls(lib, torch, q, k, v, dout, causal: bool, kv_lengths: Any = None) -> dict:
-    """``{"forward": {...}, "fwd+bwd": {...}}``, each mapping a side to a call."""
-    options = {"causal": causal} if kv_lengths is None else {"causal": causal, "kv_lengths": kv_lengths}
+def _attention_calls(
+    lib, torch, q, k, v, dout, causal: bool, kv_lengths: Any = None, window: int | None = None
+) -> dict:
+    """``{"forward": {...}, "fwd+bwd": {...}}``, each mapping a side to a call;
+    ``window``: each query sees itself and the ``window`` keys before it."""
+    options: dict = {"causal": causal}
+    if kv_lengths is not None:
+        options["kv_lengths"] = kv_lengths
+    if window is not None:
+        options["window"] = (window, 0)
 
     def fwd():
         return lib.attention_forward(q, k, v, **options)
@@ -138,6 +146,9 @@ def _attention_calls(lib, torch, q, k, v, dout, causal: bool, kv_lengths: Any = 
         mask = None
         if kv_lengths is not None:  # (B, 1, 1, S): the keys each batch element sees
             mask = torch.from_numpy(np.arange(k.shape[-2]) < kv_lengths[:, None])[:, None, None, :]
+        if window is not None:  # (T, S): the band 0 <= i - j <= window (T = S)
+            offset = np.arange(q.shape[-2])[:, None] - np.arange(k.shape[-2])
+            mask = torch.from_numpy((offset >= 0) & (offset <= window))
 
         def t_fwd():
             with torch.no_grad():
@@ -163,13 +174,18 @@ def attention_workload(
     backward=True,
     dtype: Any = np.float32,
     kv_lengths: list[int] | None = None,
+    window: int | None = None,
 ):
     """A row of :func:`npattn.attention_forward` on ``(B, N, T, H)`` queries
     against ``(B, K, S, H)`` keys and values, each batch element seeing its
-    first ``kv_lengths[b]`` keys when given (B of them, non-causal)."""
+    first ``kv_lengths[b]`` keys when given (B of them, non-causal), each
+    query its ``window`` preceding keys and itself when given (``T = S``,
+    not causal: the window is)."""
     visible = 0.5 if causal and T == S else 1.0
     if kv_lengths is not None:
         visible = sum(kv_lengths) / (B * S)
+    if window is not None:
+        visible = sum(min(i, window) + 1 for i in range(T)) / (T * S)
     lengths = None if kv_lengths is None else np.asarray(kv_lengths)
 
     def make(lib, torch, rng):
@@ -177,10 +193,11 @@ def attention_workload(
         k = rng.standard_normal((B, K, S, H)).astype(dtype)  # (B, K, S, H)
         v = rng.standard_normal((B, K, S, H)).astype(dtype)  # (B, K, S, Hv)
         dout = rng.standard_normal((B, N, T, H)).astype(dtype)  # (B, N, T, Hv)
-        return _attention_calls(lib, torch, q, k, v, dout, causal, lengths)
+        return _attention_calls(lib, torch, q, k, v, dout, causal, lengths, window)
 
     kv = f" on K={K}" if K != N else ""
     extra = (" causal" if causal else "") + (" kv_lengths" if kv_lengths else "")
+    extra += "" if window is None else f" window={window}"
     extra += "" if np.dtype(dtype) == np.float32 else f" {np.dtype(dtype).name}"
     shape = f"B={B} N={N}{kv} T={T} S={S} H={H}{extra}"
     return Workload(name, shape, 4 * B * N * T * S * H * visible, make, backward)
@@ -253,6 +270,7 @@ def more_workloads(quick: bool) -> list[Workload]:
             attention_workload("f64 B2 N2 T32", 2, 2, 2, 32, 32, 16, dtype=np.float64),
             attention_workload("pad B2 N2 T32", 2, 2, 2, 32, 32, 16, kv_lengths=[32, 20]),
             attention_workload("decode pad B2 S64", 2, 4, 2, 1, 64, 16, backward=False, kv_lengths=[64, 9]),
+            attention_workload("window 8 B2 T64", 2, 2, 2, 64, 64, 16, window=8),
         ]
     return [
         attention_workload("f64 B8 N8 T256", 8, 8, 8, 256, 256, 64, dtype=np.float64),
@@ -266,6 +284,7 @@ def more_workloads(quick: bool) -> list[Workload]:
         attention_workload("B16 N12 T64", 16, 12, 12, 64, 64, 64),
         attention_workload("B4 N8 T128 causal", 4, 8, 8, 128, 128, 64, causal=True),
         attention_workload("B1 N8 T64", 1, 8, 8, 64, 64, 64),
+        attention_workload("window 256 B1 T4096", 1, 8, 8, 4096, 4096, 64, window=256),
     ]
 
 

@@ -542,7 +542,7 @@ def _head_major(x: Any, tq: int, G: int, nk: int | None = None) -> Any:
 
 #: An item of the fast path groups consecutive kv heads of one batch
 #: element (see :class:`_Item`) until one span of scores holds about this
-#: many entries, ``nk * G * block_q * block_k`` (a 512 x 512 tile): with
+#: many entries, ``nk`` times one head's largest span (a 512 x 512 tile): with
 #: short sequences one NumPy call then covers several heads, and the pool's
 #: threads hand the GIL to one another far less often.
 GROUP_SCORES = 2**18
@@ -556,7 +556,7 @@ GROUP_MIN_ITEMS = 8
 
 def _kv_groups(spec: AttentionSpec, span_scores: int, tiles: int) -> list[tuple[int, int]]:
     """The ``(kv0, kv1)`` ranges of kv heads an item takes: as many as keep
-    ``span_scores`` (one head's largest span, ``G * block_q * block_k``)
+    ``span_scores`` (one head's largest span of the plans, :func:`_largest_span`)
     times their count within :data:`GROUP_SCORES`, and few enough that the
     ``B * groups * tiles`` items are at least :data:`GROUP_MIN_ITEMS`. One
     head each with score modifications (their functions see one kv head's
@@ -707,6 +707,21 @@ def _batch_plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list
             found = by_element[key] = _plans(element, cut_q, cut_k)
         plans.append(found)
     return plans
+
+
+def _largest_span(plans_by_batch: list) -> int:
+    """Query positions times keys of the largest span of any element's plans
+    (:func:`_batch_plans`), at least 1: what one head's span buffer holds,
+    and what :func:`_kv_groups` sizes an item's group of kv heads by. A
+    tile's area where a span covers a whole tile; far less where the plans
+    cut every tile into narrow spans (a sliding window)."""
+    largest = 1
+    for plans in {id(plans): plans for plans in plans_by_batch}.values():  # elements may share one plan
+        for row in plans:
+            for plan in row:
+                for p0, p1, c0, c1, _ in plan:
+                    largest = max(largest, (p1 - p0) * (c1 - c0))
+    return largest
 
 
 class ModState(NamedTuple):
@@ -1120,7 +1135,8 @@ class _Forward:
         block_q, self.block_k = _blocks(spec)
         self.q_tiles, self.k_tiles = tile_ranges(T, block_q), tile_ranges(S, self.block_k)
         self.plans = _batch_plans(spec, self.q_tiles, self.k_tiles)  # [b][qi][kj]
-        self.groups = _kv_groups(spec, self.G * block_q * self.block_k, len(self.q_tiles))
+        self.span_size = self.G * _largest_span(self.plans)  # one kv head's largest span of scores
+        self.groups = _kv_groups(spec, self.span_size, len(self.q_tiles))
         # [K^T; 1] per (batch element, group), built by its first item, in
         # parallel and while K is in cache (_keys).
         self.keys: list[Any] = [None] * (Bf * len(self.groups))
@@ -1193,7 +1209,7 @@ class _Forward:
         """The spans of one query tile with every row's reference at 0."""
         nk, G = item.nk, self.G
         keys, values = self._keys(item.b, g), self.v3[item.b, item.kv_slice]  # (nk, H, S), (nk, S, Hv)
-        s_flat = np.empty(nk * qa.shape[1] * self.block_k, dtype=self.dtype)  # one span's scores, reused
+        s_flat = np.empty(nk * self.span_size, dtype=self.dtype)  # one span's scores, reused
         for plan in self.plans[item.b][qi]:
             for span in plan:
                 r, (c0, c1) = _rows(span, q0, G), span[2:4]
@@ -1215,7 +1231,7 @@ class _Forward:
         q_norms = _position_major(self.q_norms3[item.b, item.head_slice, q0 : q0 + rows // G], nk) * self.norm_scale
         keys, values = self._keys(item.b, g), self.v3[item.b, item.kv_slice]  # (nk, H+1, S), (nk, S, Hv)
         k_norm_max = self.k_norm_max[item.b][g]  # read only when upper
-        s_flat = np.empty(nk * rows * self.block_k, dtype=dtype)  # one span's scores, reused
+        s_flat = np.empty(nk * self.span_size, dtype=dtype)  # one span's scores, reused
         # Python scalars for the cheap form of the bounds below: max_i |scale q_i|,
         # min_i and max_i of m over all rows (unset rows keep m = 0, which only
         # widens them), and whether any row is unset (refreshed when m moves).
@@ -1408,7 +1424,8 @@ def backward(
     dk_factor = dtype.type(spec.scale if keys_scaled else spec.scale / float(base_scale))
     one = dtype.type(1)
     fold_D = mode.base2 and spec.dropout_p == 0
-    groups = _kv_groups(spec, G * block_q * block_k, 1)  # an item: (batch element, group of kv heads), every query
+    span_size = G * _largest_span(plans_by_batch)  # one kv head's largest span of scores
+    groups = _kv_groups(spec, span_size, 1)  # an item: (batch element, group of kv heads), every query
     # Each item writes the slope gradients of its own heads: summed in a fixed order.
     alibi_grads = None if spec.alibi_slopes is None else np.zeros((Bf, N), dtype=dtype)
     mod_grads: list[dict[str, Any]] = [{} for _ in range(Bf * len(groups))]  # per item, summed in item order below
@@ -1442,7 +1459,7 @@ def backward(
             for q0, q1 in q_tiles
         ]
         k_norm_max = _RangeMax(k_norms[b, kvs])  # read only when upper
-        s_flat = np.empty(nk * G * block_q * block_k, dtype=dtype)  # scores, then P, of one span
+        s_flat = np.empty(nk * span_size, dtype=dtype)  # scores, then P, of one span
         dp_flat = np.empty_like(s_flat)  # dP - D, then dS, of one span
         tanh_flat = None if spec.softcap is None else np.empty_like(s_flat)  # tanh(s / c) of one span
         dk_j, dv_j = np.empty((nk, block_k, H), dtype=dtype), np.empty((nk, block_k, Hv), dtype=dtype)

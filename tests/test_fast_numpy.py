@@ -205,6 +205,31 @@ def test_padded_keys_and_queries_are_neither_computed_nor_masked(monkeypatch):
         np.testing.assert_allclose(got, want, atol=1e-12, rtol=0, err_msg=name)
 
 
+def test_narrow_spans_group_kv_heads_by_their_own_size():
+    """A sliding window of 64 at T = S = 2048 cuts every 512-tile into spans
+    of 128 positions by 256 keys: an item then stacks all 4 kv heads (a
+    whole-tile span would take one), with the generic path's numbers."""
+    rng = np.random.default_rng(2)
+    q, k, v, dout = (rng.standard_normal((2, 4, 2048, 8)) for _ in range(4))
+    spec = make_spec(q, k, v, impl="chunked", window=(64, 0))
+    call = fast_numpy._Forward(spec, q, k, v)
+    assert fast_numpy._largest_span(call.plans) == 128 * 256
+    assert call.groups == [(0, 4)]
+    assert fast_numpy._Forward(make_spec(q, k, v, impl="chunked", causal=True), q, k, v).groups == [
+        (0, 1),
+        (1, 2),
+        (2, 3),
+        (3, 4),
+    ]
+    out, lse = fast_numpy.forward(spec, q, k, v)
+    grads = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)[:3]
+    out_g, lse_g = chunked.chunked_forward(spec, q, k, v)
+    grads_g = chunked.chunked_backward(spec, q, k, v, out_g, lse_g, dout, None)[:3]
+    np.testing.assert_allclose(lse, lse_g, atol=1e-12, rtol=0)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_g, *grads_g)):
+        np.testing.assert_allclose(got, want, atol=1e-12, rtol=0, err_msg=name)
+
+
 def test_a_causal_diagonal_tile_computes_ten_sixteenths_of_its_area():
     x = np.zeros((1, 1, 512, 4), dtype=np.float32)
     spec = make_spec(x, x, x, causal=True, impl="chunked")
