@@ -628,7 +628,7 @@ def plan_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> list[t
     return spans
 
 
-def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list[list[tuple]]]:
+def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list, masks: dict | None = None) -> list[list[list[tuple]]]:
     """``plans[i][j]``: :func:`plan_tile` of query tile ``i`` and key tile ``j``,
     made once per call and shared by every (batch element, kv head) item
     (per batch element with lengths or segment ids, see :func:`_batch_plans`).
@@ -638,12 +638,28 @@ def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list[list[
     segment ids or one id throughout the range),
     ``hidden`` is the ``(R, j1 - j0)`` boolean of entries to hide, built here
     once rather than per item; otherwise None, and each item builds its own.
+    Causal/window visibility depends on ``j - (i + offset)`` alone: ranges of
+    the same shape at the same distance from the diagonal share one mask,
+    read-only (every causal diagonal, every window's edge), kept in
+    ``masks`` (a dict the caller may share between calls of one spec's
+    elements, :func:`_batch_plans`).
     """
     index_rules_only = not spec.has_user_mask and spec.q_lengths is None and spec.kv_lengths is None
     # Where the segment ids are one and the same throughout a range (inside a
     # packed document), the range's visibility is causal/window's alone.
     positions_only = dataclasses.replace(spec, q_segment_ids=None, kv_segment_ids=None, segment_host=None)
     G = spec.group_size
+    masks_by_shape: dict[tuple[int, int, int], Any] = {} if masks is None else masks
+
+    def rows_hidden_of(p0: int, p1: int, j0: int, j1: int) -> Any:
+        key = (j0 - p0 - int(positions_only.q_offset), p1 - p0, j1 - j0)  # index rules only: one offset
+        found = masks_by_shape.get(key)
+        if found is None:
+            visible = visible_tile(positions_only, p0, p1, j0, j1)  # (tq, tk)
+            assert visible is not None, "a hidden range comes from an index rule, so visibility is set"
+            found = _position_major(np.broadcast_to(~visible, (G, p1 - p0, j1 - j0)))  # (tq*G, tk)
+            masks_by_shape[key] = found
+        return found
 
     def with_masks(span):
         p0, p1, c0, c1, hidden = span
@@ -651,9 +667,7 @@ def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list[list[
         for j0, j1 in hidden:
             rows_hidden = None
             if index_rules_only and segments_hide_nothing(spec, p0, p1, j0, j1):
-                visible = visible_tile(positions_only, p0, p1, j0, j1)  # (tq, tk)
-                assert visible is not None, "a hidden range comes from an index rule, so visibility is set"
-                rows_hidden = _position_major(np.broadcast_to(~visible, (G, p1 - p0, j1 - j0)))  # (tq*G, tk)
+                rows_hidden = rows_hidden_of(p0, p1, j0, j1)
             masks.append((j0, j1, rows_hidden))
         return (p0, p1, c0, c1, tuple(masks))
 
@@ -684,6 +698,7 @@ def _batch_plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list
     kv_lens = np.full(Bf, S) if spec.kv_lengths is None else np.reshape(spec.kv_lengths, (Bf,))
     offsets = np.reshape(np.broadcast_to(np.asarray(spec.q_offset), spec.batch_shape), (Bf,))
     by_element: dict[tuple, list] = {}
+    masks: dict = {}  # shared by the elements' plans: see _plans
     plans = []
     for b, (q_len, kv_len, offset) in enumerate(zip(q_lens.tolist(), kv_lens.tolist(), offsets.tolist())):
         ids = () if segments is None else (segments.q[b].tobytes(), segments.kv[b].tobytes())
@@ -704,7 +719,7 @@ def _batch_plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list
             )
             cut_q = [(q0, min(q1, q_len)) for q0, q1 in q_tiles]  # empty past q_len: no spans
             cut_k = [(k0, min(k1, kv_len)) for k0, k1 in k_tiles]
-            found = by_element[key] = _plans(element, cut_q, cut_k)
+            found = by_element[key] = _plans(element, cut_q, cut_k, masks)
         plans.append(found)
     return plans
 

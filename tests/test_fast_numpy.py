@@ -241,6 +241,20 @@ def test_a_causal_diagonal_tile_computes_ten_sixteenths_of_its_area():
     assert [hidden for *_, hidden in spans] == [((128 * i, 128 * i + 128),) for i in range(4)]  # the diagonal blocks
 
 
+def test_diagonal_blocks_of_the_same_shape_share_one_read_only_mask():
+    """Causal visibility depends on ``j - i`` alone: the 16 diagonal 128-blocks
+    of T = S = 2048 (4 per 512-tile) are planned with one mask, the one a
+    block builds on its own."""
+    x = np.zeros((1, 2, 2048, 4), dtype=np.float32)
+    spec = make_spec(x, x, x, causal=True, impl="chunked")
+    plans = fast_numpy._plans(spec, tile_ranges(2048, 512), tile_ranges(2048, 512))
+    masks = [m for row in plans for plan in row for *_, hidden in plan for _, _, m in hidden]
+    assert len(masks) == 16 and all(m is masks[0] for m in masks)
+    expected = fast_numpy._plans(spec, [(0, 128)], [(0, 128)])[0][0][0][4][0][2]
+    np.testing.assert_array_equal(masks[0], expected)
+    assert expected.any() and not expected.all()
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_results_are_bit_identical_whatever_the_thread_count(monkeypatch, dtype):
     # Tiles of 2 heads x 256 rows by 64 columns: large enough for BLAS to use
