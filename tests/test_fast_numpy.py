@@ -167,6 +167,35 @@ def test_batch_plans_cover_each_elements_visible_entries_once_and_mask_only_its_
         assert np.all(visible[unmasked]), "an entry left unmasked is hidden from this element"
 
 
+def _count_computed_scores(monkeypatch):
+    """A list that records the entries of every span whose scores the fast
+    path computes (:meth:`npattn.fast_numpy._Item.scores`), from now on."""
+    computed = []
+    real_scores = fast_numpy._Item.scores
+
+    def counting_scores(self, out, qa, kTa, span, **kwargs):
+        computed.append(out.size)
+        return real_scores(self, out, qa, kTa, span, **kwargs)
+
+    monkeypatch.setattr(fast_numpy._Item, "scores", counting_scores)
+    return computed
+
+
+def _assert_fast_equals_generic(spec, q, k, v, dout, forward=None):
+    """The fast path's forward (or its ``(out, lse)`` given as ``forward``) and
+    backward against the generic chunked path, in float64: the same fully
+    masked rows, and lse, out, dq, dk and dv to 1e-12."""
+    out, lse = fast_numpy.forward(spec, q, k, v) if forward is None else forward
+    grads = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)[:3]
+    out_g, lse_g = chunked.chunked_forward(spec, q, k, v)
+    grads_g = chunked.chunked_backward(spec, q, k, v, out_g, lse_g, dout, None)[:3]
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_g))
+    finite = np.isfinite(lse_g)
+    np.testing.assert_allclose(lse[finite], lse_g[finite], atol=1e-12, rtol=0)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_g, *grads_g)):
+        np.testing.assert_allclose(got, want, atol=1e-12, rtol=0, err_msg=name)
+
+
 def test_padded_keys_and_queries_are_neither_computed_nor_masked(monkeypatch):
     """Padding by ``kv_lengths`` and ``q_lengths`` alone, default tiles: each
     element's spans cover exactly its ``q_len x kv_len`` and need no mask,
@@ -194,15 +223,8 @@ def test_padded_keys_and_queries_are_neither_computed_nor_masked(monkeypatch):
     monkeypatch.setattr(fast_numpy._Item, "scores", counting_scores)
     out, lse = fast_numpy.forward(spec, q, k, v)
     assert sum(computed) == 2 * sum(areas)  # two heads
-    grads = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)[:3]
-    out_g, lse_g = chunked.chunked_forward(spec, q, k, v)
-    grads_g = chunked.chunked_backward(spec, q, k, v, out_g, lse_g, dout, None)[:3]
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_g))
     assert np.all(np.isneginf(lse[3])) and np.all(np.isneginf(lse[1, :, 300:])), "padded rows stay masked"
-    finite = np.isfinite(lse_g)
-    np.testing.assert_allclose(lse[finite], lse_g[finite], atol=1e-12, rtol=0)
-    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_g, *grads_g)):
-        np.testing.assert_allclose(got, want, atol=1e-12, rtol=0, err_msg=name)
+    _assert_fast_equals_generic(spec, q, k, v, dout, forward=(out, lse))
 
 
 def test_narrow_spans_group_kv_heads_by_their_own_size():
@@ -221,13 +243,7 @@ def test_narrow_spans_group_kv_heads_by_their_own_size():
         (2, 3),
         (3, 4),
     ]
-    out, lse = fast_numpy.forward(spec, q, k, v)
-    grads = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)[:3]
-    out_g, lse_g = chunked.chunked_forward(spec, q, k, v)
-    grads_g = chunked.chunked_backward(spec, q, k, v, out_g, lse_g, dout, None)[:3]
-    np.testing.assert_allclose(lse, lse_g, atol=1e-12, rtol=0)
-    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_g, *grads_g)):
-        np.testing.assert_allclose(got, want, atol=1e-12, rtol=0, err_msg=name)
+    _assert_fast_equals_generic(spec, q, k, v, dout)
 
 
 def test_a_causal_diagonal_tile_computes_ten_sixteenths_of_its_area():
@@ -761,16 +777,7 @@ def test_default_tiles_and_spans_equal_the_generic_path(case):
     spec = make_spec(q, k, v, impl="chunked", **options)
     plans = fast_numpy._plans(spec, tile_ranges(T, 512), tile_ranges(S, 512))
     assert any(len(plan) > 1 for row in plans for plan in row), "no tile was cut into spans"
-    out, lse = fast_numpy.forward(spec, q, k, v)
-    out_g, lse_g = chunked.chunked_forward(spec, q, k, v)
-    dout = rng.standard_normal(out.shape)
-    grads = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)[:3]
-    grads_g = chunked.chunked_backward(spec, q, k, v, out_g, lse_g, dout, None)[:3]
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_g))
-    finite = np.isfinite(lse_g)
-    np.testing.assert_allclose(lse[finite], lse_g[finite], atol=1e-12, rtol=0)
-    for got, want in zip((out, *grads), (out_g, *grads_g)):
-        np.testing.assert_allclose(got, want, atol=1e-12, rtol=0)
+    _assert_fast_equals_generic(spec, q, k, v, rng.standard_normal((2, 4, T, 4)))  # dout: (B, N, T, Hv)
 
 
 # --- score-pipeline variants: softcap, ALiBi, sinks, segment ids ----------------------------
@@ -1127,14 +1134,9 @@ def test_batch_elements_packed_differently_each_skip_their_own_cross_document_ti
         return real_scores(self, out, qa, kTa, span, **kwargs)
 
     monkeypatch.setattr(fast_numpy._Item, "scores", counting_scores)
-    out, lse = fast_numpy.forward(spec, q, k, v)
+    forward = fast_numpy.forward(spec, q, k, v)
     assert sum(computed) == 2 * sum(areas)  # two heads
-    grads = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)[:3]
-    out_g, lse_g = chunked.chunked_forward(spec, q, k, v)
-    grads_g = chunked.chunked_backward(spec, q, k, v, out_g, lse_g, dout, None)[:3]
-    np.testing.assert_allclose(lse, lse_g, atol=1e-12, rtol=0)
-    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_g, *grads_g)):
-        np.testing.assert_allclose(got, want, atol=1e-12, rtol=0, err_msg=name)
+    _assert_fast_equals_generic(spec, q, k, v, dout, forward)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
