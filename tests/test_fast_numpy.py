@@ -360,31 +360,32 @@ def test_an_exception_in_one_item_is_raised_after_the_others_finish(monkeypatch)
     assert _blas_threads() == _blas_threads()  # the limit was released (no deadlock on the lock)
 
 
-@pytest.mark.parametrize(
-    "spare, env, expected",
-    [(False, None, 2), (True, None, 3), (True, "2", 2)],
-    ids=["backward", "forward: one spare", "forward, NPATTN_NUM_THREADS=2: no spare"],
-)
-def test_items_in_flight_at_once(monkeypatch, spare, env, expected):
-    monkeypatch.setattr(fast_numpy, "num_threads", lambda: 2)  # a 2-CPU machine
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    if env is None:
-        monkeypatch.delenv("NPATTN_NUM_THREADS", raising=False)
-    else:
-        monkeypatch.setenv("NPATTN_NUM_THREADS", env)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_items_in_flight_at_once_and_the_calling_thread_takes_part(monkeypatch, threads):
+    monkeypatch.setattr(fast_numpy, "num_threads", lambda: threads)
     fast_numpy._pool(4)  # a pool larger than this call may use, as after an earlier call
-    lock, running, most = threading.Lock(), [0], [0]
+    lock, running, most, workers = threading.Lock(), [0], [0], set()
 
     def work(item):
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
+            workers.add(threading.get_ident())
         time.sleep(0.05)  # lets every thread that may run pick an item meanwhile
         with lock:
             running[0] -= 1
 
-    fast_numpy._run(list(range(12)), work, spare_thread=spare)
-    assert most[0] == expected
+    fast_numpy._run(list(range(12)), work)
+    assert most[0] == threads
+    assert len(workers) == threads
+    assert threading.get_ident() in workers
+
+
+def test_one_thread_runs_the_items_in_order_here(monkeypatch):
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "1")
+    seen = []
+    fast_numpy._run(list(range(6)), lambda item: seen.append((item, threading.get_ident())))
+    assert seen == [(item, threading.get_ident()) for item in range(6)]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

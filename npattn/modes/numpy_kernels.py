@@ -228,7 +228,6 @@ def forward_jvp(spec: AttentionSpec, q: Any, k: Any, v: Any, dots: tuple) -> tup
     _run(
         [(b, kv, qi) for qi in range(len(call.q_tiles)) for b in range(Bf) for kv in range(K) if G],
         work,
-        spare_thread=True,
     )
     bs = spec.batch_shape
     return (
@@ -277,7 +276,6 @@ def tangent_rows(spec: AttentionSpec, res: Any, dots: tuple, lse_safe: Any) -> t
     _run(
         [(b, kv, qi) for qi in range(len(call.q_tiles)) for b in range(Bf) for kv in range(K) if G],
         work,
-        spare_thread=True,
     )
     return out_dot.reshape(spec.batch_shape + (N, T, Hv)), lse_dot.reshape(spec.batch_shape + (N, T))
 
