@@ -575,6 +575,36 @@ def _kv_groups(spec: AttentionSpec, span_scores: int, tiles: int) -> list[tuple[
     return [(kv0, min(kv0 + nk, K)) for kv0 in range(0, K, nk)]
 
 
+def _batch_as_heads(spec: AttentionSpec) -> AttentionSpec | None:
+    """``spec`` with its batch axes folded into the heads, ``(B, N) -> (B*N,)``
+    and ``(B, K) -> (B*K,)``, where nothing in it tells batch elements or
+    heads apart: no mask, bias, lengths, segment ids, ALiBi, score
+    modifications or dropout (causal/window and the softcap are the same for
+    every head). Query head ``b N + n`` then reads kv head
+    ``(b N + n) // G = b K + n // G``, as before, and one item may stack
+    the kv heads of several batch elements (:func:`_kv_groups`): at B=64,
+    N=8, T=S=32, 8-head items spent their time handing the GIL between
+    threads, and the pool took 2x one thread's time. None where there is
+    nothing to fold (one batch element) or something to tell apart."""
+    per_element_or_head = (
+        spec.mask is not None
+        or spec.bias is not None
+        or spec.q_lengths is not None
+        or spec.kv_lengths is not None
+        or spec.has_segments
+        or spec.alibi_slopes is not None
+        or bool(spec.score_mods)
+        or spec.mask_mod is not None
+        or spec.block_mask is not None
+        or bool(spec.dropout_p)
+    )
+    if spec.num_batch <= 1 or per_element_or_head:
+        return None
+    return spec.replace(
+        batch_shape=(), num_heads=spec.num_batch * spec.num_heads, num_kv_heads=spec.num_batch * spec.num_kv_heads
+    )
+
+
 # --- tile plans -------------------------------------------------------------------------
 
 #: Partly visible tiles are planned in sub-blocks of this many query
@@ -1075,6 +1105,11 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     ``O = acc / l`` and ``lse = m + log l``, all in the scores' base (2 when
     fused, with ``lse`` converted to nats).
     """
+    folded = _batch_as_heads(spec)
+    if folded is not None:
+        out, lse = forward(folded, q, k, v)  # (B*N, T, Hv), (B*N, T)
+        N, T = spec.num_heads, spec.q_len
+        return out.reshape(spec.batch_shape + (N, T, spec.value_dim)), lse.reshape(spec.batch_shape + (N, T))
     call = _Forward(spec, q, k, v)
     # Costliest (batch element, query tile) first, so that no thread is left with a long one at the end.
     cost = {
@@ -1412,6 +1447,10 @@ def backward(
     With dropout, ``dP`` is scaled by ``keep / (1 - p)`` before ``D`` is
     subtracted.
     """
+    folded = _batch_as_heads(spec)
+    if folded is not None:
+        dq, dk, dv, _, params = backward(folded, q, k, v, out, lse, dout, dlse)  # (B*N|B*K, ...): no dbias
+        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None, params
     dtype = spec.compute_dtype
     Bf, N, K, G = spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.group_size
     T, S, H, Hv = spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim

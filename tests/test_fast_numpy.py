@@ -196,6 +196,57 @@ def _assert_fast_equals_generic(spec, q, k, v, dout, forward=None):
         np.testing.assert_allclose(got, want, atol=1e-12, rtol=0, err_msg=name)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"causal": True}, {"window": (5, 2)}, {"softcap": 3.0}, {"causal": True, "softcap": 3.0}],
+    ids=["full", "causal", "window", "softcap", "causal+softcap"],
+)
+def test_batch_elements_fold_into_heads_where_nothing_tells_them_apart(monkeypatch, options):
+    """Batch (2, 3), 8 query heads on 4 kv heads, T=S=24: the forward and
+    backward run as the 24 kv heads of one element, in items of 3 kv heads
+    (:func:`npattn.fast_numpy._kv_groups` keeps 8 items), some of which
+    stack the heads of two elements, and give the generic path's numbers in
+    float64."""
+    rng = np.random.default_rng(3)
+    q, dout = (rng.standard_normal((2, 3, 8, 24, 8)) for _ in range(2))
+    k, v = (rng.standard_normal((2, 3, 4, 24, 8)) for _ in range(2))
+    spec = make_spec(q, k, v, impl="chunked", **options)
+    folded = fast_numpy._batch_as_heads(spec)
+    assert (folded.batch_shape, folded.num_heads, folded.num_kv_heads) == ((), 48, 24)
+    groups = []
+    real_item = fast_numpy._Item
+
+    def noting_groups(spec_, b, kv_heads, mode):
+        groups.append((spec_.batch_shape, b, kv_heads))
+        return real_item(spec_, b, kv_heads, mode)
+
+    monkeypatch.setattr(fast_numpy, "_Item", noting_groups)
+    _assert_fast_equals_generic(spec, q, k, v, dout)
+    assert groups and all(shape == () and b == 0 for shape, b, _ in groups)
+    assert {kv1 - kv0 for _, _, (kv0, kv1) in groups} == {3}
+    assert any(kv0 // 4 != (kv1 - 1) // 4 for _, _, (kv0, kv1) in groups)  # heads of two batch elements
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"mask": np.ones((24, 24), dtype=bool)},
+        {"bias": np.zeros((24, 24))},
+        {"kv_lengths": np.array([[24, 20, 9], [1, 24, 24]])},
+        {"q_segment_ids": np.zeros((2, 3, 24), dtype=int), "kv_segment_ids": np.zeros((2, 3, 24), dtype=int)},
+        {"alibi_slopes": np.ones(4)},
+        {"dropout_p": 0.1, "seed": 0},
+        {"score_mods": [npattn.head_temperature(np.ones(4))]},
+    ],
+    ids=["mask", "bias", "kv_lengths", "segments", "alibi", "dropout", "score_mods"],
+)
+def test_batch_elements_stay_apart_where_an_option_tells_them_apart(options):
+    q = np.zeros((2, 3, 4, 24, 8))
+    k = np.zeros((2, 3, 2, 24, 8))
+    assert fast_numpy._batch_as_heads(make_spec(q, k, k, impl="chunked", **options)) is None
+    assert fast_numpy._batch_as_heads(make_spec(q[0, 0], k[0, 0], k[0, 0], impl="chunked")) is None  # one element
+
+
 def test_padded_keys_and_queries_are_neither_computed_nor_masked(monkeypatch):
     """Padding by ``kv_lengths`` and ``q_lengths`` alone, default tiles: each
     element's spans cover exactly its ``q_len x kv_len`` and need no mask,
