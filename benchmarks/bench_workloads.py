@@ -436,9 +436,9 @@ def auto_grid_shapes(quick: bool) -> list[tuple[int, int]]:
     return grid + [(1, 724), (2, 512), (16, 181)]
 
 
-#: The index rules of the auto grid's second table: those
-#: :data:`~npattn.options.AUTO_FAST_CUT_MIN_SCORES` covers, and
-#: ``kv_lengths`` alone, which it does not.
+#: The index rules of the auto grid's second table: causal/window, lengths
+#: and segment ids, which the fast path's plans cut or skip, against the
+#: same :data:`~npattn.options.AUTO_FAST_MIN_SCORES` as full attention.
 CUT_RULES = ("causal", "window", "kv_lengths", "segments", "causal+kv_lengths")
 
 

@@ -18,8 +18,8 @@ from .dense import dense_backward, dense_forward
 from .namespace import resolve_namespace
 from .options import (
     AUTO_CHUNKED_MIN_SCORES,
-    AUTO_FAST_CUT_MIN_SCORES,
     AUTO_FAST_MIN_SCORES,
+    AUTO_FAST_SINGLE_HEAD_MIN_SCORES,
     AttentionSpec,
     make_spec,
     plain_key,
@@ -198,10 +198,9 @@ def attention_forward(
         ``npattn.options.AUTO_CHUNKED_MIN_SCORES`` (2**24) entries, and on
         NumPy (float32/float64, where the chunked path is the fast path of
         :mod:`npattn.fast_numpy`) also once they reach
-        ``npattn.options.AUTO_FAST_MIN_SCORES`` (2**22), or
-        ``npattn.options.AUTO_FAST_CUT_MIN_SCORES`` (2**21) where causal,
-        window or segment ids hide keys, from where that path is the
-        faster. Pass ``"dense"`` to get ``probs`` back.
+        ``npattn.options.AUTO_FAST_MIN_SCORES`` (2**21; 2**22 with ALiBi or
+        score modifications), from where that path is the faster. Pass
+        ``"dense"`` to get ``probs`` back.
     block_q, block_k : int, optional
         Tile sizes of the chunked path; given ones always win. Defaults
         (:func:`npattn.chunked.default_blocks`): the NumPy fast path picks
@@ -435,8 +434,7 @@ def plain_call_spec(q: Any, k: Any, v: Any, causal: bool = False) -> AttentionSp
     """:func:`~npattn.options.plain_spec` for a call with every option at
     its default but ``causal``, with the path chosen (:func:`choose_impl`)
     where the sizes alone choose it: dense, below
-    :data:`~npattn.options.AUTO_FAST_MIN_SCORES` scores (2**21 with
-    ``causal``). Looked up by the arrays' dtypes and shapes and ``causal``,
+    :data:`~npattn.options.AUTO_FAST_MIN_SCORES` scores. Looked up by the arrays' dtypes and shapes and ``causal``,
     so a repeated small call (a decode step, a training step) skips both
     (1 µs against 7, or 17 with ``causal``: the per-call floor). A larger call's path is chosen per
     call, since ``NPATTN_FAST_NUMPY`` may change between calls. A causal
@@ -477,9 +475,10 @@ def _scores(spec: AttentionSpec) -> int:
 
 
 def _fast_min_scores(spec: AttentionSpec) -> int:
-    """Scores from which ``"auto"`` takes the NumPy fast path: fewer where
-    causal/window or segment ids hide regions, whose tiles that path skips."""
-    return AUTO_FAST_CUT_MIN_SCORES if spec.hides_regions else AUTO_FAST_MIN_SCORES
+    """Scores from which ``"auto"`` takes the NumPy fast path: more with
+    ALiBi or score modifications, whose items hold one kv head each."""
+    single_head = spec.alibi_slopes is not None or bool(spec.score_mods)
+    return AUTO_FAST_SINGLE_HEAD_MIN_SCORES if single_head else AUTO_FAST_MIN_SCORES
 
 
 def choose_impl(spec: AttentionSpec) -> AttentionSpec:
@@ -490,8 +489,8 @@ def choose_impl(spec: AttentionSpec) -> AttentionSpec:
     than :data:`~npattn.options.AUTO_CHUNKED_MIN_SCORES` entries, or where the
     NumPy fast path takes the inputs and they reach
     :data:`~npattn.options.AUTO_FAST_MIN_SCORES` (or
-    :data:`~npattn.options.AUTO_FAST_CUT_MIN_SCORES` where causal/window or
-    segment ids hide keys); dense otherwise.
+    :data:`~npattn.options.AUTO_FAST_SINGLE_HEAD_MIN_SCORES` with ALiBi or
+    score modifications); dense otherwise.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec

@@ -241,7 +241,7 @@ def _merge_heads(xp, o):
 
 #: The layer's ``impl="auto"`` runs its attention on the dense path below
 #: this many scores ``B*N*T*S``, where attention's own rule
-#: (:data:`~npattn.options.AUTO_FAST_MIN_SCORES`, 2**22) would take the NumPy
+#: (:data:`~npattn.options.AUTO_FAST_MIN_SCORES`, 2**21) would take the NumPy
 #: fast path. The layer's projections run on BLAS's threads, and OpenBLAS's
 #: idle threads spin for about 0.1 s after each product, taking a core from
 #: the fast path's pool, and its items copy row blocks out of the split
@@ -256,7 +256,7 @@ def _layer_impl(impl: Any, q: Any, k: Any) -> Any:
     """The ``impl`` the layer passes to :func:`npattn.attention_forward` for
     heads ``q (B, N, T, H)`` and ``k (B, K, S, H)``: ``"dense"`` for
     ``"auto"`` below :data:`LAYER_FAST_MIN_SCORES` scores (attention's own
-    ``"auto"`` is dense there too, but for the NumPy fast path from 2**22),
+    ``"auto"`` is dense there too, but for the NumPy fast path from 2**21),
     anything else unchanged (and checked by the core)."""
     if not (isinstance(impl, str) and impl == "auto"):
         return impl

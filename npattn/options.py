@@ -35,33 +35,36 @@ AUTO_CHUNKED_MIN_SCORES = 2**24
 
 #: Where the chunked path runs the NumPy fast path (:mod:`npattn.fast_numpy`),
 #: ``impl="auto"`` also picks it once the dense score tensor would hold at
-#: least this many entries, all batch elements and heads together (16 MiB in
+#: least this many entries, all batch elements and heads together (8 MiB in
 #: float32): from there its blocked, threaded items beat the dense path's
-#: whole-tensor passes. Measured on 2 cores, N=8, H=64, float32, each side
-#: in a loop of its own calls, interleaved in one process (chunked / dense
-#: time; ``benchmarks/bench_workloads.py --auto-grid``): at 2**22 the
-#: forward takes 0.47-0.87 (B=32 T=S=128, B=8 T=256, B=2 T=512, B=1
-#: T=724, B=16 T=181) and forward+backward 0.66-1.07 over two runs; below
-#: it the forward no longer wins everywhere (0.81-1.98 from 2**17 to 2**21)
-#: and forward+backward loses at most shapes (0.79-2.39). The multi-head
-#: layer starts later (:data:`npattn.mha.LAYER_FAST_MIN_SCORES`). See
-#: ``docs/performance.rst``.
-AUTO_FAST_MIN_SCORES = 2**22
+#: whole-tensor passes, with or without causal/window, lengths or segment
+#: ids. Measured on 2 cores, N=8, H=64, float32, each side in a loop of its
+#: own calls, interleaved in one process (chunked / dense time;
+#: ``benchmarks/bench_workloads.py --auto-grid``), in a process whose
+#: allocator returned freed arrays to the system (the dense path's arrays
+#: then fault their pages in on every call) and in one whose allocator kept
+#: them (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``): at 2**21,
+#: full attention (B=1 T=S=512, B=4 T=256) forward 0.58-0.76 and
+#: forward+backward 0.50-1.03; causal, window, segment ids, kv_lengths and
+#: causal with kv_lengths (B=16 T=128, B=4 T=256, B=1 T=512) forward
+#: 0.23-0.82 and forward+backward 0.47-1.01. At 2**20 the forward still wins
+#: (0.56-0.88) but forward+backward does not everywhere (0.72-1.14), and at
+#: 2**19 neither does (full: 0.91-1.11 and 0.75-1.31). A bool mask, a bias,
+#: the softcap, dropout and sinks at 2**21 (B=4 T=256, B=1 T=512, one run):
+#: forward 0.30-0.72, forward+backward 0.31-0.90. ALiBi and score
+#: modifications start later (:data:`AUTO_FAST_SINGLE_HEAD_MIN_SCORES`), and
+#: so does the multi-head layer (:data:`npattn.mha.LAYER_FAST_MIN_SCORES`).
+#: See ``docs/performance.rst``.
+AUTO_FAST_MIN_SCORES = 2**21
 
-#: :data:`AUTO_FAST_MIN_SCORES` for a call whose keys causal/window or
-#: segment ids hide (``AttentionSpec.hides_regions``): the fast path skips
-#: the tiles they hide, where the dense path computes the whole square and
-#: masks it in extra passes. Measured as above
-#: (``benchmarks/bench_workloads.py --auto-grid``, its rules' table), at
-#: 2**21 (B=16 T=128, B=4 T=256, B=1 T=512) over causal, window, segment
-#: ids and causal with kv_lengths: forward 0.28-0.92 of the dense path's
-#: time; forward+backward 0.47-0.99 in a fresh process (where the dense
-#: path's arrays fault their pages in on every call) and 0.60-1.15 in one
-#: whose allocator keeps freed arrays (after larger ones). At 2**20
-#: forward+backward mostly loses (0.66-1.46). ``kv_lengths`` alone hides
-#: too little to gain in both (forward+backward 0.63-0.85 fresh, 1.18-1.30
-#: otherwise) and keeps the full rule, as do block masks, unmeasured.
-AUTO_FAST_CUT_MIN_SCORES = 2**21
+#: :data:`AUTO_FAST_MIN_SCORES` for calls with ALiBi or score
+#: modifications, whose fast-path items hold one kv head each
+#: (:func:`npattn.fast_numpy._kv_groups`), so that short sequences make many
+#: small items. Measured as above, one run: at 2**21 the forward takes
+#: 1.22-2.67 of the dense path's time (B=4 T=256, B=16 T=128) but 0.45 at
+#: B=1 T=512; at 2**22 (B=8 T=256, B=2 T=512) forward 0.38-1.01 and
+#: forward+backward 0.42-0.89.
+AUTO_FAST_SINGLE_HEAD_MIN_SCORES = 2**22
 
 #: Tile sizes of the generic chunked path on the CPU (array-api-strict on any
 #: device, torch CPU tensors) when ``block_q``/``block_k`` are None. On an
@@ -224,13 +227,6 @@ class AttentionSpec:
         segment ids, a block mask's mask_mod) hides some keys: such tiles can
         be classified and cut."""
         return self.has_positional_mask or self.has_segments or self.block_mask is not None
-
-    @property
-    def hides_regions(self) -> bool:
-        """Whether causal/window or segment ids hide keys: a triangle, a band
-        or blocks of every head's square, which tiles can skip (lengths hide
-        only its ends)."""
-        return self.window_left is not None or self.window_right is not None or self.has_segments
 
     @property
     def has_user_mask(self) -> bool:

@@ -96,7 +96,7 @@ def test_validation_imports_no_kernel_and_the_layer_parts_import_one_way():
 
 
 def test_make_spec_validates_only_and_choose_impl_picks_the_path():
-    x = np.zeros((1, 8, 1024, 8))  # 8 * 1024 * 1024 scores >= 2**22: the NumPy fast path pays
+    x = np.zeros((1, 8, 1024, 8))  # 8 * 1024 * 1024 scores >= 2**21: the NumPy fast path pays
     spec = make_spec(x, x, x)
     assert spec.impl == "auto"
     chosen = choose_impl(spec)

@@ -39,7 +39,7 @@ from strategies import ALL_FEATURES, attention_cases
 import npattn
 import npattn.chunked as chunked
 from npattn.attention import choose_impl
-from npattn.options import AUTO_CHUNKED_MIN_SCORES, AUTO_FAST_CUT_MIN_SCORES, AUTO_FAST_MIN_SCORES, make_spec
+from npattn.options import AUTO_CHUNKED_MIN_SCORES, AUTO_FAST_MIN_SCORES, AUTO_FAST_SINGLE_HEAD_MIN_SCORES, make_spec
 from npattn.scores.sinks import apply_sinks, sinks_grad
 
 TOL = dict(rtol=1e-12, atol=1e-12)
@@ -567,51 +567,50 @@ def test_auto_switches_to_chunked_above_the_threshold(monkeypatch):
         assert choose_impl(make_spec(q, q, q)).impl == expected
 
 
-def test_auto_picks_the_numpy_fast_path_from_2_to_the_22_scores_in_total(monkeypatch):
-    def impl(T, S, dtype=np.float32, N=8, B=4):
+def test_auto_picks_the_numpy_fast_path_from_2_to_the_21_scores_in_total(monkeypatch):
+    def impl(T, S, dtype=np.float32, N=8, B=4, **options):
         q = np.broadcast_to(np.zeros((), dtype=dtype), (B, N, T, 4))  # no memory behind it
         k = np.broadcast_to(np.zeros((), dtype=dtype), (B, N, S, 4))
-        return choose_impl(make_spec(q, k, k)).impl
+        return choose_impl(make_spec(q, k, k, **options)).impl
 
-    assert AUTO_FAST_MIN_SCORES == 2**22
-    assert impl(512, 256) == impl(256, 512) == impl(512, 256, np.float64) == impl(512, 256, np.float16) == "chunked"
-    assert impl(128, 128, B=32) == "chunked"  # in total, not per head
-    assert impl(511, 256) == impl(4096, 1) == impl(2048, 2047, N=1, B=1) == "dense"
+    assert AUTO_FAST_MIN_SCORES == 2**21
+    assert impl(256, 256) == impl(512, 128) == impl(256, 256, np.float64) == impl(256, 256, np.float16) == "chunked"
+    assert impl(128, 128, B=16) == "chunked"  # in total, not per head
+    assert impl(255, 256) == impl(2048, 1) == impl(1448, 1448, N=1, B=1) == "dense"
+    ids = np.zeros((4, 256), dtype=np.int64)
+    for options in [
+        dict(causal=True),
+        dict(window=(8, 0)),
+        dict(kv_lengths=np.full(4, 9)),
+        dict(q_segment_ids=ids, kv_segment_ids=ids),
+        dict(mask=np.ones((256, 256), dtype=bool)),
+        dict(softcap=5.0),
+    ]:
+        assert impl(256, 256, **options) == "chunked", options
+        fewer = {**options, "kv_segment_ids": ids[:, :255]} if "kv_segment_ids" in options else options
+        fewer = {**fewer, "mask": np.ones((256, 255), dtype=bool)} if "mask" in options else fewer
+        assert impl(256, 255, align="top_left", **fewer) == "dense", options
     monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")
-    assert impl(512, 256) == "dense"
+    assert impl(256, 256) == impl(256, 256, causal=True) == "dense"
     xps = pytest.importorskip("array_api_strict")
     monkeypatch.delenv("NPATTN_FAST_NUMPY")
-    x = xps.zeros((16, 512, 4), dtype=xps.float32)  # 2**22 scores
+    x = xps.zeros((8, 512, 4), dtype=xps.float32)  # 2**21 scores
     assert choose_impl(make_spec(x, x, x)).impl == "dense"  # no fast path for other namespaces
 
 
-def test_auto_picks_the_fast_path_from_2_to_the_21_scores_where_an_index_rule_hides_keys(monkeypatch):
-    """Causal/window and segment ids: the fast path skips the tiles they
-    hide, so ``"auto"`` takes it from AUTO_FAST_CUT_MIN_SCORES; lengths
-    alone, a bool mask and full attention keep AUTO_FAST_MIN_SCORES."""
-    B, N, T = 4, 8, 256  # 2**21 scores
+def test_auto_picks_the_fast_path_from_2_to_the_22_scores_with_alibi_or_score_mods():
+    """ALiBi and score modifications run one kv head per fast-path item, so
+    ``"auto"`` takes that path from AUTO_FAST_SINGLE_HEAD_MIN_SCORES."""
 
     def impl(T, **options):
-        q = np.broadcast_to(np.zeros((), dtype=np.float32), (B, N, T, 4))  # no memory behind it
+        q = np.broadcast_to(np.zeros((), dtype=np.float32), (4, 8, T, 4))  # no memory behind it
         return choose_impl(make_spec(q, q, q, **options)).impl
 
-    def rules(T):
-        ids = np.zeros((B, T), dtype=np.int64)
-        yield from [dict(causal=True), dict(window=(8, 0)), dict(causal=True, kv_lengths=np.full(B, T // 2))]
-        yield dict(q_segment_ids=ids, kv_segment_ids=ids)
-
-    assert AUTO_FAST_CUT_MIN_SCORES == 2**21
-    for options in rules(T):
-        assert impl(T, **options) == "chunked", options
-    for options in rules(T - 1):
-        assert impl(T - 1, **options) == "dense", options
-    assert impl(T) == impl(T, mask=np.ones((T, T), dtype=bool)) == impl(T, kv_lengths=np.full(B, 9)) == "dense"
-    assert (
-        npattn.attention_forward(*(np.zeros((B, N, T, 4), dtype=np.float32),) * 3, causal=True)[1].spec.impl
-        == "chunked"
-    )
-    monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")
-    assert impl(T, causal=True) == "dense"
+    assert AUTO_FAST_SINGLE_HEAD_MIN_SCORES == 2**22
+    for options in [dict(alibi_slopes=np.ones(8)), dict(score_mods=[npattn.head_temperature(np.ones(8))])]:
+        assert impl(512, **options) == "chunked", options  # 2**23
+        assert impl(362, **options) == "dense", options  # just below 2**22
+        assert impl(256, causal=True, **options) == "dense", options  # 2**21
 
 
 def test_spec_replace_is_dataclasses_replace_without_init():

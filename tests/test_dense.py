@@ -384,8 +384,9 @@ def test_a_repeated_plain_call_looks_up_its_spec_with_the_path_chosen_by_size(mo
     small = plain_call_spec(x, x, x)
     assert small is plain_call_spec(x.copy(), x.copy(), x.copy())
     assert small.__dict__ == choose_impl(make_spec(x, x, x)).__dict__ and small.impl == "dense"
-    side = math.isqrt(AUTO_FAST_MIN_SCORES)  # T = S = side: exactly the threshold
-    big = np.zeros((1, 1, side, 1), dtype=np.float32)
+    side = math.isqrt(AUTO_FAST_MIN_SCORES // 2)  # N = 2, T = S = side: exactly the threshold
+    assert 2 * side * side == AUTO_FAST_MIN_SCORES
+    big = np.zeros((1, 2, side, 1), dtype=np.float32)
     assert plain_call_spec(big, big, big).impl == "auto"
     assert choose_impl(plain_call_spec(big, big, big)).impl == "chunked"
     monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")

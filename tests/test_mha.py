@@ -1131,11 +1131,11 @@ def test_score_mods_pass_through_the_layer_with_their_parameter_gradients(impl):
 def test_the_layers_auto_keeps_the_dense_path_below_its_own_threshold():
     """``impl="auto"`` in the layer is dense below LAYER_FAST_MIN_SCORES
     (2**23), where attention's own rule already takes the NumPy fast path
-    (from 2**22); from there, and for a forced impl, the core decides."""
+    (from 2**21); from there, and for a forced impl, the core decides."""
     from npattn.mha import LAYER_FAST_MIN_SCORES
     from npattn.options import AUTO_FAST_MIN_SCORES
 
-    assert LAYER_FAST_MIN_SCORES == 2**23 and AUTO_FAST_MIN_SCORES == 2**22
+    assert LAYER_FAST_MIN_SCORES == 2**23 and AUTO_FAST_MIN_SCORES == 2**21
     params = mha_init(16, 8, seed=0, dtype=np.float32)  # H = 2: small arrays, many scores
     rng = np.random.default_rng(0)
 
