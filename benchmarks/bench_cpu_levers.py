@@ -31,7 +31,7 @@ import numpy as np
 import threadpoolctl
 
 import npattn
-from npattn import fast_numpy
+from npattn import fast_numpy, threads
 
 
 def _best(fn, repeats: int) -> float:
@@ -60,12 +60,12 @@ def _env(**values):
 
 @contextlib.contextmanager
 def _blas_unlimited():
-    limit = fast_numpy._single_threaded_blas
-    fast_numpy._single_threaded_blas = contextlib.nullcontext
+    limit = threads.single_threaded_blas
+    threads.single_threaded_blas = contextlib.nullcontext
     try:
         yield
     finally:
-        fast_numpy._single_threaded_blas = limit
+        threads.single_threaded_blas = limit
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -138,7 +138,7 @@ the residuals remember that choice. It is optional: setting the environment
 variable ``NPATTN_FAST_NUMPY=0`` sends NumPy inputs through the generic Array
 API path, which the tests compare this one against. ``NPATTN_NUM_THREADS``
 (else ``OMP_NUM_THREADS``) sets how many items run at a time (default: the
-CPUs available, the calling thread among them, see :func:`_run`).
+CPUs available, the calling thread among them, see :mod:`npattn.threads`).
 """
 
 from __future__ import annotations
@@ -146,14 +146,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import array_api_compat
 import numpy as np
-from threadpoolctl import ThreadpoolController
 
 from . import dropout as _dropout
 from .chunked import tile_ranges
@@ -170,6 +166,7 @@ from .scores.pipeline import bias_tile, mods_keeping_masked, param_grads_from_he
 from .scores.softcap import softcap_backward_inplace, softcap_forward_inplace
 from .scores.tiles import diagonal_view, select_item
 from .scores.visibility import ALL, NONE, classify_tile, segments_hide_nothing, visible_tile
+from .threads import num_threads, run_items
 
 __all__ = ["supports", "forward", "backward", "num_threads", "FAST_BLOCKS"]
 
@@ -205,131 +202,6 @@ LOG2E = 1.4426950408889634
 #: one head's query positions at a time, in products of at most this many
 #: positions, the last positions first (see :func:`_add_row_products`).
 ROW_CHUNK = 128
-
-
-# --- the thread pool and the BLAS limit ------------------------------------------------
-
-_LOCK = threading.Lock()
-_POOL: ThreadPoolExecutor | None = None
-_POOL_SIZE = 0
-_BLAS_USERS = 0  # calls currently inside _single_threaded_blas
-_BLAS_LIMITER: Any = None
-_CONTROLLER: ThreadpoolController | None = None
-
-
-def _forget_pool_in_child() -> None:
-    """A forked child inherits the pool object but not its threads: start afresh."""
-    global _LOCK, _POOL, _POOL_SIZE, _BLAS_USERS, _BLAS_LIMITER
-    _LOCK = threading.Lock()
-    _POOL, _POOL_SIZE, _BLAS_USERS, _BLAS_LIMITER = None, 0, 0, None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_in_child)
-
-
-def num_threads() -> int:
-    """Pool size: ``NPATTN_NUM_THREADS``, else ``OMP_NUM_THREADS`` (the usual
-    way to cap threads per process, as under ``mpiexec``), else the number of
-    usable CPUs."""
-    requested = _requested_threads()
-    if requested is not None:
-        return requested
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def _requested_threads() -> int | None:
-    """The thread count set by ``NPATTN_NUM_THREADS`` or ``OMP_NUM_THREADS``, or None."""
-    for name in ("NPATTN_NUM_THREADS", "OMP_NUM_THREADS"):
-        env = os.environ.get(name, "").strip()
-        if env:
-            try:
-                return max(1, int(env.split(",")[0]))
-            except ValueError:
-                raise ValueError(f"{name} must be a positive integer, got {env!r}") from None
-    return None
-
-
-def _pool(size: int) -> ThreadPoolExecutor:
-    """The shared pool, with at least ``size`` threads (it only grows: each
-    call limits its own concurrency, see :func:`_run`)."""
-    global _POOL, _POOL_SIZE
-    with _LOCK:
-        if _POOL is None or size > _POOL_SIZE:
-            if _POOL is not None:
-                _POOL.shutdown(wait=False)
-            _POOL, _POOL_SIZE = ThreadPoolExecutor(max_workers=size, thread_name_prefix="npattn"), size
-        return _POOL
-
-
-@contextmanager
-def _single_threaded_blas():
-    """Limit BLAS to one thread while any call is running items on the pool.
-
-    The limit is process-wide, so concurrent calls share it: the first one in
-    sets it and the last one out restores what was there before.
-    """
-    global _BLAS_USERS, _BLAS_LIMITER, _CONTROLLER
-    with _LOCK:
-        if _BLAS_USERS == 0:
-            _CONTROLLER = _CONTROLLER or ThreadpoolController()
-            _BLAS_LIMITER = _CONTROLLER.limit(limits=1, user_api="blas")
-        _BLAS_USERS += 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            _BLAS_USERS -= 1
-            if _BLAS_USERS == 0:
-                _BLAS_LIMITER.restore_original_limits()
-                _BLAS_LIMITER = None
-
-
-def _run(items, work, *, parallel: bool = True) -> None:
-    """Run ``work(item)`` for every item, in order when there is one item
-    or thread (or not ``parallel``); else this thread and ``threads - 1`` of
-    the pool take the items one after another from a shared queue, with
-    single-threaded BLAS. If an item raises, no thread takes another, and
-    the first error re-raises here once the others are done.
-
-    This thread works rather than waits: one future per item, each held at
-    a semaphore, plus a spare pool thread to cover the waits for the GIL,
-    left three threads handing the GIL to one another on two cores, and took
-    1.07-1.3x this time on small items (2 cores, forward: B=16, N=12,
-    T=S=64 3.9 -> 3.6 ms; B=4, N=8, T=S=128 causal 2.8 -> 2.1 ms;
-    B=8, N=12, T=S=512 causal 41 -> 38 ms).
-    """
-    threads = min(num_threads(), len(items))
-    if not parallel or threads < 2:
-        for item in items:
-            work(item)
-        return
-    queue, lock, done = iter(items), threading.Lock(), object()
-    errors: list[BaseException] = []
-
-    def drain() -> None:
-        while not errors:
-            with lock:
-                item = next(queue, done)
-            if item is done:
-                return
-            try:
-                work(item)
-            except BaseException as error:  # re-raised in the caller's thread
-                errors.append(error)
-
-    pool = _pool(threads - 1)
-    with _single_threaded_blas():
-        helpers = [pool.submit(drain) for _ in range(threads - 1)]
-        drain()
-        for helper in helpers:
-            helper.cancel()  # not started: the queue is empty (or an item failed), nothing left to take
-        wait(helpers)
-    if errors:
-        raise errors[0]
 
 
 # --- shared pieces ----------------------------------------------------------------------
@@ -1120,7 +992,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     order = sorted(cost, key=lambda tile: -cost[tile])
     groups = range(len(call.groups))
     items = [(b, g, qi) for b, qi in order for g in groups if cost[b, qi] and spec.group_size]
-    _run(items, call.work)
+    run_items(items, call.work)
     for b, qi in (tile for tile in order if not cost[tile]):  # query tiles that see no key: fully masked rows (l = 0)
         q0, q1 = call.q_tiles[qi]
         call.out[b, :, q0:q1] = 0
@@ -1592,7 +1464,7 @@ def backward(
             alibi_grads[b, heads] = alibi_g / dtype.type(base)  # the distances carried the base
         mod_grads[b * len(groups) + g] = item.mod_grads
 
-    _run([(b, g) for b in range(Bf) for g in range(len(groups))], work, parallel=dbias is None)
+    run_items([(b, g) for b in range(Bf) for g in range(len(groups))], work, parallel=dbias is None)
     bs = spec.batch_shape
     grads = dq.reshape(bs + (N, T, H)), dk.reshape(bs + (K, S, H)), dv.reshape(bs + (K, S, Hv))
     alibi_total = None if alibi_grads is None else alibi_grads.reshape(bs + (N,))

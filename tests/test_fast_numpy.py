@@ -387,10 +387,10 @@ def test_concurrent_calls_restore_the_blas_thread_limit(monkeypatch):
         except Exception as err:  # pragma: no cover - reported below
             errors.append(err)
 
-    threads = [threading.Thread(target=call) for _ in range(3)]
-    for t in threads:
+    callers = [threading.Thread(target=call) for _ in range(3)]
+    for t in callers:
         t.start()
-    for t in threads:
+    for t in callers:
         t.join()
     assert not errors
     assert _blas_threads() == before
@@ -406,15 +406,15 @@ def test_an_exception_in_one_item_is_raised_after_the_others_finish(monkeypatch)
         finished.append(item)
 
     with pytest.raises(RuntimeError, match="item 3 failed"):
-        fast_numpy._run(list(range(8)), work)
+        npattn.threads.run_items(list(range(8)), work)
     assert 3 not in finished
     assert _blas_threads() == _blas_threads()  # the limit was released (no deadlock on the lock)
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_items_in_flight_at_once_and_the_calling_thread_takes_part(monkeypatch, threads):
-    monkeypatch.setattr(fast_numpy, "num_threads", lambda: threads)
-    fast_numpy._pool(4)  # a pool larger than this call may use, as after an earlier call
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_items_in_flight_at_once_and_the_calling_thread_takes_part(monkeypatch, count):
+    monkeypatch.setattr(npattn.threads, "num_threads", lambda: count)
+    npattn.threads.shared_pool(4)  # a pool larger than this call may use, as after an earlier call
     lock, running, most, workers = threading.Lock(), [0], [0], set()
 
     def work(item):
@@ -426,16 +426,16 @@ def test_items_in_flight_at_once_and_the_calling_thread_takes_part(monkeypatch, 
         with lock:
             running[0] -= 1
 
-    fast_numpy._run(list(range(12)), work)
-    assert most[0] == threads
-    assert len(workers) == threads
+    npattn.threads.run_items(list(range(12)), work)
+    assert most[0] == count
+    assert len(workers) == count
     assert threading.get_ident() in workers
 
 
 def test_one_thread_runs_the_items_in_order_here(monkeypatch):
     monkeypatch.setenv("NPATTN_NUM_THREADS", "1")
     seen = []
-    fast_numpy._run(list(range(6)), lambda item: seen.append((item, threading.get_ident())))
+    npattn.threads.run_items(list(range(6)), lambda item: seen.append((item, threading.get_ident())))
     assert seen == [(item, threading.get_ident()) for item in range(6)]
 
 

@@ -41,12 +41,12 @@ from ..fast_numpy import (
     _Mode,
     _position_major,
     _rows,
-    _run,
     handles,
 )
 from ..options import AttentionSpec
 from ..scores.mods import mods_jvp
 from ..scores.tiles import select_item, slice_tile
+from ..threads import run_items
 
 __all__ = ["supports", "forward_jvp", "tangent_rows", "backward_jvp"]
 
@@ -225,7 +225,7 @@ def forward_jvp(spec: AttentionSpec, q: Any, k: Any, v: Any, dots: tuple) -> tup
         tile.write(lse, np.where(empty, -np.inf, m + np.log(l)))
         tile.write(lse_dot, row_lse_dot)
 
-    _run(
+    run_items(
         [(b, kv, qi) for qi in range(len(call.q_tiles)) for b in range(Bf) for kv in range(K) if G],
         work,
     )
@@ -273,7 +273,7 @@ def tangent_rows(spec: AttentionSpec, res: Any, dots: tuple, lse_safe: Any) -> t
         tile.write(out_dot, acc_dot - c[:, None] * o)
         tile.write(lse_dot, c)
 
-    _run(
+    run_items(
         [(b, kv, qi) for qi in range(len(call.q_tiles)) for b in range(Bf) for kv in range(K) if G],
         work,
     )
@@ -358,7 +358,7 @@ def backward_jvp(spec: AttentionSpec, res: Any, dO: Any, rows_terms: tuple, dots
         dq_b *= scale
         dq_dot[b, heads] = _head_major(dq_b, T, G)  # (G, T, H)
 
-    _run([(b, kv) for b in range(Bf) for kv in range(K)], work, parallel=dbias_dot is None)
+    run_items([(b, kv) for b in range(Bf) for kv in range(K)], work, parallel=dbias_dot is None)
     bs = spec.batch_shape
     dbias_out = None if dbias_dot is None else dbias_dot.reshape(spec.bias_shape)
     return dq_dot.reshape(bs + (N, T, H)), dk_dot.reshape(bs + (K, S, H)), dv_dot.reshape(bs + (K, S, Hv)), dbias_out
