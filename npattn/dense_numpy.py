@@ -18,10 +18,14 @@ NumPy's own methods, the per-call floor of small calls;
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import array_api_compat
 import numpy as np
+
+from .options import AUTO_FAST_MIN_SCORES
+from .threads import run_items
 
 __all__ = ["handles", "masked_softmax", "softmax_backward", "plain_forward", "plain_backward", "narrow_columns"]
 
@@ -79,45 +83,224 @@ def softmax_backward(p: np.ndarray, dp: np.ndarray, D: np.ndarray, *, overwrite:
     return ds
 
 
+#: A plain call with at least this many scores ``B*N*T*S`` runs as
+#: :data:`SPLIT_CHUNKS` chunks of batch elements (or, with one element, of
+#: kv heads) on the pool of :mod:`npattn.threads`: NumPy releases the GIL in
+#: the chunks' products and passes, which the dense path otherwise runs on
+#: one core (BLAS threads only the larger products). Measured on 2 cores,
+#: forward, split ÷ one piece (one process, interleaved): 0.53x at B=16,
+#: N=12, T=S=64; 0.68x at B=8, N=8, T=S=128; 0.85x at B=4, N=8, T=S=64
+#: (2**17 scores); 0.98x at B=1, N=8, T=S=128 (heads split); 1.17x at B=2,
+#: N=8, T=S=64 (2**16), below it. Only below
+#: :data:`~npattn.options.AUTO_FAST_MIN_SCORES`, where ``impl="auto"`` takes
+#: the dense path: above, in the multi-head layer, whose projections leave
+#: OpenBLAS's threads spinning, the chunks took 1.13x the time of one piece
+#: forward+backward (E=512, B=8, T=256), and a forced ``impl="dense"`` keeps
+#: the products that BLAS threads itself.
+SPLIT_MIN_SCORES = 2**17
+
+#: ... in this many chunks (fewer where there are fewer batch elements or kv
+#: heads), whatever the thread count, so that the results do not depend on
+#: it: each chunk does the same operations on its own rows, but BLAS may
+#: round a product of vectors differently at another offset in memory.
+SPLIT_CHUNKS = 4
+
+
+def _chunks(batch: int, K: int, scores: int) -> list[tuple[slice, slice]]:
+    """``(batch elements, kv heads)`` of each chunk of a plain call: up to
+    :data:`SPLIT_CHUNKS` over the batch elements, or over the kv heads of a
+    single element, from :data:`SPLIT_MIN_SCORES` scores up to
+    :data:`~npattn.options.AUTO_FAST_MIN_SCORES`; else the whole."""
+    if not SPLIT_MIN_SCORES <= scores < AUTO_FAST_MIN_SCORES or (batch < 2 and K < 2):
+        return [(slice(None), slice(None))]
+    count = batch if batch >= 2 else K
+    pieces = min(SPLIT_CHUNKS, count)
+    ranges = [slice(count * i // pieces, count * (i + 1) // pieces) for i in range(pieces)]
+    return [(r, slice(None)) for r in ranges] if batch >= 2 else [(slice(None), r) for r in ranges]
+
+
+def _as_batch_rank(x: np.ndarray | None, lead: list[int], tail: int) -> np.ndarray | None:
+    """``x`` broadcastable to ``(*lead, ...)`` with ``tail`` axes after the
+    batch axes, as ``(B, ...)`` with ``B = prod(lead)``, or ``(1, ...)``
+    where its batch axes are all 1 (a view, unless the batch axes cannot
+    merge without a copy)."""
+    if x is None:
+        return None
+    full = np.reshape(x, (1,) * (len(lead) + tail - x.ndim) + x.shape)  # (*lead|1, ...)
+    if all(n == 1 for n in full.shape[: len(lead)]):
+        return np.reshape(full, (1,) + full.shape[len(lead) :])
+    full = np.broadcast_to(full, (*lead, *full.shape[len(lead) :]))
+    return np.reshape(full, (math.prod(lead),) + full.shape[len(lead) :])
+
+
+def _rows_of(x: Any, batch: slice, heads: slice, G: int) -> Any:
+    """The chunk ``(batch, kv heads)`` of a ``(B|1, N|1, ...)`` array whose
+    axis 1 holds query heads (or is broadcast)."""
+    if x is None:
+        return None
+    b = slice(None) if x.shape[0] == 1 else batch
+    h = heads if x.shape[1] != 1 and heads != slice(None) else slice(None)
+    if h != slice(None):
+        h = slice(h.start * G, h.stop * G)
+    return x[b, h]
+
+
 def plain_forward(
-    spec: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray | None = None
+    spec: Any,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    visible: np.ndarray | None = None,
+    *,
+    out: np.ndarray | None = None,
+    products: np.ndarray | None = None,
 ) -> tuple[Any, Any, Any]:
     """:func:`npattn.dense.dense_forward` for raw scores (``spec.scores_are_raw``:
     no step of the pipeline changes them), of which ``visible`` (the
     pipeline's :func:`~npattn.scores.visibility.visible_tile` over the whole
-    ``(..., N, T, S)``, or None) hides some: the same operations in the same
-    order, hence the same bits, with NumPy's own methods and without the
-    namespace's wrappers (``np.reshape``'s and ``np.swapaxes``' Python layers
-    cost 0.3-0.6 µs a call): a small call's floor."""
+    ``(..., N, T, S)``, or None) hides some: ``(out, lse, P)`` from the same
+    operations in the same order, hence the same bits, with NumPy's own
+    methods and without the namespace's wrappers (``np.reshape``'s and
+    ``np.swapaxes``' Python layers cost 0.3-0.6 µs a call): a small call's
+    floor.
+
+    From :data:`SPLIT_MIN_SCORES` scores it runs in chunks on the thread
+    pool (:func:`_forward_in_chunks`), each a call of this function on its
+    rows with ``out (..., N, T, Hv)`` and ``products (..., K, S, G*T)``
+    (which takes ``K Q^T``), the rows of the call's arrays: the same
+    operations per row, but a product of vectors may round in its last bits
+    unlike the whole call's (see :data:`SPLIT_CHUNKS`). P is the products'
+    transposed view with one query head per kv head, else a copy."""
     *lead, N, T, H = q.shape
     K, S, Hv = k.shape[-3], k.shape[-2], v.shape[-1]
+    if out is None and q.size * S >= SPLIT_MIN_SCORES * H:  # B*N*T*S scores, from the sizes alone
+        chunked = _forward_in_chunks(spec, q, k, v, visible)
+        if chunked is not None:
+            return chunked
     rows = (N // K) * T if K else 0  # G*T: the query heads of a kv head, stacked
     qs = (spec.scale * q).reshape((*lead, K, rows, H))  # (..., K, G*T, H)
     qs_t = narrow_columns(qs.swapaxes(-1, -2))  # (..., K, H, G*T)
-    s = (k @ qs_t).swapaxes(-1, -2).reshape((*lead, N, T, S))  # (..., N, T, S): (K Q^T)^T
+    # (..., K, S, H) @ (..., K, H, G*T): K Q^T (the operator where no buffer is given: a small call's floor)
+    products = k @ qs_t if products is None else np.matmul(k, qs_t, out=products)
+    s = products.swapaxes(-1, -2).reshape((*lead, N, T, S))  # (..., N, T, S): (K Q^T)^T
     p, lse = masked_softmax(s, visible, overwrite=True)  # (..., N, T, S), (..., N, T): P over the products
-    out = (p.reshape((*lead, K, rows, S)) @ v).reshape((*lead, N, T, Hv))  # (..., K, G*T, Hv) -> (..., N, T, Hv)
+    p_g = p.reshape((*lead, K, rows, S))  # (..., K, G*T, S) @ (..., K, S, Hv) -> (..., K, G*T, Hv)
+    if out is None:
+        return (p_g @ v).reshape((*lead, N, T, Hv)), lse, p
+    np.matmul(p_g, v, out=out.reshape((*lead, K, rows, Hv)))  # into a view of the chunk's rows
     return out, lse, p
 
 
+def _forward_in_chunks(
+    spec: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray | None
+) -> tuple[Any, Any, Any] | None:
+    """:func:`plain_forward` in :func:`_chunks` on the thread pool, each
+    writing its rows of ``out``, ``lse`` and P; None where the call is one
+    chunk."""
+    *lead, N, T, _ = q.shape
+    K, S, Hv = k.shape[-3], k.shape[-2], v.shape[-1]
+    G = N // K if K else 0
+    batch = math.prod(lead)
+    chunks = _chunks(batch, K, batch * N * T * S)
+    if len(chunks) == 1:
+        return None
+    out = np.empty((*lead, N, T, Hv), dtype=q.dtype)
+    lse = np.empty((*lead, N, T), dtype=q.dtype)
+    # One query head per kv head: the chunks' products K Q^T (..., K, S, T) become P^T
+    # in place, and P is their transposed view. With G > 1 that view is not (..., N, T, S)
+    # (its rows interleave heads and positions), so each chunk copies its P into probs.
+    products = np.empty((*lead, K, S, T), dtype=q.dtype) if G == 1 else None
+    probs = np.empty((*lead, N, T, S), dtype=q.dtype) if G != 1 else None
+    q4, k4, v4, o4, l4, p4, r4 = (_merge_batch(x, lead) for x in (q, k, v, out, lse, products, probs))
+    vis4 = _as_batch_rank(visible, lead, 3)  # (B|1, N|1, T|1, S|1)
+
+    def work(c: tuple[slice, slice]) -> None:  # (batch elements, kv heads); query heads are G per kv head
+        qc, visc, oc, lc, rc = (_rows_of(x, *c, G) for x in (q4, vis4, o4, l4, r4))
+        _, lse_rows, p_rows = plain_forward(
+            spec, qc, k4[c], v4[c], visc, out=oc, products=None if p4 is None else p4[c]
+        )
+        lc[...] = lse_rows
+        if rc is not None:
+            rc[...] = p_rows
+
+    run_items(chunks, work)
+    probs = probs if products is None else np.swapaxes(products, -1, -2).reshape((*lead, N, T, S))  # a view
+    return out, lse, probs
+
+
+def _merge_batch(x: Any, lead: list[int]) -> Any:
+    """``(*lead, ...) -> (B, ...)``, ``B = prod(lead)``: a view for the
+    C-contiguous arrays and products here; None stays None."""
+    return None if x is None else np.reshape(x, (math.prod(lead),) + x.shape[len(lead) :])
+
+
 def plain_backward(
-    spec: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, p: np.ndarray, out: np.ndarray, dout: np.ndarray, dlse: Any
+    spec: Any,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    p: np.ndarray,
+    out: np.ndarray,
+    dout: np.ndarray,
+    dlse: Any,
+    *,
+    grads: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> tuple[Any, Any, Any]:
     """:func:`npattn.dense.dense_backward` for raw scores (``spec.scores_are_raw``):
     ``(dq, dk, dv)`` from the same operations in the same order, hence the
-    same bits (hidden keys have ``P = 0``, so ``dS = 0`` there)."""
+    same bits (hidden keys have ``P = 0``, so ``dS = 0`` there); in chunks on
+    the thread pool as :func:`plain_forward`, with its rounding, each
+    writing into ``grads``, its rows of the call's ``(dq, dk, dv)``."""
     *lead, N, T, H = q.shape
     K, S, Hv = k.shape[-3], k.shape[-2], v.shape[-1]
+    if grads is None and q.size * S >= SPLIT_MIN_SCORES * H:  # B*N*T*S scores, from the sizes alone
+        chunked = _backward_in_chunks(spec, q, k, v, p, out, dout, dlse)
+        if chunked is not None:
+            return chunked
     rows = (N // K) * T if K else 0
     dout_g = np.reshape(dout, (*lead, K, rows, Hv))  # (..., K, G*T, Hv)
-    dv = np.swapaxes(np.reshape(p, (*lead, K, rows, S)), -1, -2) @ dout_g  # (..., K, S, Hv)
+    p_t = np.swapaxes(np.reshape(p, (*lead, K, rows, S)), -1, -2)  # (..., K, S, G*T)
+    dv = p_t @ dout_g if grads is None else np.matmul(p_t, dout_g, out=grads[2])  # (..., K, S, Hv)
     dp = np.reshape(np.swapaxes(v @ np.swapaxes(dout_g, -1, -2), -1, -2), (*lead, N, T, S))  # (..., N, T, S)
     D = np.sum(dout * out, axis=-1, keepdims=True)  # (..., N, T, 1): rowsum(P * dP), over Hv not S
     if dlse is not None:
         D = D - dlse[..., None]
     ds_g = np.reshape(softmax_backward(p, dp, D, overwrite=True), (*lead, K, rows, S))  # (..., K, G*T, S), over dP
-    dq = spec.scale * np.reshape(ds_g @ k, (*lead, N, T, H))  # (..., N, T, H)
-    dk = spec.scale * (np.swapaxes(ds_g, -1, -2) @ np.reshape(q, (*lead, K, rows, H)))  # (..., K, S, H)
+    q_g = np.reshape(q, (*lead, K, rows, H))  # (..., K, G*T, H)
+    if grads is None:  # fresh: the products' own arrays
+        dq = spec.scale * np.reshape(ds_g @ k, (*lead, N, T, H))  # (..., K, G*T, S) @ (..., K, S, H)
+        dk = spec.scale * (np.swapaxes(ds_g, -1, -2) @ q_g)  # (..., K, S, H)
+        return dq, dk, dv
+    dq, dk, _ = grads
+    np.matmul(ds_g, k, out=np.reshape(dq, (*lead, K, rows, H)))  # into a view of the chunk's rows
+    dq *= spec.scale
+    np.matmul(np.swapaxes(ds_g, -1, -2), q_g, out=dk)
+    dk *= spec.scale
+    return dq, dk, dv
+
+
+def _backward_in_chunks(
+    spec: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, p: np.ndarray, out: np.ndarray, dout: np.ndarray, dlse: Any
+) -> tuple[Any, Any, Any] | None:
+    """:func:`plain_backward` in :func:`_chunks` on the thread pool; None
+    where the call is one chunk."""
+    *lead, N, T, _ = q.shape
+    K, S = k.shape[-3], k.shape[-2]
+    G = N // K if K else 0
+    batch = math.prod(lead)
+    chunks = _chunks(batch, K, batch * N * T * S)
+    if len(chunks) == 1:
+        return None
+    dq, dk, dv = (np.empty(x.shape, dtype=q.dtype) for x in (q, k, v))
+    q4, k4, v4, p4, o4, do4, dlse4, dq4, dk4, dv4 = (
+        _merge_batch(x, lead) for x in (q, k, v, p, out, dout, dlse, dq, dk, dv)
+    )
+
+    def work(c: tuple[slice, slice]) -> None:  # (batch elements, kv heads); query heads are G per kv head
+        qc, pc, oc, doc, dlsec, dqc = (_rows_of(x, *c, G) for x in (q4, p4, o4, do4, dlse4, dq4))
+        plain_backward(spec, qc, k4[c], v4[c], pc, oc, doc, dlsec, grads=(dqc, dk4[c], dv4[c]))
+
+    run_items(chunks, work)
     return dq, dk, dv
 
 

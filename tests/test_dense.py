@@ -328,6 +328,98 @@ def test_raw_scores_with_hidden_keys_take_the_numpy_lane_with_the_general_paths_
             np.testing.assert_array_equal(getattr(grads, name), getattr(ref_grads, name), err_msg=name)
 
 
+def _raw_lane(q, k, v, dout, dlse, options, *, split_from, threads):
+    """Forward and backward of the dense raw-score lane with the chunks from
+    ``split_from`` scores on ``threads`` threads."""
+    from npattn import dense_numpy
+
+    with (
+        mock.patch.object(dense_numpy, "SPLIT_MIN_SCORES", split_from),
+        mock.patch.dict("os.environ", {"NPATTN_NUM_THREADS": threads}),
+    ):
+        out, res = npattn.attention_forward(q, k, v, impl="dense", **options)
+        grads = npattn.attention_backward(dout, res, dlse=dlse)
+    return out, res, grads
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=attention_cases(features=("mask", "causal", "window", "lengths", "segments", "gqa", "masked_row")))
+def test_the_raw_score_lane_in_chunks_on_the_pool_is_the_same_on_any_thread_count(case):
+    """From ``SPLIT_MIN_SCORES`` (here 0) the raw-score lane runs in chunks
+    of batch elements, or of kv heads for one element, on the thread pool,
+    each writing its rows of out, lse, P, dq, dk and dv: the same bits on
+    1, 2 and 3 threads, and one piece's numbers (to the last bits, which
+    BLAS may round differently for a product of vectors elsewhere in
+    memory), forward and backward, GQA, masks and fully masked rows
+    included."""
+    for dtype, tol in ((np.float64, 1e-13), (np.float32, 1e-5)):
+        q, k, v = (a.astype(dtype) for a in case.arrays)
+        rng = np.random.default_rng(0)
+        dout = rng.standard_normal(q.shape[:-1] + v.shape[-1:]).astype(dtype)
+        dlse = rng.standard_normal(q.shape[:-1]).astype(dtype)
+        runs = [_raw_lane(q, k, v, dout, dlse, case.options, split_from=0, threads=t) for t in ("1", "2", "3")]
+        whole = _raw_lane(q, k, v, dout, dlse, case.options, split_from=2**62, threads="2")
+        for got in runs[1:]:
+            for a, b in ((got[0], runs[0][0]), (got[1].lse, runs[0][1].lse), (got[1].probs, runs[0][1].probs)):
+                np.testing.assert_array_equal(a, b)
+            for name in ("dq", "dk", "dv"):
+                np.testing.assert_array_equal(getattr(got[2], name), getattr(runs[0][2], name), err_msg=name)
+        got = runs[0]
+        assert got[1].spec.scores_are_raw
+        np.testing.assert_array_equal(np.isneginf(got[1].lse), np.isneginf(whole[1].lse))
+        finite = np.isfinite(whole[1].lse)
+        np.testing.assert_allclose(got[1].lse[finite], whole[1].lse[finite], rtol=tol, atol=tol)
+        for a, b in ((got[0], whole[0]), (got[1].probs, whole[1].probs)):
+            np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+        for name in ("dq", "dk", "dv"):
+            np.testing.assert_allclose(getattr(got[2], name), getattr(whole[2], name), rtol=tol, atol=tol, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "batch, K, G, options",
+    [
+        ((2,), 2, 1, {}),
+        ((1, 2), 2, 3, {"causal": True}),
+        ((), 2, 2, {"window": (3, 1)}),
+        ((), 2, 1, {"mask": np.tri(9, 9, dtype=bool)}),
+    ],
+    ids=["batch", "batch axes, GQA, causal", "heads, GQA, window", "heads, mask"],
+)
+def test_chunks_split_batch_elements_else_kv_heads(monkeypatch, batch, K, G, options):
+    """Chunks of batch elements where there are several, else of the one
+    element's kv heads (their query heads with them), whatever the thread
+    count: here two, of two or more; their results are one piece's."""
+    from npattn import dense_numpy
+
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((*batch, K * G, 9, 5))
+    k, v = (rng.standard_normal((*batch, K, 9, 5)) for _ in range(2))
+    dout = rng.standard_normal(q.shape)
+    chunks = []
+    real_forward = dense_numpy.plain_forward
+
+    def noting_chunks(spec, q_rows, k_rows, *args, **kwargs):
+        if kwargs.get("out") is not None:  # a chunk's call
+            chunks.append((q_rows.shape, k_rows.shape))
+        return real_forward(spec, q_rows, k_rows, *args, **kwargs)
+
+    monkeypatch.setattr(dense_numpy, "plain_forward", noting_chunks)
+    got = _raw_lane(q, k, v, dout, None, options, split_from=0, threads="2")
+    flat = math.prod(batch)
+    if flat >= 2:
+        assert sorted(c[1][0] for c in chunks) == [flat // 2, flat - flat // 2]  # batch elements
+    else:
+        assert sorted(c[1][:2] for c in chunks) == [(1, K // 2), (1, K - K // 2)]  # (element, kv heads)
+        assert sorted(c[0][:2] for c in chunks) == [(1, G * (K // 2)), (1, G * (K - K // 2))]
+    chunks.clear()
+    want = _raw_lane(q, k, v, dout, None, options, split_from=2**62, threads="2")
+    assert not chunks
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(got[1].probs, want[1].probs, rtol=1e-13, atol=1e-13)
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_allclose(getattr(got[2], name), getattr(want[2], name), rtol=1e-13, atol=1e-13, err_msg=name)
+
+
 def test_a_mask_modification_and_a_block_mask_keep_the_raw_score_lane_bit_for_bit():
     """A user's ``mask_mod`` (and the block mask built from it) only hides
     keys: the raw-score lane gives the general code's bits with them too."""
