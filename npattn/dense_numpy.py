@@ -12,8 +12,11 @@ checks them against the generic versions bit for bit.
 for a call whose scores stay raw (``AttentionSpec.scores_are_raw``: keys
 may be hidden, but no bias, softcap, ALiBi, score modification or dropout
 applies), which :mod:`npattn.dense` hands them: the same operations with
-NumPy's own methods, the per-call floor of small calls;
-``tests/test_dense.py`` checks them against the general code bit for bit.
+NumPy's own methods, the per-call floor of small calls, and from
+:data:`SPLIT_MIN_SCORES` scores in chunks on the thread pool of
+:mod:`npattn.threads`. ``tests/test_dense.py`` checks them against the
+general code bit for bit, and the chunks against one piece (the same bits
+on any thread count, one piece's to the last bits).
 """
 
 from __future__ import annotations
