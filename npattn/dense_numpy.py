@@ -91,10 +91,12 @@ def softmax_backward(p: np.ndarray, dp: np.ndarray, D: np.ndarray, *, overwrite:
 #: kv heads) on the pool of :mod:`npattn.threads`: NumPy releases the GIL in
 #: the chunks' products and passes, which the dense path otherwise runs on
 #: one core (BLAS threads only the larger products). Measured on 2 cores,
-#: forward, split ÷ one piece (one process, interleaved): 0.53x at B=16,
-#: N=12, T=S=64; 0.68x at B=8, N=8, T=S=128; 0.85x at B=4, N=8, T=S=64
-#: (2**17 scores); 0.98x at B=1, N=8, T=S=128 (heads split); 1.17x at B=2,
-#: N=8, T=S=64 (2**16), below it. Only below
+#: forward, a prototype with one chunk per thread ÷ one piece (one process,
+#: interleaved, no page faults): 0.53x at B=16, N=12, T=S=64; 0.68x at B=8,
+#: N=8, T=S=128; 0.85x at B=4, N=8, T=S=64 (2**17 scores); 0.98x at B=1,
+#: N=8, T=S=128 (heads split); 1.17x at B=2, N=8, T=S=64 (2**16), below
+#: it; in four chunks, B=16, N=12, T=S=64 0.54x forward and 0.56x
+#: forward+backward (``benchmarks/bench_workloads.py --more``). Only below
 #: :data:`~npattn.options.AUTO_FAST_MIN_SCORES`, where ``impl="auto"`` takes
 #: the dense path: above, in the multi-head layer, whose projections leave
 #: OpenBLAS's threads spinning, the chunks took 1.13x the time of one piece
