@@ -264,14 +264,7 @@ def test_padded_keys_and_queries_are_neither_computed_nor_masked(monkeypatch):
     assert all(hidden == () for element in spans for *_, hidden in element), "a span masks padding"
     areas = [sum((p1 - p0) * (c1 - c0) for p0, p1, c0, c1, _ in element) for element in spans]
     assert areas == (q_lens * kv_lens).tolist()
-    computed = []
-    real_scores = fast_numpy._Item.scores
-
-    def counting_scores(self, out, qa, kTa, span, **kwargs):
-        computed.append(out.size)
-        return real_scores(self, out, qa, kTa, span, **kwargs)
-
-    monkeypatch.setattr(fast_numpy._Item, "scores", counting_scores)
+    computed = _count_computed_scores(monkeypatch)
     out, lse = fast_numpy.forward(spec, q, k, v)
     assert sum(computed) == 2 * sum(areas)  # two heads
     assert np.all(np.isneginf(lse[3])) and np.all(np.isneginf(lse[1, :, 300:])), "padded rows stay masked"
@@ -1178,14 +1171,7 @@ def test_batch_elements_packed_differently_each_skip_their_own_cross_document_ti
     shared = fast_numpy._plans(spec, tile_ranges(T, block), tile_ranges(T, block))
     assert sum(1 for row in shared for plan in row if plan) == 6, "a plan for both covers either's tiles"
     areas = [sum((p1 - p0) * (c1 - c0) for row in el for plan in row for p0, p1, c0, c1, _ in plan) for el in plans]
-    computed = []
-    real_scores = fast_numpy._Item.scores
-
-    def counting_scores(self, out, qa, kTa, span, **kwargs):
-        computed.append(out.size)
-        return real_scores(self, out, qa, kTa, span, **kwargs)
-
-    monkeypatch.setattr(fast_numpy._Item, "scores", counting_scores)
+    computed = _count_computed_scores(monkeypatch)
     forward = fast_numpy.forward(spec, q, k, v)
     assert sum(computed) == 2 * sum(areas)  # two heads
     _assert_fast_equals_generic(spec, q, k, v, dout, forward)
@@ -1208,14 +1194,7 @@ def test_packed_documents_skip_the_cross_document_tiles(monkeypatch, causal):
     tile = block * block
     assert area == (4 * (tile * 20 // 16 + tile) if causal else 4 * 4 * tile)
     assert plain_area == (tile * 80 // 16 + 28 * tile if causal else 64 * tile)  # area: 9/33 (causal), 1/4
-    computed = []
-    real_scores = fast_numpy._Item.scores
-
-    def counting_scores(self, out, qa, kTa, span, **kwargs):
-        computed.append(out.size)
-        return real_scores(self, out, qa, kTa, span, **kwargs)
-
-    monkeypatch.setattr(fast_numpy._Item, "scores", counting_scores)
+    computed = _count_computed_scores(monkeypatch)
     fast_numpy.forward(packed, x, x, x)
     assert sum(computed) == area
 
