@@ -426,6 +426,14 @@ def _head_major(x: Any, tq: int, G: int, nk: int | None = None) -> Any:
 #: threads hand the GIL to one another far less often.
 GROUP_SCORES = 2**18
 
+#: ... but at least this many heads where the call has the items for it: two
+#: heads of 512 x 512 tiles per item. A causal diagonal's four narrow spans,
+#: and the spans of packed documents, then run two heads per NumPy call
+#: (forward, 2 cores, float32, against one head: see ``docs/performance.rst``).
+#: Not more for shorter spans: 32 heads of 128 x 128 (B=32, N=8) took 1.06-1.19x
+#: the time of 16, and float64 at 8 heads of 256 x 256 1.11x that of 4.
+GROUP_MIN_HEADS = 2
+
 #: ... while a call keeps at least this many items (when it has as many kv
 #: heads and tiles), for its threads to share. A constant, not the thread
 #: count: the groups decide the bounds each item checks, so they must not
@@ -436,14 +444,16 @@ GROUP_MIN_ITEMS = 8
 def _kv_groups(spec: AttentionSpec, span_scores: int, tiles: int) -> list[tuple[int, int]]:
     """The ``(kv0, kv1)`` ranges of kv heads an item takes: as many as keep
     ``span_scores`` (one head's largest span of the plans, :func:`_largest_span`)
-    times their count within :data:`GROUP_SCORES`, and few enough that the
+    times their count within :data:`GROUP_SCORES` (but at least
+    :data:`GROUP_MIN_HEADS`), and few enough that the
     ``B * groups * tiles`` items are at least :data:`GROUP_MIN_ITEMS`. One
     head each with score modifications (their functions see one kv head's
     tile) and with ALiBi (a span is skipped where its item's flattest head
     leaves nothing above the flush floor, :meth:`_Item.below_floor`)."""
     K, items = spec.num_kv_heads, spec.num_batch * spec.num_kv_heads * tiles
     single = bool(spec.score_mods) or spec.alibi_slopes is not None
-    nk = 1 if single else max(1, min(K, GROUP_SCORES // max(span_scores, 1), items // GROUP_MIN_ITEMS))
+    heads = max(GROUP_MIN_HEADS, GROUP_SCORES // max(span_scores, 1))
+    nk = 1 if single else max(1, min(K, heads, items // GROUP_MIN_ITEMS))
     return [(kv0, min(kv0 + nk, K)) for kv0 in range(0, K, nk)]
 
 
