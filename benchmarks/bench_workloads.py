@@ -21,7 +21,9 @@ headline T4096            B=1, N=8, T=S=4096, H=64, full
 ========================  ==========================================================
 
 ``--more`` prints other mixes of the same kinds instead: float64, GQA
-training, a long causal call, H=128, padding by ``kv_lengths`` (torch: the
+training (also MQA and GQA with one batch element and few kv heads, torch's
+SDPA with ``enable_gqa=True``), a long causal call, H=128, padding by
+``kv_lengths`` (torch: the
 same keys hidden by a bool mask), batched decoding with lengths, short
 sequences, full and causal, and a sliding window of 256 at T=4096 (torch:
 the band as a bool mask; see :func:`more_workloads`).
@@ -277,6 +279,8 @@ def more_workloads(quick: bool) -> list[Workload]:
         attention_workload("GQA B4 N16/4 T512 c", 4, 16, 4, 512, 512, 64, causal=True),
         attention_workload("B1 N16 T2048 causal", 1, 16, 16, 2048, 2048, 64, causal=True),
         attention_workload("B2 N4 T1024 H128", 2, 4, 4, 1024, 1024, 128),
+        attention_workload("MQA B1 N8/1 T2048", 1, 8, 1, 2048, 2048, 64),
+        attention_workload("GQA B1 N8/2 T4096 c", 1, 8, 2, 4096, 4096, 64, causal=True),
         attention_workload("pad B8 N12 T512", 8, 12, 12, 512, 512, 64, kv_lengths=pad),
         attention_workload(
             "decode pad B8 S4096", 8, 32, 8, 1, 4096, 128, backward=False, kv_lengths=[x * 8 for x in pad]

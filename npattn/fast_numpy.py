@@ -8,8 +8,10 @@ NumPy on a multi-core CPU:
 - **independent work items on a thread pool.** The forward runs one item per
   (batch element, group of kv heads, query tile); the backward one per
   (batch element, group of kv heads), each owning its slices of ``dQ``,
-  ``dK`` and ``dV``. Every item accumulates in a fixed order, so results are
-  bit-identical whatever the number of threads.
+  ``dK`` and ``dV`` (with few kv heads, as MQA at B=1, one per part of a kv
+  head's query heads, each with its own share of ``dK`` and ``dV``:
+  :func:`_head_parts`). Every item accumulates in a fixed order, so results
+  are bit-identical whatever the number of threads.
 - **single-threaded BLAS inside the items** (threadpoolctl), so that BLAS
   threads do not oversubscribe the pool's.
 - **in-place float32/float64 ufuncs** (``out=``) on one preallocated score
@@ -1333,6 +1335,30 @@ def backward(
     if folded is not None:
         dq, dk, dv, _, params = backward(folded, q, k, v, out, lse, dout, dlse)  # (B*N|B*K, ...): no dbias
         return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None, params
+    parts = _head_parts(spec)
+    if len(parts) > 1:
+        return _backward_in_head_parts(spec, parts, q, k, v, out, lse, dout, dlse)
+    call = _backward_call(spec, q, k, v, out, lse, dout, dlse)
+    run_items(call.items, call.work, parallel=call.parallel)
+    return call.finish()
+
+
+class _BackwardCall(NamedTuple):
+    """One backward call, ready to run: ``work(item)`` for each of
+    ``items`` (on the pool where ``parallel``), then ``finish()`` returns
+    :func:`backward`'s result."""
+
+    items: list[tuple[int, int]]
+    work: Any
+    parallel: bool
+    finish: Any
+
+
+def _backward_call(
+    spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dlse: Any | None
+) -> _BackwardCall:
+    """The items of :func:`backward`, one per (batch element, group of kv
+    heads), and the work they do (see :func:`backward`)."""
     dtype = spec.compute_dtype
     Bf, N, K, G = spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.group_size
     T, S, H, Hv = spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim
@@ -1474,13 +1500,109 @@ def backward(
             alibi_grads[b, heads] = alibi_g / dtype.type(base)  # the distances carried the base
         mod_grads[b * len(groups) + g] = item.mod_grads
 
-    run_items([(b, g) for b in range(Bf) for g in range(len(groups))], work, parallel=dbias is None)
-    bs = spec.batch_shape
-    grads = dq.reshape(bs + (N, T, H)), dk.reshape(bs + (K, S, H)), dv.reshape(bs + (K, S, Hv))
-    alibi_total = None if alibi_grads is None else alibi_grads.reshape(bs + (N,))
-    mods_total: dict[str, Any] = {}
-    for shares in mod_grads:  # a fixed order, whatever the thread count
-        for name, share in shares.items():
-            mods_total[name] = share if name not in mods_total else mods_total[name] + share
-    params = param_grads_from_heads(spec, alibi_total, mods_total)  # {"alibi_slopes": ..., "mods": ...} or {}
-    return (*grads, None if dbias is None else dbias.reshape(spec.bias_shape), params)
+    def finish() -> tuple[Any, Any, Any, Any | None, dict[str, Any]]:
+        bs = spec.batch_shape
+        grads = dq.reshape(bs + (N, T, H)), dk.reshape(bs + (K, S, H)), dv.reshape(bs + (K, S, Hv))
+        alibi_total = None if alibi_grads is None else alibi_grads.reshape(bs + (N,))
+        mods_total: dict[str, Any] = {}
+        for shares in mod_grads:  # a fixed order, whatever the thread count
+            for name, share in shares.items():
+                mods_total[name] = share if name not in mods_total else mods_total[name] + share
+        params = param_grads_from_heads(spec, alibi_total, mods_total)  # {"alibi_slopes": ..., "mods": ...} or {}
+        return (*grads, None if dbias is None else dbias.reshape(spec.bias_shape), params)
+
+    items = [(b, g) for b in range(Bf) for g in range(len(groups))]
+    return _BackwardCall(items, work, dbias is None, finish)
+
+
+def _head_parts(spec: AttentionSpec) -> list[tuple[int, int]]:
+    """The backward's parts of each kv head's ``G`` query heads, ``[(a, b),
+    ...]`` (``[(0, G)]``: one part). Where the batch elements times kv heads
+    are fewer than :data:`GROUP_MIN_ITEMS`, as with MQA or GQA at B=1, the
+    (batch element, kv head) items would leave threads idle: then each kv
+    head's query heads split into
+    enough parts (at most ``G``), each part an item with its own ``dK`` and
+    ``dV`` share, summed in part order (:func:`_backward_in_head_parts`).
+    From the shapes alone, so the same bits on any thread count; not where
+    an option tells query heads apart (a mask, bias, ALiBi, score
+    modifications, dropout), which the parts' narrower spec would misread.
+    Before, MQA's one item ran alone, its products on BLAS's threads and
+    every other pass on one core: B=1, N=8 on K=1, T=S=2048, 2 cores,
+    float32, forward+backward 0.79x the time with 4 parts
+    (``bench_workloads.py --more``); N=8 on K=2, T=S=4096 causal, 2 parts,
+    1.01x."""
+    G, items = spec.group_size, spec.num_batch * spec.num_kv_heads
+    per_head = (
+        spec.mask is not None
+        or spec.bias is not None
+        or spec.alibi_slopes is not None
+        or bool(spec.score_mods)
+        or spec.mask_mod is not None
+        or spec.block_mask is not None
+        or bool(spec.dropout_p)
+    )
+    scores = spec.num_batch * spec.num_heads * spec.q_len * spec.kv_len
+    count = min(G // PART_MIN_HEADS, -(-GROUP_MIN_ITEMS // max(items, 1)), scores // PART_MIN_SCORES)
+    if count < 2 or items >= GROUP_MIN_ITEMS or per_head:
+        return [(0, G)]
+    return [(G * i // count, G * (i + 1) // count) for i in range(count)]
+
+
+#: :func:`_head_parts` keeps at least this many query heads per part (MQA,
+#: N=8, T=S=1024: eight parts of one head took 1.16-1.47x one part's time) ...
+PART_MIN_HEADS = 2
+
+#: ... and this many scores ``B N T S / parts`` in each (MQA, N=8: at
+#: T=S=256 eight parts took 2.3x one part's time, at T=S=1024 four parts of
+#: 2**21 scores 1.09x; N=8 on K=4, T=S=512 causal, two parts 1.18x).
+PART_MIN_SCORES = 2**22
+
+
+def _query_heads(spec: AttentionSpec, x: Any | None, part: tuple[int, int], rows: bool) -> Any | None:
+    """``x``'s query heads ``k G + a .. k G + b - 1`` of every kv head ``k``,
+    ``part = (a, b)``: ``(..., N, T, D) -> (..., K*(b - a), T, D)`` (``rows``),
+    else ``(..., N, T) -> (..., K*(b - a), T)``, a copy; None stays None."""
+    if x is None:
+        return None
+    a, b = part
+    K, G, T = spec.num_kv_heads, spec.group_size, spec.q_len
+    tail = (T, x.shape[-1]) if rows else (T,)
+    by_kv = np.reshape(x, (spec.num_batch, K, G) + tail)  # (B, K, G, T[, D]), B: the batch axes flattened
+    return np.reshape(by_kv[:, :, a:b], spec.batch_shape + (K * (b - a),) + tail)
+
+
+def _backward_in_head_parts(
+    spec: AttentionSpec,
+    parts: list[tuple[int, int]],
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    dout: Any,
+    dlse: Any | None,
+) -> tuple[Any, Any, Any, None, dict[str, Any]]:
+    """:func:`backward` as one call per part of each kv head's query heads
+    (:func:`_head_parts`), whose items share one run of the pool: each part
+    writes its heads' ``dQ`` and its own share of ``dK`` and ``dV``, summed
+    in part order."""
+    Bf, K, G, T, H = spec.num_batch, spec.num_kv_heads, spec.group_size, spec.q_len, spec.head_dim
+    calls = []
+    for part in parts:
+        sub = spec.replace(num_heads=K * (part[1] - part[0]))  # the part's own call: b - a query heads per kv head
+        q_p, out_p, dout_p = (_query_heads(spec, x, part, rows=True) for x in (q, out, dout))
+        lse_p, dlse_p = (_query_heads(spec, x, part, rows=False) for x in (lse, dlse))
+        calls.append(_backward_call(sub, q_p, k, v, out_p, lse_p, dout_p, dlse_p))
+    jobs = [(i, item) for i, call in enumerate(calls) for item in call.items]
+    run_items(jobs, lambda job: calls[job[0]].work(job[1]))
+    dq = np.empty((Bf, K, G, T, H), dtype=spec.compute_dtype)
+    shares = []
+    for (a, b), call in zip(parts, calls):
+        dq_part, dk_part, dv_part, _, _ = call.finish()  # (..., K*(b - a), T, H), (..., K, S, H), (..., K, S, Hv)
+        dq[:, :, a:b] = np.reshape(dq_part, (Bf, K, b - a, T, H))
+        shares.append((dk_part, dv_part))
+    dk, dv = shares[0]
+    for dk_part, dv_part in shares[1:]:  # in part order, whatever the thread count
+        dk += dk_part
+        dv += dv_part
+    return np.reshape(dq, q.shape), np.reshape(dk, k.shape), np.reshape(dv, v.shape), None, {}

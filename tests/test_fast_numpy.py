@@ -331,6 +331,71 @@ def test_results_are_bit_identical_whatever_the_thread_count(monkeypatch, dtype)
             np.testing.assert_array_equal(a, b)
 
 
+def test_few_kv_heads_split_their_query_heads_into_backward_parts():
+    """MQA and GQA at B=1 have fewer (batch element, kv head) items than
+    GROUP_MIN_ITEMS: the backward splits each kv head's query heads into
+    parts of at least PART_MIN_HEADS, each with PART_MIN_SCORES scores, from
+    the shapes alone; never where an option tells query heads apart."""
+
+    def parts(N, K, T, B=1, **options):
+        q, kv = np.zeros((B, N, T, 4)), np.zeros((B, K, T, 4))
+        return fast_numpy._head_parts(make_spec(q, kv, kv, **options))
+
+    assert parts(8, 1, 2048) == [(0, 2), (2, 4), (4, 6), (6, 8)]  # MQA: 4 parts of 2 heads
+    assert parts(8, 1, 1024) == [(0, 4), (4, 8)]  # 2**23 scores: 2 parts of 2**22
+    assert parts(8, 2, 4096, causal=True) == [(0, 2), (2, 4)]
+    assert parts(8, 1, 512) == [(0, 8)]  # too few scores for two parts
+    assert parts(8, 8, 2048) == [(0, 1)]  # one query head per kv head
+    assert parts(16, 2, 2048, B=4) == [(0, 8)]  # 8 items already
+    for options in ({"bias": np.zeros((2048, 2048))}, {"dropout_p": 0.1, "seed": 0}, {"alibi_slopes": np.ones(8)}):
+        assert parts(8, 1, 2048, **options) == [(0, 8)]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"causal": True, "align": "bottom_right"},
+        {"window": (5, 2), "align": "top_left"},
+        {"softcap": 3.0},
+        {"kv_lengths": np.array([[30], [17]]), "q_lengths": np.array([[20], [9]])},
+        {
+            "kv_lengths": np.array([[30], [17]]),
+            "q_lengths": np.array([[20], [9]]),
+            "causal": True,
+            "align": "bottom_right",
+        },
+        {"q_segment_ids": np.repeat([[[0, 1, 1, 2]]], 2, axis=0).repeat(6, axis=2)},
+        {"sinks": np.linspace(-1, 1, 6)},
+    ],
+    ids=["full", "causal", "window", "softcap", "lengths", "causal+lengths", "segments", "sinks"],
+)
+def test_backward_in_query_head_parts_gives_the_generic_paths_numbers(monkeypatch, options):
+    """Batch (2, 1), 6 query heads on 1 kv head, T=24, S=30 (24 with segment
+    ids): with the thresholds lowered, the backward runs as 3 parts of 2
+    query heads (one item each, their dK and dV shares summed in part order),
+    with the generic path's numbers in float64, and the same bits on 1, 2
+    and 3 threads."""
+    monkeypatch.setattr(fast_numpy, "PART_MIN_SCORES", 1)
+    rng = np.random.default_rng(7)
+    S = 24 if "q_segment_ids" in options else 30
+    if "q_segment_ids" in options:
+        options = {**options, "kv_segment_ids": options["q_segment_ids"]}
+    q, dout = (rng.standard_normal((2, 1, 6, 24, 8)) for _ in range(2))
+    k, v = (rng.standard_normal((2, 1, 1, S, 8)) for _ in range(2))
+    spec = make_spec(q, k, v, impl="chunked", **options)
+    assert fast_numpy._head_parts(spec) == [(0, 2), (2, 4), (4, 6)]
+    _assert_fast_equals_generic(spec, q, k, v, dout)
+    out, lse = fast_numpy.forward(spec, q, k, v)
+    results = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("NPATTN_NUM_THREADS", threads)
+        results.append(fast_numpy.backward(spec, q, k, v, out, lse, dout, -0.5 * lse)[:3])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_fast_path_is_chosen_for_numpy_and_can_be_disabled(monkeypatch):
     x = np.ones((1, 2, 3))
     spec = make_spec(x, x, x, impl="chunked")
