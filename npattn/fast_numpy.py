@@ -148,6 +148,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import array_api_compat
@@ -459,6 +460,21 @@ def _kv_groups(spec: AttentionSpec, span_scores: int, tiles: int) -> list[tuple[
     return [(kv0, min(kv0 + nk, K)) for kv0 in range(0, K, nk)]
 
 
+def _tells_heads_apart(spec: AttentionSpec) -> bool:
+    """Whether an option of ``spec`` may treat query heads (or batch
+    elements) differently: a mask, bias, ALiBi, score modifications, a mask
+    function or block mask, or dropout (its keep mask hashes both indices)."""
+    return (
+        spec.mask is not None
+        or spec.bias is not None
+        or spec.alibi_slopes is not None
+        or bool(spec.score_mods)
+        or spec.mask_mod is not None
+        or spec.block_mask is not None
+        or bool(spec.dropout_p)
+    )
+
+
 def _batch_as_heads(spec: AttentionSpec) -> AttentionSpec | None:
     """``spec`` with its batch axes folded into the heads, ``(B, N) -> (B*N,)``
     and ``(B, K) -> (B*K,)``, where nothing in it tells batch elements or
@@ -470,19 +486,8 @@ def _batch_as_heads(spec: AttentionSpec) -> AttentionSpec | None:
     N=8, T=S=32, 8-head items spent their time handing the GIL between
     threads, and the pool took 2x one thread's time. None where there is
     nothing to fold (one batch element) or something to tell apart."""
-    per_element_or_head = (
-        spec.mask is not None
-        or spec.bias is not None
-        or spec.q_lengths is not None
-        or spec.kv_lengths is not None
-        or spec.has_segments
-        or spec.alibi_slopes is not None
-        or bool(spec.score_mods)
-        or spec.mask_mod is not None
-        or spec.block_mask is not None
-        or bool(spec.dropout_p)
-    )
-    if spec.num_batch <= 1 or per_element_or_head:
+    per_element = spec.q_lengths is not None or spec.kv_lengths is not None or spec.has_segments
+    if spec.num_batch <= 1 or per_element or _tells_heads_apart(spec):
         return None
     return spec.replace(
         batch_shape=(), num_heads=spec.num_batch * spec.num_heads, num_kv_heads=spec.num_batch * spec.num_kv_heads
@@ -1349,9 +1354,9 @@ class _BackwardCall(NamedTuple):
     :func:`backward`'s result."""
 
     items: list[tuple[int, int]]
-    work: Any
+    work: Callable[[tuple[int, int]], None]
     parallel: bool
-    finish: Any
+    finish: Callable[[], tuple[Any, Any, Any, Any | None, dict[str, Any]]]
 
 
 def _backward_call(
@@ -1532,18 +1537,9 @@ def _head_parts(spec: AttentionSpec) -> list[tuple[int, int]]:
     (``bench_workloads.py --more``); N=8 on K=2, T=S=4096 causal, 2 parts,
     1.01x."""
     G, items = spec.group_size, spec.num_batch * spec.num_kv_heads
-    per_head = (
-        spec.mask is not None
-        or spec.bias is not None
-        or spec.alibi_slopes is not None
-        or bool(spec.score_mods)
-        or spec.mask_mod is not None
-        or spec.block_mask is not None
-        or bool(spec.dropout_p)
-    )
     scores = spec.num_batch * spec.num_heads * spec.q_len * spec.kv_len
     count = min(G // PART_MIN_HEADS, -(-GROUP_MIN_ITEMS // max(items, 1)), scores // PART_MIN_SCORES)
-    if count < 2 or items >= GROUP_MIN_ITEMS or per_head:
+    if count < 2 or items >= GROUP_MIN_ITEMS or _tells_heads_apart(spec):
         return [(0, G)]
     return [(G * i // count, G * (i + 1) // count) for i in range(count)]
 

@@ -375,7 +375,7 @@ def test_backward_in_query_head_parts_gives_the_generic_paths_numbers(monkeypatc
     ids): with the thresholds lowered, the backward runs as 3 parts of 2
     query heads (one item each, their dK and dV shares summed in part order),
     with the generic path's numbers in float64, and the same bits on 1, 2
-    and 3 threads."""
+    and 3 threads (with a cotangent of lse too)."""
     monkeypatch.setattr(fast_numpy, "PART_MIN_SCORES", 1)
     rng = np.random.default_rng(7)
     S = 24 if "q_segment_ids" in options else 30
@@ -387,10 +387,12 @@ def test_backward_in_query_head_parts_gives_the_generic_paths_numbers(monkeypatc
     assert fast_numpy._head_parts(spec) == [(0, 2), (2, 4), (4, 6)]
     _assert_fast_equals_generic(spec, q, k, v, dout)
     out, lse = fast_numpy.forward(spec, q, k, v)
+    dlse = rng.standard_normal(lse.shape)
     results = []
     for threads in ("1", "2", "3"):
         monkeypatch.setenv("NPATTN_NUM_THREADS", threads)
-        results.append(fast_numpy.backward(spec, q, k, v, out, lse, dout, -0.5 * lse)[:3])
+        results.append(fast_numpy.backward(spec, q, k, v, out, lse, dout, dlse)[:3])
+    assert all(np.isfinite(grad).all() for grad in results[0])
     for other in results[1:]:
         for a, b in zip(results[0], other):
             np.testing.assert_array_equal(a, b)
