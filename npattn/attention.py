@@ -434,9 +434,10 @@ def plain_call_spec(q: Any, k: Any, v: Any, causal: bool = False) -> AttentionSp
     """:func:`~npattn.options.plain_spec` for a call with every option at
     its default but ``causal``, with the path chosen (:func:`choose_impl`)
     where the sizes alone choose it: dense, below
-    :data:`~npattn.options.AUTO_FAST_MIN_SCORES` scores. Looked up by the arrays' dtypes and shapes and ``causal``,
-    so a repeated small call (a decode step, a training step) skips both
-    (1 µs against 7, or 17 with ``causal``: the per-call floor). A larger call's path is chosen per
+    :data:`~npattn.options.AUTO_FAST_MIN_SCORES` scores. Looked up by the
+    arrays' dtypes and shapes and ``causal``, so a repeated small call (a
+    decode step, a training step) skips both (1 µs against 7, or 17 with
+    ``causal``: the per-call floor). A larger call's path is chosen per
     call, since ``NPATTN_FAST_NUMPY`` may change between calls. A causal
     call with ``T != S`` raises :func:`~npattn.options.make_spec`'s error
     (it needs ``align``), and nothing is kept.

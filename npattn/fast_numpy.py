@@ -1360,10 +1360,20 @@ class _BackwardCall(NamedTuple):
 
 
 def _backward_call(
-    spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dlse: Any | None
+    spec: AttentionSpec,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    dout: Any,
+    dlse: Any | None,
+    mode: _Mode | None = None,
 ) -> _BackwardCall:
     """The items of :func:`backward`, one per (batch element, group of kv
-    heads), and the work they do (see :func:`backward`)."""
+    heads), and the work they do (see :func:`backward`). ``mode``: the
+    whole call's, where this is a part of its query heads
+    (:func:`_backward_in_head_parts`); else decided here."""
     dtype = spec.compute_dtype
     Bf, N, K, G = spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.group_size
     T, S, H, Hv = spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim
@@ -1371,7 +1381,7 @@ def _backward_call(
     k3 = np.reshape(k, (Bf, K, S, H))  # (B, K, S, H)
     v3 = np.reshape(v, (Bf, K, S, Hv))  # (B, K, S, Hv)
     q_norms3, k_norms = _row_norms(q3), _row_norms(k3)  # (B, N, T), (B, K, S): for the flush bound
-    mode = _Mode(spec, q_norms3, k_norms)
+    mode = _Mode(spec, q_norms3, k_norms) if mode is None else mode
     fused = mode.fused
     do3 = np.reshape(dout, (Bf, N, T, Hv))  # (B, N, T, Hv)
     D = np.vecdot(do3, np.reshape(out, (Bf, N, T, Hv)))  # (B, N, T): rowsum(dO * O)
@@ -1525,9 +1535,9 @@ def _head_parts(spec: AttentionSpec) -> list[tuple[int, int]]:
     ...]`` (``[(0, G)]``: one part). Where the batch elements times kv heads
     are fewer than :data:`GROUP_MIN_ITEMS`, as with MQA or GQA at B=1, the
     (batch element, kv head) items would leave threads idle: then each kv
-    head's query heads split into
-    enough parts (at most ``G``), each part an item with its own ``dK`` and
-    ``dV`` share, summed in part order (:func:`_backward_in_head_parts`).
+    head's query heads split into enough parts (at most ``G``), each part an
+    item with its own ``dK`` and ``dV`` share, summed in part order
+    (:func:`_backward_in_head_parts`).
     From the shapes alone, so the same bits on any thread count; not where
     an option tells query heads apart (a mask, bias, ALiBi, score
     modifications, dropout), which the parts' narrower spec would misread.
@@ -1539,7 +1549,7 @@ def _head_parts(spec: AttentionSpec) -> list[tuple[int, int]]:
     G, items = spec.group_size, spec.num_batch * spec.num_kv_heads
     scores = spec.num_batch * spec.num_heads * spec.q_len * spec.kv_len
     count = min(G // PART_MIN_HEADS, -(-GROUP_MIN_ITEMS // max(items, 1)), scores // PART_MIN_SCORES)
-    if count < 2 or items >= GROUP_MIN_ITEMS or _tells_heads_apart(spec):
+    if count < 2 or _tells_heads_apart(spec):  # count < 2 also where the items are enough
         return [(0, G)]
     return [(G * i // count, G * (i + 1) // count) for i in range(count)]
 
@@ -1581,14 +1591,19 @@ def _backward_in_head_parts(
     """:func:`backward` as one call per part of each kv head's query heads
     (:func:`_head_parts`), whose items share one run of the pool: each part
     writes its heads' ``dQ`` and its own share of ``dK`` and ``dV``, summed
-    in part order."""
+    in part order. Every part computes its scores in the whole call's
+    :class:`_Mode`, which the forward decided from every query head: a part's
+    own bound, from its heads alone, could pick base 2 or the fused shifts
+    where the forward did not."""
     Bf, K, G, T, H = spec.num_batch, spec.num_kv_heads, spec.group_size, spec.q_len, spec.head_dim
+    q3, k3 = np.reshape(q, (Bf, K * G, T, H)), np.reshape(k, (Bf, K, spec.kv_len, H))
+    mode = _Mode(spec, _row_norms(q3), _row_norms(k3))
     calls = []
     for part in parts:
         sub = spec.replace(num_heads=K * (part[1] - part[0]))  # the part's own call: b - a query heads per kv head
         q_p, out_p, dout_p = (_query_heads(spec, x, part, rows=True) for x in (q, out, dout))
         lse_p, dlse_p = (_query_heads(spec, x, part, rows=False) for x in (lse, dlse))
-        calls.append(_backward_call(sub, q_p, k, v, out_p, lse_p, dout_p, dlse_p))
+        calls.append(_backward_call(sub, q_p, k, v, out_p, lse_p, dout_p, dlse_p, mode))
     jobs = [(i, item) for i, call in enumerate(calls) for item in call.items]
     run_items(jobs, lambda job: calls[job[0]].work(job[1]))
     dq = np.empty((Bf, K, G, T, H), dtype=spec.compute_dtype)

@@ -398,6 +398,38 @@ def test_backward_in_query_head_parts_gives_the_generic_paths_numbers(monkeypatc
             np.testing.assert_array_equal(a, b)
 
 
+def test_backward_parts_compute_in_the_whole_calls_mode(monkeypatch):
+    """MQA, 4 query heads in 2 parts, float32: the first part's queries are
+    large enough that the call's bound leaves base 2 and the fused shifts
+    (as the forward decided), the second part's alone would not. Every part
+    runs in the whole call's mode, with the gradients of the unsplit call."""
+    monkeypatch.setattr(fast_numpy, "PART_MIN_SCORES", 1)
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((1, 4, 32, 8)).astype(np.float32)
+    q[:, :2] *= 1000  # |scale q_i| |k_j| log2(e) reaches the fused-shift limit (4096) only in part 0
+    k, v, dout = (rng.standard_normal(shape).astype(np.float32) for shape in ((1, 1, 32, 8),) * 2 + ((1, 4, 32, 8),))
+    spec = make_spec(q, k, v, impl="chunked")
+    assert fast_numpy._head_parts(spec) == [(0, 2), (2, 4)]
+    out, lse = fast_numpy.forward(spec, q, k, v)
+    modes = []
+    real_base_scale = fast_numpy._base_scale
+
+    def noting_mode(spec_, mode):  # each part's backward reads its mode's scale here
+        modes.append(mode.fused)
+        return real_base_scale(spec_, mode)
+
+    monkeypatch.setattr(fast_numpy, "_base_scale", noting_mode)
+    split = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)[:3]
+    whole_mode = fast_numpy._Mode(spec, fast_numpy._row_norms(q), fast_numpy._row_norms(k))
+    part_alone = fast_numpy._Mode(spec, fast_numpy._row_norms(q[:, 2:]), fast_numpy._row_norms(k))
+    assert not whole_mode.fused and part_alone.fused  # the case the test is about
+    assert modes == [False, False]
+    monkeypatch.setattr(fast_numpy, "_head_parts", lambda spec: [(0, spec.group_size)])
+    whole = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)[:3]
+    for got, want in zip(split, whole):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_fast_path_is_chosen_for_numpy_and_can_be_disabled(monkeypatch):
     x = np.ones((1, 2, 3))
     spec = make_spec(x, x, x, impl="chunked")
