@@ -227,6 +227,37 @@ def test_batch_elements_fold_into_heads_where_nothing_tells_them_apart(monkeypat
     assert any(kv0 // 4 != (kv1 - 1) // 4 for _, _, (kv0, kv1) in groups)  # heads of two batch elements
 
 
+def test_strided_heads_fold_only_where_elements_could_share_an_item():
+    """The layer's split heads, ``(B, L, N*H)`` viewed as ``(B, N, L, H)``,
+    cannot fold batch into heads without a copy: they fold where a batch
+    element's scores stay below one group (items then stack elements), and
+    are read in place where an element fills a group; contiguous heads
+    always fold. Either way the numbers are the same bits."""
+    rng = np.random.default_rng(4)
+
+    def split(B, N, L, H):  # (B, L, N*H) -> (B, N, L, H), a strided view
+        return rng.standard_normal((B, L, N * H)).reshape(B, L, N, H).transpose(0, 2, 1, 3)
+
+    assert fast_numpy.GROUP_SCORES == 2**18
+    small, large = split(4, 2, 16, 8), split(2, 8, 192, 8)  # 2*16*16 and 8*192*192 >= 2**18 scores per element
+    for x, folds in ((small, True), (large, False)):
+        spec = make_spec(x, x, x, impl="chunked")
+        assert (fast_numpy._batch_as_heads(spec, x, x, x) is not None) == folds
+        contiguous = np.ascontiguousarray(x)
+        assert fast_numpy._batch_as_heads(spec, contiguous, contiguous, contiguous) is not None
+        out, lse = fast_numpy.forward(spec, x, x, x)
+        out_c, lse_c = fast_numpy.forward(spec, contiguous, contiguous, contiguous)
+        np.testing.assert_array_equal(out, out_c)
+        np.testing.assert_array_equal(lse, lse_c)
+        dout = rng.standard_normal(out.shape)
+        grads = fast_numpy.backward(spec, x, x, x, out, lse, dout, None)[:3]
+        grads_c = fast_numpy.backward(spec, contiguous, contiguous, contiguous, out, lse, dout, None)[:3]
+        for got, want in zip(grads, grads_c):
+            np.testing.assert_array_equal(got, want)
+    spec = make_spec(large, large, large, impl="chunked")
+    _assert_fast_equals_generic(spec, large, large, large, rng.standard_normal(large.shape))
+
+
 @pytest.mark.parametrize(
     "options",
     [
