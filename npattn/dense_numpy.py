@@ -98,10 +98,10 @@ def softmax_backward(p: np.ndarray, dp: np.ndarray, D: np.ndarray, *, overwrite:
 #: it; in four chunks, B=16, N=12, T=S=64 0.54x forward and 0.56x
 #: forward+backward (``benchmarks/bench_workloads.py --more``). Only below
 #: :data:`~npattn.options.AUTO_FAST_MIN_SCORES`, where ``impl="auto"`` takes
-#: the dense path: above, in the multi-head layer, whose projections leave
-#: OpenBLAS's threads spinning, the chunks took 1.13x the time of one piece
-#: forward+backward (E=512, B=8, T=256), and a forced ``impl="dense"`` keeps
-#: the products that BLAS threads itself.
+#: the dense path: above, behind projections that left OpenBLAS's threads
+#: spinning, the chunks took 1.13x the time of one piece forward+backward
+#: (the layer, E=512, B=8, T=256), and a forced ``impl="dense"`` keeps the
+#: products that BLAS threads itself.
 SPLIT_MIN_SCORES = 2**17
 
 #: ... in this many chunks (fewer where there are fewer batch elements or kv

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import linear_numpy
 from .attention import AttentionResiduals, DenseResiduals, attention_backward, attention_forward
 from .dense import dense_scores
 from .kv_cache import KVCache, default_float_dtype
@@ -202,11 +203,18 @@ def mha_init(
 # --- shape helpers ----------------------------------------------------------
 
 
+def _matmul(xp, a, b):
+    """``a @ b`` for 2-D arrays: on NumPy in row blocks on npattn's pool
+    (:func:`npattn.linear_numpy.matmul`), leaving no BLAS thread spinning
+    beside attention's kernels."""
+    return linear_numpy.matmul(a, b) if linear_numpy.handles(xp, a.dtype) else a @ b
+
+
 def _linear(xp, a, w, b):
     """``a W^T + b``: ``(B, L, in) -> (B, L, out)``, as one product over the
     ``B*L`` rows (one large GEMM rather than B smaller ones)."""
     B, L, width = a.shape
-    y = xp.reshape(a, (B * L, width)) @ xp.matrix_transpose(w)  # (B*L, in) @ (in, out) -> (B*L, out)
+    y = _matmul(xp, xp.reshape(a, (B * L, width)), xp.matrix_transpose(w))  # (B*L, in) @ (in, out) -> (B*L, out)
     y = xp.reshape(y, (B, L, w.shape[0]))  # (B, L, out)
     if b is not None:
         y += b  # in place: y is the product's own fresh array (a second (B, L, out) costs its page faults)
@@ -219,8 +227,8 @@ def _linear_backward(xp, dy, a, w, with_bias):
     B, L, out = dy.shape
     dy_rows = xp.reshape(dy, (B * L, out))  # (B*L, out)
     a_rows = xp.reshape(a, (B * L, a.shape[-1]))  # (B*L, in)
-    da = xp.reshape(dy_rows @ w, (B, L, w.shape[1]))  # (B*L, out) @ (out, in) -> (B, L, in)
-    dw = xp.matrix_transpose(dy_rows) @ a_rows  # (out, in)
+    da = xp.reshape(_matmul(xp, dy_rows, w), (B, L, w.shape[1]))  # (B*L, out) @ (out, in) -> (B, L, in)
+    dw = _matmul(xp, xp.matrix_transpose(dy_rows), a_rows)  # (out, B*L) @ (B*L, in) -> (out, in)
     db = xp.sum(dy_rows, axis=0) if with_bias else None  # (out,)
     return da, dw, db
 
@@ -237,31 +245,6 @@ def _merge_heads(xp, o):
     B, heads, L, H = o.shape
     o = xp.permute_dims(o, (0, 2, 1, 3))  # (B, L, heads, H)
     return xp.reshape(o, (B, L, heads * H))  # (B, L, heads*H)
-
-
-#: The layer's ``impl="auto"`` runs its attention on the dense path below
-#: this many scores ``B*N*T*S``, where attention's own rule
-#: (:data:`~npattn.options.AUTO_FAST_MIN_SCORES`, 2**21) would take the NumPy
-#: fast path. The layer's projections run on BLAS's threads, and OpenBLAS's
-#: idle threads spin for about 0.1 s after each product, taking a core from
-#: the fast path's pool, and its items copy row blocks out of the split
-#: heads, strided views whose rows lie ``E`` floats apart. Measured at
-#: E=512, 8 heads, 2**22 scores on 2 cores (fast / dense time, each in a loop
-#: of its own calls): forward 0.69-0.96, forward+backward 1.04-1.15 (B=8,
-#: T=256; B=32, T=128; B=2, T=512).
-LAYER_FAST_MIN_SCORES = 2**23
-
-
-def _layer_impl(impl: Any, q: Any, k: Any) -> Any:
-    """The ``impl`` the layer passes to :func:`npattn.attention_forward` for
-    heads ``q (B, N, T, H)`` and ``k (B, K, S, H)``: ``"dense"`` for
-    ``"auto"`` below :data:`LAYER_FAST_MIN_SCORES` scores (attention's own
-    ``"auto"`` is dense there too, but for the NumPy fast path from 2**21),
-    anything else unchanged (and checked by the core)."""
-    if not (isinstance(impl, str) and impl == "auto"):
-        return impl
-    B, N, T = q.shape[0], q.shape[1], q.shape[2]
-    return "dense" if B * N * T * k.shape[2] < LAYER_FAST_MIN_SCORES else impl
 
 
 def _check_source(name: str, a: Any, width: int, width_name: str, batch: int | None) -> None:
@@ -631,8 +614,9 @@ def mha_forward(
         (``nn.MultiheadAttention``'s masks are the opposite; see
         :func:`npattn.mha_masks_from_torch`), additive float ``bias``,
         ``q_lengths``/``kv_lengths`` of shape (B,), ``dropout_p`` with a
-        ``seed`` on the probabilities; but ``impl="auto"`` keeps the dense
-        path below :data:`LAYER_FAST_MIN_SCORES` (2**23) scores ``B*N*T*S``.
+        ``seed`` on the probabilities, ``impl="auto"`` choosing the path by
+        attention's own rule. On NumPy the projections run on npattn's
+        thread pool (:func:`npattn.linear_numpy.matmul`).
     softcap, alibi_slopes
         Passed to :func:`npattn.attention_forward`: ``softcap * tanh(s /
         softcap)`` on the raw scores; ALiBi slopes (N,) (e.g.
@@ -725,7 +709,7 @@ def mha_forward(
     q, k, v, kv_ids, state = _project_heads(xp, P, xc, ks, vs, dims, cache, kv_ids)  # (B, N, T, H), (B, K, S, H) x 2
     core = dict(mask=mask, bias=bias, causal=causal, window=window, align=align, q_lengths=q_lengths)
     core.update(kv_lengths=kv_lengths, scale=scale, dropout_p=dropout_p, seed=seed, block_q=block_q)
-    core.update(impl=_layer_impl(impl, q, k))
+    core.update(impl=impl)
     core.update(block_k=block_k, softcap=softcap, alibi_slopes=alibi_slopes, score_mods=score_mods, mask_mod=mask_mod)
     core.update(block_mask=block_mask, sinks=P.get("sinks"), q_segment_ids=q_ids, kv_segment_ids=kv_ids, xp=xp)
     o, attn = attention_forward(q, k, v, **core)  # o: (B, N, T, H)

@@ -52,8 +52,9 @@ AUTO_CHUNKED_MIN_SCORES = 2**24
 #: 2**19 neither does (full: 0.91-1.11 and 0.75-1.31). A bool mask, a bias,
 #: the softcap, dropout and sinks at 2**21 (B=4 T=256, B=1 T=512, one run):
 #: forward 0.30-0.72, forward+backward 0.31-0.90. ALiBi and score
-#: modifications start later (:data:`AUTO_FAST_SINGLE_HEAD_MIN_SCORES`), and
-#: so does the multi-head layer (:data:`npattn.mha.LAYER_FAST_MIN_SCORES`).
+#: modifications start later (:data:`AUTO_FAST_SINGLE_HEAD_MIN_SCORES`). The
+#: multi-head layer follows the same rule (its projections run on the same
+#: pool, :mod:`npattn.linear_numpy`).
 #: See ``docs/performance.rst``.
 AUTO_FAST_MIN_SCORES = 2**21
 

@@ -1128,14 +1128,14 @@ def test_score_mods_pass_through_the_layer_with_their_parameter_gradients(impl):
     assert not np.allclose(plain_y, mha_forward(params, x, num_heads=N, causal=True, score_mods=res.spec.score_mods)[0])
 
 
-def test_the_layers_auto_keeps_the_dense_path_below_its_own_threshold():
-    """``impl="auto"`` in the layer is dense below LAYER_FAST_MIN_SCORES
-    (2**23), where attention's own rule already takes the NumPy fast path
-    (from 2**21); from there, and for a forced impl, the core decides."""
-    from npattn.mha import LAYER_FAST_MIN_SCORES
+def test_the_layers_auto_follows_attentions_own_rule():
+    """``impl="auto"`` in the layer picks the path exactly as
+    :func:`npattn.attention_forward` does on the split heads: the NumPy fast
+    path from AUTO_FAST_MIN_SCORES (2**21) scores, its projections sharing
+    npattn's pool (:mod:`npattn.linear_numpy`) rather than leaving BLAS
+    threads spinning beside it; a forced impl passes through."""
     from npattn.options import AUTO_FAST_MIN_SCORES
 
-    assert LAYER_FAST_MIN_SCORES == 2**23 and AUTO_FAST_MIN_SCORES == 2**21
     params = mha_init(16, 8, seed=0, dtype=np.float32)  # H = 2: small arrays, many scores
     rng = np.random.default_rng(0)
 
@@ -1143,10 +1143,11 @@ def test_the_layers_auto_keeps_the_dense_path_below_its_own_threshold():
         x = rng.standard_normal((1, T, 16), dtype=np.float32)
         return mha_forward(params, x, num_heads=8, **options)[1].attention.spec.impl
 
-    assert AUTO_FAST_MIN_SCORES <= 8 * 725 * 725 and LAYER_FAST_MIN_SCORES == 8 * 1024 * 1024
-    assert kernel(725) == kernel(1023) == "dense"
-    assert kernel(725, impl="chunked") == kernel(1024) == "chunked"
-    q = rng.standard_normal((1, 8, 725, 2), dtype=np.float32)
-    assert npattn.attention_forward(q, q, q)[1].spec.impl == "chunked"  # attention's own rule
+    assert 8 * 511 * 511 < AUTO_FAST_MIN_SCORES <= 8 * 513 * 513
+    assert kernel(511) == kernel(513, impl="dense") == "dense"
+    assert kernel(513) == kernel(511, impl="chunked") == "chunked"
+    for T in (511, 513):
+        q = rng.standard_normal((1, 8, T, 2), dtype=np.float32)
+        assert npattn.attention_forward(q, q, q)[1].spec.impl == kernel(T)
     with pytest.raises(ValueError, match="impl"):
         kernel(16, impl="fast")

@@ -1,0 +1,79 @@
+"""The multi-head layer's projections on NumPy: products in row blocks on
+npattn's thread pool.
+
+OpenBLAS threads a large product itself, and its idle threads then spin for
+about 0.1 s, each taking a core. In the layer the next step is attention,
+whose NumPy kernels run their items on npattn's own pool
+(:mod:`npattn.threads`) and so found one core of two taken after every
+projection. :func:`matmul` computes ``a @ b`` instead as blocks of
+``a``'s rows, each one product on the pool with single-threaded BLAS: the
+projections keep the cores, and no BLAS thread is left spinning when
+attention starts.
+
+The blocks depend only on the shapes, never on the thread count, so the
+bits do not either. Each block is its own BLAS call, whose result may
+differ in its last bits from one call over all rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import array_api_compat
+import numpy as np
+
+from .threads import run_items
+
+__all__ = ["handles", "matmul", "POOL_MIN_MACS", "PART_MACS", "POOL_MAX_PARTS"]
+
+#: Products ``(M, K) @ (K, N)`` with at least this many multiply-adds
+#: ``M*K*N`` run on the pool; smaller ones are one BLAS call. Each block
+#: packs all of ``b`` again and each hand-off to a pool thread costs about
+#: 50 us on a 2-core VM, so small products lost to OpenBLAS's own threads,
+#: even counting their spinning: in the layer (E=512, 8 heads), B=4, T=64
+#: (256x512x512 products) took 1.09x the time forward on the pool, while
+#: B=8, T=64 (512x512x512) took 0.95x (forward+backward 0.94x).
+POOL_MIN_MACS = 2**27
+
+#: ... in one row block per this many multiply-adds, at least 2 and at most
+#: :data:`POOL_MAX_PARTS`: measured on 2 cores, float32, pool ÷ OpenBLAS
+#: time in loops of each, 512x512x512 in 2 blocks 0.89, in 4 1.00;
+#: 2048x512x512 in 2 1.04-1.08, in 4 1.06-1.15, in 8 1.12.
+PART_MACS = 2**27
+
+#: The most row blocks of one product, whatever the thread count (the
+#: blocks, and so the bits, depend on the shapes alone).
+POOL_MAX_PARTS = 4
+
+
+def handles(xp: Any, dtype: Any) -> bool:
+    """Whether arrays of namespace ``xp`` and ``dtype`` take :func:`matmul`:
+    NumPy in float32 or float64."""
+    return array_api_compat.is_numpy_namespace(xp) and dtype in (np.float32, np.float64)
+
+
+def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` for 2-D ``a (M, K)`` and ``b (K, N)`` (either may be a
+    transposed view): from :data:`POOL_MIN_MACS` multiply-adds in row
+    blocks (:data:`PART_MACS`) on the pool with single-threaded BLAS, else
+    one product.
+
+    >>> import numpy as np
+    >>> a, b = np.ones((600, 64)), np.ones((64, 32))
+    >>> bool((matmul(a, b) == 64).all())
+    True
+    """
+    M, K = a.shape
+    N = b.shape[1]
+    macs = M * K * N
+    if macs < POOL_MIN_MACS:
+        return a @ b  # (M, K) @ (K, N) -> (M, N)
+    parts = min(POOL_MAX_PARTS, M, max(2, macs // PART_MACS))
+    out = np.empty((M, N), dtype=np.result_type(a, b))
+    blocks = [slice(M * i // parts, M * (i + 1) // parts) for i in range(parts)]
+
+    def work(rows: slice) -> None:
+        np.matmul(a[rows], b, out=out[rows])  # (m, K) @ (K, N) -> its rows of (M, N)
+
+    run_items(blocks, work)
+    return out
