@@ -1161,13 +1161,20 @@ class _Forward:
         else:
             q_scale = None if self.keys_scaled else self.scale
             qa = _augmented_rows(q_rows, None if zero else 0, q_scale, self.dtype, item.nk)
-        sums = _Sums(item.nk, qa.shape[1], self.Hv, self.dtype)
+        single_span = zero and self._one_span_over_all_rows(item.b, qi)
+        sums = _Sums(item.nk, qa.shape[1], self.Hv, self.dtype, single_span=single_span)
         if zero:
             self._spans_at_zero_reference(item, g, qi, q0, qa, sums)
             m = None
         else:
             m = self._spans_with_running_max(item, g, qi, q0, qa, sums)
         self._finish(item, q0, q1, sums, m)
+
+    def _one_span_over_all_rows(self, b: int, qi: int) -> bool:
+        """Whether batch element ``b``'s query tile ``qi`` runs one span, over
+        all of its rows (at the zero reference every span runs)."""
+        spans = [span for plan in self.plans[b][qi] for span in plan]
+        return len(spans) == 1 and spans[0][:2] == self.q_tiles[qi]
 
     def _spans_at_zero_reference(self, item: _Item, g: int, qi: int, q0: int, qa: Any, sums: _Sums) -> None:
         """The spans of one query tile with every row's reference at 0."""
@@ -1312,27 +1319,42 @@ class _Forward:
 
 class _Sums:
     """A forward item's running sums, ``l = rowsum(P~)`` ``(nk, rows)`` and
-    ``acc = P~ V`` ``(nk, rows, Hv)``, with the buffers of their products."""
+    ``acc = P~ V`` ``(nk, rows, Hv)``, with the buffers of their products.
 
-    def __init__(self, nk: int, rows: int, Hv: int, dtype: Any):
-        self.l = np.zeros((nk, rows), dtype=dtype)
-        self.acc = np.zeros((nk, rows, Hv), dtype=dtype)
-        self.row_sum_flat = np.empty(nk * rows, dtype=dtype)
-        self.pv_flat = np.empty(nk * rows * Hv, dtype=dtype)
+    An item whose one span covers all its rows (``single_span``: a whole
+    tile at the zero reference, as every item of full attention up to
+    T=S=512) has its products write ``l`` and ``acc`` directly, with no
+    zeroed buffers to add them to: 0.96x the forward's time at B=32, N=8,
+    T=S=128 and 0.94x at B=16, N=12, T=S=64 (1.00x at B=8, N=8, T=S=256;
+    one process, interleaved, 2 cores). The same numbers but for the sign
+    of a zero (``0 + (-0) = +0``)."""
+
+    def __init__(self, nk: int, rows: int, Hv: int, dtype: Any, *, single_span: bool = False):
+        self.single_span = single_span
+        make = np.empty if single_span else np.zeros
+        self.l = make((nk, rows), dtype=dtype)
+        self.acc = make((nk, rows, Hv), dtype=dtype)
+        if not single_span:
+            self.row_sum_flat = np.empty(nk * rows, dtype=dtype)
+            self.pv_flat = np.empty(nk * rows * Hv, dtype=dtype)
 
     def add(self, p: Any, r: slice, ones: Any, v_rows: Any, drop: Any | None) -> None:
         """``l[:, r] += rowsum(P~)`` and ``acc[:, r] += Pd~ V`` for ``P~ = p
-        (nk, R, tk)`` and the span's ``V (nk, tk, Hv)``; with dropout
-        (``drop``, ``keep / (1 - p)``), ``Pd~ = P~ * drop`` overwrites ``p``."""
+        (nk, R, tk)`` and the span's ``V (nk, tk, Hv)`` (``=`` for the single
+        span); with dropout (``drop``, ``keep / (1 - p)``), ``Pd~ = P~ *
+        drop`` overwrites ``p``."""
         nk, R, _ = p.shape
-        row_sum = _buffer(self.row_sum_flat, nk, R)
+        single = self.single_span
+        row_sum = self.l if single else _buffer(self.row_sum_flat, nk, R)
         np.matmul(p, ones, out=row_sum)  # (nk, R, tk) @ (tk,): a GEMV, 4x faster than p.sum(axis=-1)
-        self.l[:, r] += row_sum
+        if not single:
+            self.l[:, r] += row_sum
         if drop is not None:
             p *= drop
-        pv = _buffer(self.pv_flat, nk, R, v_rows.shape[-1])
+        pv = self.acc if single else _buffer(self.pv_flat, nk, R, v_rows.shape[-1])
         np.matmul(p, v_rows, out=pv)  # (nk, R, tk) @ (nk, tk, Hv) -> (nk, R, Hv)
-        self.acc[:, r] += pv
+        if not single:
+            self.acc[:, r] += pv
 
 
 # --- backward ---------------------------------------------------------------------------

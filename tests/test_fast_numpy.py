@@ -733,6 +733,39 @@ def _fast_against_float64_dense(q, k, v, causal, **blocks):
         np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize(
+    "T, options, single",
+    [
+        (128, {}, True),  # one whole tile per item
+        (128, {"causal": True}, True),  # one span with its diagonal hidden
+        (128, {"dropout_p": 0.3, "seed": 2}, True),
+        (600, {}, False),  # two key tiles: two spans
+        (512, {"causal": True}, True),  # short causal calls tile by 128 rows: one span each
+        (512, {"causal": True, "block_q": 512}, False),  # the diagonal's four 128-row spans
+        (128, {"bias": np.zeros((128, 128))}, False),  # a running maximum
+    ],
+    ids=["full", "causal", "dropout", "two key tiles", "causal 512", "causal 512-row tile", "bias"],
+)
+def test_an_item_with_one_span_over_all_its_rows_writes_its_sums_directly(monkeypatch, T, options, single):
+    """Such an item's products write ``l`` and ``acc`` rather than adding
+    to zeroed buffers; every other item accumulates. The numbers are the
+    generic path's either way."""
+    seen = []
+    real = fast_numpy._Sums
+
+    def recording(*args, **kwargs):
+        sums = real(*args, **kwargs)
+        seen.append(sums.single_span)
+        return sums
+
+    monkeypatch.setattr(fast_numpy, "_Sums", recording)
+    rng = np.random.default_rng(8)
+    q, k, v, dout = (rng.standard_normal((1, 2, T, 8)) for _ in range(4))
+    spec = make_spec(q, k, v, impl="chunked", **options)
+    _assert_fast_equals_generic(spec, q, k, v, dout)
+    assert seen and set(seen) == {single}
+
+
 def _zero_reference(q, k, v, **options):
     """Whether the fast forward keeps every row at the reference 0 for these inputs."""
     spec = make_spec(q, k, v, impl="chunked", **options)
