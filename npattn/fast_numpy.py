@@ -972,6 +972,17 @@ def _add_row_products(acc: Any, a: Any, b: Any, tmp: Any, partial: bool, G: int)
             acc += tmp
 
 
+def _one_backward_span(plans: list, k_tiles: list, T: int, G: int) -> bool:
+    """Whether a backward item's ``plans [qi][kj]`` are one span over all
+    ``T`` query positions and the one key tile, whose products
+    :func:`_add_row_products` would not cut (none hidden, or one head of at
+    most :data:`ROW_CHUNK` rows)."""
+    spans = [span for row in plans for plan in row for span in plan]
+    if len(k_tiles) != 1 or len(spans) != 1 or spans[0][:4] != (0, T, *k_tiles[0]):
+        return False
+    return not spans[0][4] or (G <= 1 and T <= ROW_CHUNK)
+
+
 def _rows(span: tuple, q0: int, G: int) -> slice:
     """The item rows of a span's query positions (position-major stacking)."""
     return slice((span[0] - q0) * G, (span[1] - q0) * G)
@@ -1471,7 +1482,10 @@ def _backward_call(
         alibi_g = np.zeros(nk * G, dtype=dtype)  # this item's slope gradients, base-scaled
         kTa = _augmented_transposed(k3[b, kvs], dtype, scale=k_factor)  # (nk, H+1, S), built here, in parallel
         vTa = _augmented_transposed(v3[b, kvs], dtype)  # (nk, Hv+1, S)
-        dq_b = np.zeros((nk, T * G, H), dtype=dtype)
+        # One span over every row and key (a whole tile, a short causal call's one
+        # tile): its products write dQ, dK and dV, with no zeroed buffers to add to.
+        direct = _one_backward_span(plans, k_tiles, T, G) and item.slope_min is None  # ALiBi may skip it (below_floor)
+        dq_b = (np.empty if direct else np.zeros)((nk, T * G, H), dtype=dtype)
         # S_ij - lse_i >= -|base scale q_i| max_j |k_j| - lse_i (the forward's bound), per query tile
         q_norms = _position_major(q_norms3[b, heads], nk) * abs(scale * base)  # (nk, T*G) |base scale q_i|
         bounds = [
@@ -1494,8 +1508,9 @@ def _backward_call(
         # The query tiles and spans run last first: a causal mask's largest P_ij
         # are on the diagonal, then added last (see _add_row_products).
         for kj, (k0, k1) in enumerate(k_tiles):
-            dk_j[:] = 0
-            dv_j[:] = 0
+            if not direct:
+                dk_j[:] = 0
+                dv_j[:] = 0
             for plan, (q_norm_max, lse_min, lse_max) in reversed(list(zip((row[kj] for row in plans), bounds))):
                 for span in reversed(plan):
                     r, (c0, c1) = _rows(span, 0, G), span[2:4]
@@ -1527,7 +1542,10 @@ def _backward_call(
                     drop = item.dropout_scale(*span[:4])
                     p_dropped = p if drop is None else p * drop
                     partial = bool(span[4])  # some entries hidden: a diagonal, an edge
-                    _add_row_products(dv_j[:, cols], p_dropped, do_b[:, r], dv_tmp[:, :tk], partial, G)  # (nk, tk, Hv)
+                    if direct:  # (nk, tk, R) @ (nk, R, Hv) -> (nk, tk, Hv)
+                        np.matmul(np.swapaxes(p_dropped, -1, -2), do_b[:, r], out=dv_j[:, cols])
+                    else:
+                        _add_row_products(dv_j[:, cols], p_dropped, do_b[:, r], dv_tmp[:, :tk], partial, G)
                     ds = _buffer(dp_flat, nk, R, tk)
                     np.matmul(doa[:, r], vTa[..., c0:c1], out=ds)  # (nk, R, Hv+1) @ (nk, Hv+1, tk) -> dP [- D]
                     if drop is not None:
@@ -1543,6 +1561,10 @@ def _backward_call(
                         alibi_g += item.alibi_grad(ds, *span[:4])
                     if t is not None:  # dR_ij: through the softcap (the pipeline's derivative)
                         softcap_backward_inplace(np, t, ds)
+                    if direct:  # (nk, R, tk) @ (nk, tk, H) -> (nk, R, H); (nk, tk, R) @ (nk, R, H) -> (nk, tk, H)
+                        np.matmul(ds, k3[b, kvs, c0:c1], out=dq_b[:, r])
+                        np.matmul(np.swapaxes(ds, -1, -2), q_b[:, r], out=dk_j[:, cols])
+                        continue
                     np.matmul(ds, k3[b, kvs, c0:c1], out=dq_tmp[:, :R])  # (nk, R, tk) @ (nk, tk, H) -> (nk, R, H)
                     dq_b[:, r] += dq_tmp[:, :R]
                     _add_row_products(dk_j[:, cols], ds, q_b[:, r], dk_tmp[:, :tk], partial, G)  # (nk, tk, H)

@@ -766,6 +766,37 @@ def test_an_item_with_one_span_over_all_its_rows_writes_its_sums_directly(monkey
     assert seen and set(seen) == {single}
 
 
+@pytest.mark.parametrize(
+    "N, K, T, options, direct",
+    [
+        (2, 2, 128, {}, True),  # one whole tile
+        (2, 2, 128, {"causal": True}, True),  # one partial span, one head per kv head
+        (4, 2, 128, {"causal": True}, False),  # two heads: _add_row_products cuts it head by head
+        (2, 2, 128, {"kv_lengths": np.array([100])}, False),  # the span stops short of the key tile
+        (2, 2, 600, {}, False),  # two key tiles
+        (2, 2, 256, {"causal": True}, False),  # two 128-row query tiles
+    ],
+    ids=["full", "causal", "causal GQA", "kv_lengths", "two key tiles", "causal 256"],
+)
+def test_a_backward_item_with_one_span_writes_its_gradients_directly(monkeypatch, N, K, T, options, direct):
+    """Where an item's plans are one span over every query and the one key
+    tile, its products write dQ, dK and dV rather than adding to zeroed
+    buffers (no call of ``_add_row_products``); either way the gradients are
+    the generic path's."""
+    added = []
+    real = fast_numpy._add_row_products
+    monkeypatch.setattr(fast_numpy, "_add_row_products", lambda *args: added.append(1) or real(*args))
+    rng = np.random.default_rng(9)
+    q, dout = (rng.standard_normal((1, N, T, 8)) for _ in range(2))
+    k, v = (rng.standard_normal((1, K, T, 8)) for _ in range(2))
+    spec = make_spec(q, k, v, impl="chunked", **options)
+    q_tiles, k_tiles = (tile_ranges(n, block) for n, block in zip((T, T), fast_numpy._blocks(spec)))
+    plans = fast_numpy._batch_plans(spec, q_tiles, k_tiles)[0]
+    assert fast_numpy._one_backward_span(plans, k_tiles, T, N // K) == direct
+    _assert_fast_equals_generic(spec, q, k, v, dout)
+    assert bool(added) != direct
+
+
 def _zero_reference(q, k, v, **options):
     """Whether the fast forward keeps every row at the reference 0 for these inputs."""
     spec = make_spec(q, k, v, impl="chunked", **options)
