@@ -36,14 +36,19 @@ __all__ = ["handles", "matmul", "POOL_MIN_MACS", "PART_MACS", "POOL_MAX_PARTS"]
 POOL_MIN_MACS = 2**27
 
 #: ... in one row block per this many multiply-adds, at least 2 and at most
-#: :data:`POOL_MAX_PARTS`: measured on 2 cores, float32, pool ÷ OpenBLAS
-#: time in loops of each, 512x512x512 in 2 blocks 0.89, in 4 1.00;
-#: 2048x512x512 in 2 1.04-1.08, in 4 1.06-1.15, in 8 1.12.
-PART_MACS = 2**27
+#: :data:`POOL_MAX_PARTS`: each block packs all of ``b`` again, so fewer,
+#: larger blocks do less of it. Measured on 2 cores, float32, pool ÷
+#: OpenBLAS time in loops of each: 512x512x512 in 2 blocks 0.89, in 4 1.00;
+#: 2048x512x512 in 2 1.04-1.08, in 4 1.06-1.15, in 8 1.12; the layer
+#: (E=512, 8 heads, B=8, T=256), 2 blocks ÷ 4 (``bench_workloads.py --rows
+#: MHA --base``, two runs): forward 0.96-0.97, forward+backward 0.97-0.99.
+PART_MACS = 2**29
 
 #: The most row blocks of one product, whatever the thread count (the
-#: blocks, and so the bits, depend on the shapes alone).
-POOL_MAX_PARTS = 4
+#: blocks, and so the bits, depend on the shapes alone): a product of
+#: ``2**33`` multiply-adds (the projections of 16384 tokens at E=4096) runs
+#: on up to 16 threads.
+POOL_MAX_PARTS = 16
 
 
 def handles(xp: Any, dtype: Any) -> bool:

@@ -47,13 +47,14 @@ def test_pooled_products_equal_one_product(monkeypatch, dtype, transposed):
 def test_the_block_count_follows_the_size_within_its_bounds(monkeypatch):
     monkeypatch.setattr(linear_numpy, "POOL_MIN_MACS", 64)
     monkeypatch.setattr(linear_numpy, "PART_MACS", 64)
+    monkeypatch.setattr(linear_numpy, "POOL_MAX_PARTS", 4)
     seen = _blocks_seen(monkeypatch)
     x = np.ones((3, 4))
     np.testing.assert_array_equal(linear_numpy.matmul(x, np.ones((4, 4))), np.full((3, 4), 4.0))  # 48 < 64: one call
     np.testing.assert_array_equal(linear_numpy.matmul(x, np.ones((4, 8))), np.full((3, 8), 4.0))  # 96: 2 blocks
     np.testing.assert_array_equal(linear_numpy.matmul(np.ones((9, 4)), np.ones((4, 64))), np.full((9, 64), 4.0))
     np.testing.assert_array_equal(linear_numpy.matmul(np.ones((2, 64)), np.ones((64, 64))), np.full((2, 64), 64.0))
-    assert [len(blocks) for blocks in seen] == [2, linear_numpy.POOL_MAX_PARTS, 2]  # 9*4*64 = 36 parts' worth; M = 2
+    assert [len(blocks) for blocks in seen] == [2, 4, 2]  # 96 // 64 = 1 -> 2; 9*4*64 // 64 = 36 -> 4; M = 2
 
 
 @pytest.mark.parametrize("workers", ["1", "2", "3"])
