@@ -1335,8 +1335,8 @@ class _Sums:
     An item whose one span covers all its rows (``single_span``: a whole
     tile at the zero reference, as every item of full attention up to
     T=S=512) has its products write ``l`` and ``acc`` directly, with no
-    zeroed buffers to add them to: 0.96x the forward's time at B=32, N=8,
-    T=S=128 and 0.94x at B=16, N=12, T=S=64 (1.00x at B=8, N=8, T=S=256;
+    zeroed buffers to add them to: 0.97x the forward's time at B=32, N=8,
+    T=S=128 and 0.93x at B=16, N=12, T=S=64 (1.00x at B=8, N=8, T=S=256;
     one process, interleaved, 2 cores). The same numbers but for the sign
     of a zero (``0 + (-0) = +0``)."""
 
