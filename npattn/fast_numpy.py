@@ -366,8 +366,13 @@ def _augmented_transposed(x3: Any, dtype: Any, *, ones: bool = True, scale: Any 
     row of ones appended, so that ``[a, c] @ [x^T; 1] = a x^T + c`` adds a
     per-row constant ``c`` inside the matrix product; ``x^T`` alone, ``(...,
     D, L)``, without ``ones`` (the forward's zero reference has no ``c``);
-    ``[scale x^T; 1]`` with a ``scale``."""
+    ``[scale x^T; 1]`` with a ``scale``. Rows that are not contiguous (the
+    multi-head layer's split heads, ``E`` floats apart) are copied first:
+    transposed where they lie, 4 kv heads of 256 keys took 171 us against
+    49 us with the copy (38 us from contiguous rows)."""
     *lead, L, D = x3.shape
+    if x3.strides[-1] != x3.itemsize or x3.strides[-2] != D * x3.itemsize:
+        x3 = np.ascontiguousarray(x3)  # (..., L, D)
     xt = np.empty((*lead, D + ones, L), dtype=dtype)
     if ones:
         xt[..., D, :] = 1

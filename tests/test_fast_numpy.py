@@ -258,6 +258,22 @@ def test_strided_heads_fold_only_where_elements_could_share_an_item():
     _assert_fast_equals_generic(spec, large, large, large, rng.standard_normal(large.shape))
 
 
+@pytest.mark.parametrize("ones", [True, False])
+@pytest.mark.parametrize("scale", [None, 0.5])
+def test_keys_transpose_alike_from_strided_and_contiguous_rows(ones, scale):
+    """``[scale K^T; 1]`` from the layer's strided heads (copied first) is
+    the same bits as from contiguous ones, and the input is left alone."""
+    rng = np.random.default_rng(5)
+    split = rng.standard_normal((1, 300, 3 * 8)).reshape(1, 300, 3, 8).transpose(0, 2, 1, 3)[0]  # (3, 300, 8) view
+    before = split.copy()
+    strided = fast_numpy._augmented_transposed(split, np.float64, ones=ones, scale=scale)
+    contiguous = fast_numpy._augmented_transposed(np.ascontiguousarray(split), np.float64, ones=ones, scale=scale)
+    np.testing.assert_array_equal(strided, contiguous)
+    np.testing.assert_array_equal(split, before)
+    assert strided.shape == (3, 8 + ones, 300) and strided.flags.c_contiguous
+    np.testing.assert_array_equal(strided[:, :8], np.swapaxes(split, -1, -2) * (1 if scale is None else scale))
+
+
 @pytest.mark.parametrize(
     "options",
     [
