@@ -149,7 +149,7 @@ import dataclasses
 import itertools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import array_api_compat
@@ -962,7 +962,7 @@ def _add_row_products(acc: Any, a: Any, b: Any, tmp: Any, partial: bool, G: int)
     rows at a time (strided views, no copy), in short products last
     positions first, keep those roundings few (see the module docstring)."""
     R = a.shape[-2]
-    if not partial or (G <= 1 and R <= ROW_CHUNK):  # G = 0: no query heads, R = 0
+    if not _cuts_row_products(partial, G, R):
         np.matmul(np.swapaxes(a, -1, -2), b, out=tmp)  # (..., n, R) @ (..., R, m) -> (..., n, m)
         acc += tmp
         return
@@ -977,15 +977,27 @@ def _add_row_products(acc: Any, a: Any, b: Any, tmp: Any, partial: bool, G: int)
             acc += tmp
 
 
+def _cuts_row_products(partial: bool, G: int, R: int) -> bool:
+    """Whether :func:`_add_row_products` cuts the products of a span of ``R``
+    rows (``G`` heads stacked): where some entries are hidden, unless one
+    head (or none, ``R = 0``) of at most :data:`ROW_CHUNK` rows."""
+    return partial and not (G <= 1 and R <= ROW_CHUNK)
+
+
+def _only_span(plans: Iterable[list[tuple]]) -> tuple | None:
+    """The one span of these tile plans; None where they hold none or several."""
+    spans = [span for plan in plans for span in plan]
+    return spans[0] if len(spans) == 1 else None
+
+
 def _one_backward_span(plans: list, k_tiles: list, T: int, G: int) -> bool:
     """Whether a backward item's ``plans [qi][kj]`` are one span over all
     ``T`` query positions and the one key tile, whose products
-    :func:`_add_row_products` would not cut (none hidden, or one head of at
-    most :data:`ROW_CHUNK` rows)."""
-    spans = [span for row in plans for plan in row for span in plan]
-    if len(k_tiles) != 1 or len(spans) != 1 or spans[0][:4] != (0, T, *k_tiles[0]):
+    :func:`_add_row_products` would not cut."""
+    span = _only_span(plan for row in plans for plan in row)
+    if len(k_tiles) != 1 or span is None or span[:4] != (0, T, *k_tiles[0]):
         return False
-    return not spans[0][4] or (G <= 1 and T <= ROW_CHUNK)
+    return not _cuts_row_products(bool(span[4]), G, T * G)
 
 
 def _rows(span: tuple, q0: int, G: int) -> slice:
@@ -1189,8 +1201,8 @@ class _Forward:
     def _one_span_over_all_rows(self, b: int, qi: int) -> bool:
         """Whether batch element ``b``'s query tile ``qi`` runs one span, over
         all of its rows (at the zero reference every span runs)."""
-        spans = [span for plan in self.plans[b][qi] for span in plan]
-        return len(spans) == 1 and spans[0][:2] == self.q_tiles[qi]
+        span = _only_span(self.plans[b][qi])
+        return span is not None and span[:2] == self.q_tiles[qi]
 
     def _spans_at_zero_reference(self, item: _Item, g: int, qi: int, q0: int, qa: Any, sums: _Sums) -> None:
         """The spans of one query tile with every row's reference at 0."""
@@ -1569,10 +1581,10 @@ def _backward_call(
                     if direct:  # (nk, R, tk) @ (nk, tk, H) -> (nk, R, H); (nk, tk, R) @ (nk, R, H) -> (nk, tk, H)
                         np.matmul(ds, k3[b, kvs, c0:c1], out=dq_b[:, r])
                         np.matmul(np.swapaxes(ds, -1, -2), q_b[:, r], out=dk_j[:, cols])
-                        continue
-                    np.matmul(ds, k3[b, kvs, c0:c1], out=dq_tmp[:, :R])  # (nk, R, tk) @ (nk, tk, H) -> (nk, R, H)
-                    dq_b[:, r] += dq_tmp[:, :R]
-                    _add_row_products(dk_j[:, cols], ds, q_b[:, r], dk_tmp[:, :tk], partial, G)  # (nk, tk, H)
+                    else:
+                        np.matmul(ds, k3[b, kvs, c0:c1], out=dq_tmp[:, :R])  # (nk, R, tk) @ (nk, tk, H) -> (nk, R, H)
+                        dq_b[:, r] += dq_tmp[:, :R]
+                        _add_row_products(dk_j[:, cols], ds, q_b[:, r], dk_tmp[:, :tk], partial, G)  # (nk, tk, H)
             dk_j *= dk_factor
             dk[b, kvs, k0:k1] = dk_j[:, : k1 - k0]
             dv[b, kvs, k0:k1] = dv_j[:, : k1 - k0]
