@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from npattn.dense_numpy import LIST_SEARCH_ROWS
 from npattn.softmax import masked_softmax, softmax_backward
 
 
@@ -56,6 +57,24 @@ def test_numpy_softmax_fully_masked_rows_are_zero_with_lse_minus_infinity(dtype)
     assert lse[1] == -np.inf and lse[2] == -np.inf
     np.testing.assert_allclose(p[0], [1 / (1 + np.e), np.e / (1 + np.e), 0.0], rtol=1e-6)
     np.testing.assert_allclose(lse[0], np.logaddexp(1.0, 2.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [LIST_SEARCH_ROWS, LIST_SEARCH_ROWS + 1])
+@pytest.mark.parametrize("nan_row", [False, True])
+def test_numpy_softmax_finds_a_fully_masked_row_by_either_search(rows, nan_row):
+    # Up to LIST_SEARCH_ROWS row maxima are searched as a list, above by a reduction;
+    # either finds the empty last row, also beside a NaN row (which stays NaN).
+    s = np.random.default_rng(rows).standard_normal((2, rows, 5))
+    if nan_row:
+        s[0, 0, 2] = np.nan
+    visible = np.ones(s.shape, dtype=bool)
+    visible[1, -1] = False
+    p, lse = masked_softmax(xnp, s, visible)
+    p_ref, lse_ref = masked_softmax(xs, xs.asarray(s), xs.asarray(visible))
+    np.testing.assert_array_equal(p, np.asarray(p_ref))
+    np.testing.assert_array_equal(lse, np.asarray(lse_ref))
+    assert lse[1, -1] == -np.inf and not p[1, -1].any()
+    assert np.isnan(lse[0, 0]) == nan_row and not np.isnan(lse[1:]).any()
 
 
 @settings(max_examples=30, deadline=None)
