@@ -138,7 +138,9 @@ def test_batch_plans_cover_each_elements_visible_entries_once_and_mask_only_its_
     """With lengths or segment ids each batch element plans its own square
     (:func:`npattn.fast_numpy._batch_plans`): no span reaches past its
     ``q_len`` rows or ``kv_len`` keys, every entry it sees is in one span,
-    and every entry left unmasked is visible to it."""
+    every entry left unmasked is visible to it, and a hidden range's mask
+    built with the plans (inside one document, or without ids) is exactly
+    what it hides."""
     case = data.draw(attention_cases(max_len=12, features=("causal", "window", "lengths", "segments")))
     spec = make_spec(*case.arrays, impl="chunked", **case.options)
     T, S, Bf = spec.q_len, spec.kv_len, spec.num_batch
@@ -160,8 +162,12 @@ def test_batch_plans_cover_each_elements_visible_entries_once_and_mask_only_its_
                     assert p1 <= q_lens[b] and c1 <= kv_lens[b], "a span reaches into the padding"
                     covered[p0:p1, c0:c1] += 1
                     unmasked[p0:p1, c0:c1] = True
-                    for j0, j1, _ in hidden:
+                    for j0, j1, rows_hidden in hidden:
                         unmasked[p0:p1, j0:j1] = False
+                        if rows_hidden is not None:  # (tq*G, tk), row t*G + g for position t
+                            by_position = rows_hidden.reshape(p1 - p0, -1, j1 - j0)
+                            expected = np.broadcast_to(~visible[p0:p1, None, j0:j1], by_position.shape)
+                            assert np.array_equal(by_position, expected), "a built mask is not what the rules hide"
         assert covered.max(initial=0) <= 1, "spans overlap"
         assert np.all(covered[visible] == 1), "a visible entry is in no span"
         assert np.all(visible[unmasked]), "an entry left unmasked is hidden from this element"
