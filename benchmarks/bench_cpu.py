@@ -13,7 +13,8 @@ same run, and npattn's peak traced memory.
 
 FLOPs are counted as the issue fixes them: forward ``4 B N T S H`` (halved
 for causal, whose hidden half is skipped), backward 2.5x the forward.
-Times are the best of ``--repeats`` runs after one warm-up.
+Times are the best of ``--repeats`` calls of each side in turn, each call
+after ``SETTLE_S`` of the same side's untimed calls.
 
 A second table times the variants of the score pipeline at the same shape
 (``--no-variants`` skips it), each beside plain attention of that shape in
@@ -73,16 +74,32 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
+#: Seconds of untimed calls of a function before each of its timed calls
+#: (at least one call): the other library's idle threads stop spinning
+#: meanwhile, and this one's are awake, as in a loop of its own calls. A
+#: pause instead (0.3 s of sleep, before 2026-11-26) left the VM's cores
+#: cold: a packed-documents forward of 39-40 ms back to back took 44-83 ms
+#: after each pause, a causal one of 116-120 ms 120-168 ms, which skewed
+#: every ratio of a short call to a long one.
+SETTLE_S = 0.15
+
+
+def _settle(fn, seconds: float) -> None:
+    """Untimed calls of ``fn`` for ``seconds``, at least one."""
+    deadline = time.perf_counter() + seconds
+    fn()
+    while time.perf_counter() < deadline:
+        fn()
+
+
 def _best_side_by_side(fns: dict, repeats: int) -> dict:
     """Best time of each function, running them in turn ``repeats`` times so
-    that a slow spell of the machine hits all of them alike. The pauses let
-    one library's spinning worker threads go idle before the other runs."""
+    that a slow spell of the machine hits all of them alike, each timed call
+    after :data:`SETTLE_S` of the same function's untimed calls."""
     best = {name: float("inf") for name in fns}
-    for fn in fns.values():
-        fn()  # warm-up
     for _ in range(repeats):
         for name, fn in fns.items():
-            time.sleep(0.3)
+            _settle(fn, SETTLE_S)
             start = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - start)
