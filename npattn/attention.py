@@ -98,6 +98,11 @@ class DenseResiduals(AttentionResiduals):
 
     probs: Any = None
 
+    def __init__(self, spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, probs: Any = None):
+        # The frozen dataclass's own __init__ sets each field through object.__setattr__:
+        # 0.8 us against 0.4 here, on the floor of every small call.
+        self.__dict__.update(spec=spec, q=q, k=k, v=v, out=out, lse=lse, probs=probs)
+
 
 @dataclass(frozen=True, eq=False)
 class ChunkedResiduals(AttentionResiduals):
@@ -111,6 +116,9 @@ class ChunkedResiduals(AttentionResiduals):
     """
 
     kernel: str = "generic"
+
+    def __init__(self, spec: AttentionSpec, q: Any, k: Any, v: Any, out: Any, lse: Any, kernel: str = "generic"):
+        self.__dict__.update(spec=spec, q=q, k=k, v=v, out=out, lse=lse, kernel=kernel)  # as DenseResiduals'
 
 
 def attention_forward(

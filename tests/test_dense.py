@@ -4,6 +4,7 @@ CONVENTIONS §1."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from unittest import mock
 
@@ -215,6 +216,25 @@ def test_backward_can_run_twice_on_the_same_residuals():
     g2 = npattn.attention_backward(np.ones_like(out), res)
     for a, b in zip(g1[:3], g2[:3]):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("impl", ["dense", "chunked"])
+def test_residuals_hold_every_field_and_stay_frozen(impl):
+    """The residual classes set their fields in their own ``__init__`` (for the
+    per-call floor), still as frozen dataclasses: every field readable, none
+    assignable, and the dataclass's repr and fields as generated."""
+    q, k, v = _qkv()
+    out, res = npattn.attention_forward(q, k, v, impl=impl)
+    names = [field.name for field in dataclasses.fields(res)]
+    extra = "probs" if impl == "dense" else "kernel"
+    assert names == ["spec", "q", "k", "v", "out", "lse", extra]
+    assert res.q is q and res.k is k and res.v is v and res.out is out and res.lse.shape == out.shape[:-1]
+    assert (res.probs.shape == q.shape[:-1] + (k.shape[-2],)) if impl == "dense" else res.kernel == "numpy"
+    assert repr(res).startswith(type(res).__name__ + "(spec=")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        res.out = None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(res, extra, None)
 
 
 def test_bias_gradient_is_summed_to_the_bias_shape():
