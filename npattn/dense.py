@@ -115,7 +115,7 @@ def raw_scores(spec: AttentionSpec, q: Any, k: Any) -> Any:
     qs = by_kv_head(xp, spec.scale * q, spec.num_kv_heads)  # (..., K, G*T, H)
     qs_t = xp.matrix_transpose(qs)  # (..., K, H, G*T), a transposed view
     if dense_numpy.handles(xp, qs.dtype):
-        qs_t = dense_numpy.narrow_columns(qs_t)
+        qs_t = dense_numpy.narrow_columns(qs_t, k.shape[-2])
     products = xp.matrix_transpose(k @ qs_t)  # (..., K, G*T, S), a transposed view
     return by_query_head(xp, products, spec.num_heads, spec.q_len)  # (..., N, T, S)
 
@@ -161,7 +161,10 @@ def dense_backward(
     p_dropped = p if drop is None else p * drop  # (..., N, T, S)
     dout_g = by_kv_head(xp, dout, K)  # (..., K, G*T, Hv)
     dv = xp.matrix_transpose(by_kv_head(xp, p_dropped, K)) @ dout_g  # (..., K, S, Hv)
-    dp_g = xp.matrix_transpose(v @ xp.matrix_transpose(dout_g))  # (..., K, G*T, S): (V dO^T)^T, as in raw_scores
+    dout_t = xp.matrix_transpose(dout_g)  # (..., K, Hv, G*T), a transposed view
+    if dense_numpy.handles(xp, dout_t.dtype):
+        dout_t = dense_numpy.narrow_columns(dout_t, v.shape[-2])
+    dp_g = xp.matrix_transpose(v @ dout_t)  # (..., K, G*T, S): (V dO^T)^T, as in raw_scores
     dp = by_query_head(xp, dp_g, N, spec.q_len)  # (..., N, T, S)
     if drop is not None:
         dp = dp * drop

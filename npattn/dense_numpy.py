@@ -201,10 +201,8 @@ def plain_forward(
             return chunked
     grouped = N != K  # G > 1 query heads per kv head, stacked as G*T rows (reshapes that are no-ops else)
     rows = (N // K) * T if K else 0  # G*T
-    qs = spec.scale * q
-    if grouped:
-        qs = qs.reshape((*lead, K, rows, H))  # (..., K, G*T, H)
-    qs_t = narrow_columns(qs.swapaxes(-1, -2))  # (..., K, H, G*T)
+    q_g = q.reshape((*lead, K, rows, H)) if grouped else q  # (..., K, G*T, H)
+    qs_t = scaled_transpose(q_g, spec.scale, S)  # (..., K, H, G*T)
     # (..., K, S, H) @ (..., K, H, G*T): K Q^T (the operator where no buffer is given: a small call's floor)
     products = k @ qs_t if products is None else np.matmul(k, qs_t, out=products)
     s = products.swapaxes(-1, -2)  # (..., K, G*T, S): (K Q^T)^T
@@ -289,7 +287,8 @@ def plain_backward(
     dout_g = np.reshape(dout, (*lead, K, rows, Hv))  # (..., K, G*T, Hv)
     p_t = np.swapaxes(np.reshape(p, (*lead, K, rows, S)), -1, -2)  # (..., K, S, G*T)
     dv = p_t @ dout_g if grads is None else np.matmul(p_t, dout_g, out=grads[2])  # (..., K, S, Hv)
-    dp = np.reshape(np.swapaxes(v @ np.swapaxes(dout_g, -1, -2), -1, -2), (*lead, N, T, S))  # (..., N, T, S)
+    dout_t = narrow_columns(np.swapaxes(dout_g, -1, -2), S)  # (..., K, Hv, G*T)
+    dp = np.reshape(np.swapaxes(v @ dout_t, -1, -2), (*lead, N, T, S))  # (..., N, T, S): (V dO^T)^T
     D = np.sum(dout * out, axis=-1, keepdims=True)  # (..., N, T, 1): rowsum(P * dP), over Hv not S
     if dlse is not None:
         D = D - dlse[..., None]
@@ -333,20 +332,56 @@ def _backward_in_chunks(
 
 
 #: A product's right-hand operand with at most this many columns is made
-#: C-contiguous first (:func:`narrow_columns`).
+#: C-contiguous first (:func:`contiguous_columns`): decoding's few queries.
 NARROW_COLUMNS = 8
 
+#: ... and with at most this many, against between :data:`SHORT_KEYS`
+#: keys: short sequences' square heads.
+SHORT_COLUMNS = 64
+SHORT_KEYS = (32, 256)
 
-def narrow_columns(x: np.ndarray) -> np.ndarray:
-    """``x`` (..., H, n) as a C-contiguous copy when ``n <= NARROW_COLUMNS``,
-    else as it is. OpenBLAS multiplies a row-major ``K`` by a contiguous
-    block of a few columns up to 2.2x faster than by the transposed view of
-    a few rows (decoding: 4 query heads per kv head, S=512: 0.46x the
-    product's time; never slower from 1 to 8 columns, S=512 or 4096); from
-    16 columns the view is as fast or faster.
+
+def contiguous_columns(columns: int, keys: int) -> bool:
+    """Whether ``K (keys, H)`` times ``columns`` query columns takes them as
+    a C-contiguous block rather than as the transposed view of their rows.
+
+    OpenBLAS multiplies a row-major ``K`` by a contiguous block of columns
+    faster than by a transposed view: up to 2.2x at 1 to 8 columns (decoding:
+    4 query heads per kv head, S=512: 0.46x the product's time; never slower
+    at S=512 or 4096), and 1.3-2.2x at 16 to 64 columns against 32 to 128 keys
+    (8 heads, H=16 to 128, one thread), where from 512 keys the view is as
+    fast. The copy costs a pass that NumPy transposes at about 0.4 ns an
+    entry: it pays from about 32 keys, and not for the tiny call (16x16).
+
+    >>> contiguous_columns(4, 8192), contiguous_columns(64, 64), contiguous_columns(64, 512), contiguous_columns(16, 16)
+    (True, True, False, False)
+    """
+    return columns <= NARROW_COLUMNS or (columns <= SHORT_COLUMNS and SHORT_KEYS[0] <= keys <= SHORT_KEYS[1])
+
+
+def narrow_columns(x: np.ndarray, keys: int) -> np.ndarray:
+    """``x`` (..., H, n) as a C-contiguous copy where :func:`contiguous_columns`
+    says so for ``keys`` keys, else as it is.
 
     >>> x = np.zeros((4, 128), dtype=np.float32).T  # (128, 4): a transposed view
-    >>> narrow_columns(x).flags["C_CONTIGUOUS"], narrow_columns(np.zeros((16, 128)).T) is not None
-    (True, True)
+    >>> narrow_columns(x, 512).flags["C_CONTIGUOUS"], narrow_columns(np.zeros((16, 128)).T, 512).flags["C_CONTIGUOUS"]
+    (True, False)
     """
-    return np.ascontiguousarray(x) if x.shape[-1] <= NARROW_COLUMNS else x
+    return np.ascontiguousarray(x) if contiguous_columns(x.shape[-1], keys) else x
+
+
+def scaled_transpose(x: np.ndarray, scale: Any, keys: int) -> np.ndarray:
+    """``narrow_columns((scale * x)^T, keys)`` in one pass: ``(..., n, H) ->
+    (..., H, n)``, ``scale * x`` written in the transposed layout where
+    :func:`contiguous_columns` says so, else the transposed view of ``scale
+    * x``. The same values either way, so the same product's bits. ``scale``
+    is a Python float, which keeps ``x``'s dtype.
+
+    >>> x = np.arange(6.0).reshape(3, 2)
+    >>> scaled_transpose(x, 2.0, 512).tolist(), scaled_transpose(x, 2.0, 512).flags["C_CONTIGUOUS"]
+    ([[0.0, 4.0, 8.0], [2.0, 6.0, 10.0]], True)
+    """
+    if not contiguous_columns(x.shape[-2], keys):
+        return np.swapaxes(scale * x, -1, -2)
+    x_t = np.swapaxes(x, -1, -2)  # (..., H, n), a view
+    return np.multiply(x_t, scale, out=np.empty(x_t.shape, dtype=x.dtype))

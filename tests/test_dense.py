@@ -319,6 +319,44 @@ def test_a_call_without_options_takes_the_plain_lane_with_the_general_paths_bits
         np.testing.assert_array_equal(getattr(grads, name), getattr(ref_grads, name), err_msg=name)
 
 
+@pytest.mark.parametrize(
+    "T, S, G, contiguous",
+    [
+        (64, 64, 1, True),
+        (16, 64, 4, True),
+        (1, 512, 4, True),
+        (16, 16, 1, False),
+        (128, 128, 1, False),
+        (64, 512, 1, False),
+    ],
+)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_queries_taken_as_contiguous_columns_keep_the_general_paths_bits(T, S, G, contiguous, dtype):
+    """Where :func:`npattn.dense_numpy.contiguous_columns` takes the scaled
+    queries' transpose as a contiguous block (decoding's few columns, short
+    square heads) and where not, the plain lane and the general dense code
+    multiply the same layout and give the same bits, forward and backward."""
+    from npattn import dense_numpy
+    from npattn.options import AttentionSpec
+
+    assert dense_numpy.contiguous_columns(G * T, S) is contiguous
+    rng = np.random.default_rng(T + S + G)
+    q = rng.standard_normal((2, 2 * G, T, 16)).astype(dtype)
+    k, v = (rng.standard_normal((2, 2, S, 16)).astype(dtype) for _ in range(2))
+    q_t = dense_numpy.scaled_transpose(q.reshape(2, 2, G * T, 16), 0.25, S)
+    assert q_t.flags.c_contiguous is contiguous and np.array_equal(
+        q_t, np.swapaxes(0.25 * q.reshape(2, 2, G * T, 16), -1, -2)
+    )
+    out, res = npattn.attention_forward(q, k, v, impl="dense")
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    grads = npattn.attention_backward(dout, res)
+    with mock.patch.object(AttentionSpec, "scores_are_raw", property(lambda spec: False)):  # the general code
+        ref, ref_res = npattn.attention_forward(q, k, v, impl="dense")
+        ref_grads = npattn.attention_backward(dout, ref_res)
+    for a, b in ((out, ref), (res.lse, ref_res.lse), (res.probs, ref_res.probs), *zip(grads[:3], ref_grads[:3])):
+        np.testing.assert_array_equal(a, b)
+
+
 @settings(max_examples=60, deadline=None)
 @given(case=attention_cases(features=("mask", "causal", "window", "lengths", "segments", "sinks", "masked_row")))
 def test_raw_scores_with_hidden_keys_take_the_numpy_lane_with_the_general_paths_bits(case):
