@@ -348,10 +348,11 @@ def contiguous_columns(columns: int, keys: int) -> bool:
     OpenBLAS multiplies a row-major ``K`` by a contiguous block of columns
     faster than by a transposed view: up to 2.2x at 1 to 8 columns (decoding:
     4 query heads per kv head, S=512: 0.46x the product's time; never slower
-    at S=512 or 4096), and 1.3-2.2x at 16 to 64 columns against 32 to 128 keys
-    (8 heads, H=16 to 128, one thread), where from 512 keys the view is as
-    fast. The copy costs a pass that NumPy transposes at about 0.4 ns an
-    entry: it pays from about 32 keys, and not for the tiny call (16x16).
+    at S=512 or 4096), and 1.3-2.2x at 16 to 64 columns against 32 to 192
+    keys (8 heads, H=16 to 128, one thread). At 256 keys and 64 columns it is
+    1.07-1.08x, and the copy about evens that out: NumPy transposes at about
+    0.4 ns an entry. The copy pays from about 32 keys, and not for the tiny
+    call (16x16).
 
     >>> contiguous_columns(4, 8192), contiguous_columns(64, 64), contiguous_columns(64, 512), contiguous_columns(16, 16)
     (True, True, False, False)
