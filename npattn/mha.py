@@ -826,7 +826,8 @@ def mha_backward(dy, residuals, /) -> MHAGrads:
     dparams = {name: xp.astype(by_name[name], dtype, copy=False) for name, dtype in residuals.param_dtypes.items()}
     kind = residuals.context_kind
     if kind == "self":
-        dx = dx + d_key_source + d_value_source  # x fed queries, keys and values
+        dx += d_key_source  # x fed queries, keys and values; in place: dx is the product's own fresh array
+        dx += d_value_source
         dcontext = None
     elif kind == "single":
         dcontext = xp.astype(d_key_source + d_value_source, residuals.dtype, copy=False)
