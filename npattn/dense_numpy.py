@@ -383,6 +383,6 @@ def scaled_transpose(x: np.ndarray, scale: Any, keys: int) -> np.ndarray:
     ([[0.0, 4.0, 8.0], [2.0, 6.0, 10.0]], True)
     """
     if not contiguous_columns(x.shape[-2], keys):
-        return np.swapaxes(scale * x, -1, -2)
-    x_t = np.swapaxes(x, -1, -2)  # (..., H, n), a view
+        return (scale * x).swapaxes(-1, -2)  # the method: np.swapaxes' wrapper costs 0.3 us on a small call's floor
+    x_t = x.swapaxes(-1, -2)  # (..., H, n), a view
     return np.multiply(x_t, scale, out=np.empty(x_t.shape, dtype=x.dtype))

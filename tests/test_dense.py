@@ -291,6 +291,7 @@ def test_a_call_without_options_takes_the_plain_lane_with_the_general_paths_bits
     (:func:`npattn.dense_numpy.plain_forward` / ``plain_backward``) give the
     general dense code's bits (which runs when ``scores_are_raw`` is False),
     forward and backward, GQA and empty sizes included."""
+    from npattn.attention import plain_call_spec
     from npattn.options import AttentionSpec, make_spec, plain_spec
     from npattn.scores.visibility import visible_tile
 
@@ -310,8 +311,10 @@ def test_a_call_without_options_takes_the_plain_lane_with_the_general_paths_bits
     dout = rng.standard_normal(out.shape).astype(dtype)
     dlse = rng.standard_normal(res.lse.shape).astype(dtype) if with_lse else None
     grads = npattn.attention_backward(dout, res, dlse=dlse)
-    with mock.patch.object(AttentionSpec, "scores_are_raw", property(lambda spec: False)):  # the general code
-        ref, ref_res = npattn.attention_forward(q, k, v)
+    assert res.spec is plain_call_spec(q, k, v)  # the plain lane: no dispatch between the cached spec and the kernel
+    # impl="dense" takes make_spec and the general dispatch, where the patch selects the general code
+    with mock.patch.object(AttentionSpec, "scores_are_raw", property(lambda spec: False)):
+        ref, ref_res = npattn.attention_forward(q, k, v, impl="dense")
         ref_grads = npattn.attention_backward(dout, ref_res, dlse=dlse)
     for a, b in ((out, ref), (res.lse, ref_res.lse), (res.probs, ref_res.probs)):
         np.testing.assert_array_equal(a, b)
