@@ -300,6 +300,37 @@ def test_batch_elements_stay_apart_where_an_option_tells_them_apart(options):
     assert fast_numpy._batch_as_heads(make_spec(q[0, 0], k[0, 0], k[0, 0], impl="chunked")) is None  # one element
 
 
+@pytest.mark.parametrize(
+    ("N", "K", "T", "options", "block_q"),
+    [
+        (8, 8, 2048, {}, 512),
+        (8, 4, 2048, {}, 512),
+        (8, 2, 2048, {}, 256),
+        (8, 1, 2048, {}, 128),
+        (32, 1, 2048, {}, 128),
+        (8, 2, 2048, {"block_q": 512}, 512),  # the caller's size wins
+        (8, 8, 1024, {"causal": True}, 128),  # a short sequence that causal cuts
+        (8, 1, 96, {}, 96),  # clipped to T
+    ],
+)
+def test_query_tiles_hold_at_most_grouped_tile_rows_of_stacked_heads(N, K, T, options, block_q):
+    q, k = np.zeros((1, N, T, 4), np.float32), np.zeros((1, K, T, 4), np.float32)
+    assert fast_numpy._blocks(make_spec(q, k, k, impl="chunked", **options))[0] == block_q
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_grouped_heads_in_short_query_tiles_equal_the_generic_path(causal):
+    """8 query heads on one kv head at T=S=300 with the default tiles: 128
+    positions a query tile (3 tiles, the last cut short), with the generic
+    path's numbers, forward and backward, in float64."""
+    rng = np.random.default_rng(8)
+    q, dout = (rng.standard_normal((2, 8, 300, 8)) for _ in range(2))
+    k, v = (rng.standard_normal((2, 1, 300, 8)) for _ in range(2))
+    spec = make_spec(q, k, v, impl="chunked", causal=causal)
+    assert fast_numpy._blocks(spec) == (128, 300)
+    _assert_fast_equals_generic(spec, q, k, v, dout)
+
+
 def test_padded_keys_and_queries_are_neither_computed_nor_masked(monkeypatch):
     """Padding by ``kv_lengths`` and ``q_lengths`` alone, default tiles: each
     element's spans cover exactly its ``q_len x kv_len`` and need no mask,
