@@ -636,7 +636,7 @@ def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list, masks: dict | None
 
     def tile_plan(q0: int, q1: int, k0: int, k1: int) -> list[tuple]:
         # Inside one document (or without segment ids) the tile's sub-blocks are the
-        # index rules' alone: planned without the ids, 4x faster for packed documents.
+        # index rules' alone: planned without the ids (a packed call's plans 1.8x faster).
         one_document = q0 < q1 and k0 < k1 and segments_hide_nothing(spec, q0, q1, k0, k1)
         rules = positions_only if one_document else spec
         return [with_masks(span, one_document) for span in plan_tile(rules, q0, q1, k0, k1)]
