@@ -17,11 +17,9 @@ differ in its last bits from one call over all rows.
 
 from __future__ import annotations
 
-from typing import Any
-
-import array_api_compat
 import numpy as np
 
+from .dense_numpy import handles  # the same arrays: NumPy in float32 or float64
 from .threads import run_items
 
 __all__ = ["handles", "matmul", "POOL_MIN_MACS", "PART_MACS", "POOL_MAX_PARTS"]
@@ -49,12 +47,6 @@ PART_MACS = 2**29
 #: ``2**33`` multiply-adds (the projections of 16384 tokens at E=4096) runs
 #: on up to 16 threads.
 POOL_MAX_PARTS = 16
-
-
-def handles(xp: Any, dtype: Any) -> bool:
-    """Whether arrays of namespace ``xp`` and ``dtype`` take :func:`matmul`:
-    NumPy in float32 or float64."""
-    return array_api_compat.is_numpy_namespace(xp) and dtype in (np.float32, np.float64)
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
