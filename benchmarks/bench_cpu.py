@@ -30,7 +30,11 @@ has no softcap or sinks in SDPA, so the torch side is:
   ``-m_n |i - j|``, ``(N, T, S)``;
 - packed documents (4 of T/4, causal; T = S): SDPA with the equivalent bool
   mask, causal and same document; npattn takes segment ids and is compared
-  with its causal attention without them.
+  with its causal attention without them;
+- the same documents apart ("docs apart"): the 4 documents as batch
+  elements of length T/4, causal, on both sides. Its "÷ plain" is also
+  against causal attention over T, so the two rows show whether packing
+  costs what the documents would cost separately (issue 14's criterion).
 
 The other three compare with full (non-causal) attention.
 
@@ -230,9 +234,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _documents_apart(x: np.ndarray) -> np.ndarray:
+    """``(B, N, T, D) -> (4 B, N, T / 4, D)``: the 4 packed documents of each
+    batch element as batch elements of their own (a contiguous copy)."""
+    B, N, T, D = x.shape
+    split = x.reshape(B, N, 4, T // 4, D)  # (B, N, 4, T/4, D)
+    return np.ascontiguousarray(split.transpose(0, 2, 1, 3, 4)).reshape(B * 4, N, T // 4, D)  # (4B, N, T/4, D)
+
+
 def _variants(torch, q, k, v):
-    """``{name: (npattn options, plain npattn options, torch forward or None)}``
-    for the variant rows; torch's forward takes torch tensors ``(q, k, v)``."""
+    """``{name: (npattn options, plain npattn options, torch forward or None,
+    layout or None)}`` for the variant rows; torch's forward takes torch
+    tensors ``(q, k, v)``; a layout maps each array to the row's own (the
+    plain side keeps the call's arrays)."""
     N, T, S = q.shape[-3], q.shape[-2], k.shape[-2]
     cap = 50.0
     rng = np.random.default_rng(1)
@@ -245,8 +259,12 @@ def _variants(torch, q, k, v):
         "ALiBi": ({"alibi_slopes": slopes}, {}),
         "packed docs": ({"causal": True, "q_segment_ids": ids, "kv_segment_ids": ids}, {"causal": True}),
     }
+    layouts = {}
+    if T % 4 == 0:  # documents of equal length: batch elements of their own
+        rows["docs apart"] = ({"causal": True}, {"causal": True})
+        layouts["docs apart"] = _documents_apart
     if torch is None:
-        return {name: (ours, plain, None) for name, (ours, plain) in rows.items()}
+        return {name: (ours, plain, None, layouts.get(name)) for name, (ours, plain) in rows.items()}
     F = torch.nn.functional
     scale = q.shape[-1] ** -0.5
     position = np.arange(T)[:, None] - np.arange(S)[None, :]  # (T, S)
@@ -271,8 +289,17 @@ def _variants(torch, q, k, v):
     def t_packed(tq, tk, tv):
         return F.scaled_dot_product_attention(tq, tk, tv, attn_mask=same_doc)
 
-    torch_fns = {"softcap": t_softcap, "sinks": t_sinks, "ALiBi": t_alibi, "packed docs": t_packed}
-    return {name: (ours, plain, torch_fns[name]) for name, (ours, plain) in rows.items()}
+    def t_apart(tq, tk, tv):  # (4B, N, T/4, H) each
+        return F.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+
+    torch_fns = {
+        "softcap": t_softcap,
+        "sinks": t_sinks,
+        "ALiBi": t_alibi,
+        "packed docs": t_packed,
+        "docs apart": t_apart,
+    }
+    return {name: (ours, plain, torch_fns[name], layouts.get(name)) for name, (ours, plain) in rows.items()}
 
 
 def variant_table(torch, arrays, repeats: int) -> None:
@@ -286,25 +313,27 @@ def variant_table(torch, arrays, repeats: int) -> None:
 
 def _variant_rows(torch, arrays, variants: dict, repeats: int) -> None:
     """Time ``{name: (npattn options, plain npattn options, torch forward or
-    None)}`` side by side and print one row per variant and pass."""
-    q, k, v, dout = arrays
+    None, layout or None)}`` side by side and print one row per variant and
+    pass; a row's layout maps ``arrays`` to its own (npattn's and torch's),
+    while its plain side keeps ``arrays``."""
     header = f"{'variant':<12} {'pass':<8} {'npattn ms':>10} {'torch ms':>9} {'ratio':>6} {'÷ plain':>8}"
     print(header)
     print("-" * len(header))
-    for name, (ours, plain, torch_fn) in variants.items():
+    for name, (ours, plain, torch_fn, layout) in variants.items():
+        own = arrays if layout is None else tuple(layout(a) for a in arrays)
         fns = {}
-        for label, options in (("", ours), ("plain ", plain)):
+        for label, options, (q, k, v, dout) in (("", ours, own), ("plain ", plain, arrays)):
 
-            def fwd(options=options):
+            def fwd(options=options, q=q, k=k, v=v):
                 return npattn.attention_forward(q, k, v, impl="chunked", **options)
 
-            def fwd_bwd(fwd=fwd):
+            def fwd_bwd(fwd=fwd, dout=dout):
                 return npattn.attention_backward(dout, fwd()[1])
 
             fns.update({f"{label}forward": fwd, f"{label}fwd+bwd": fwd_bwd})
         if torch_fn is not None:
-            tq, tk, tv = (torch.from_numpy(a.copy()).requires_grad_() for a in (q, k, v))
-            tdout = torch.from_numpy(dout)
+            tq, tk, tv = (torch.from_numpy(a.copy()).requires_grad_() for a in own[:3])
+            tdout = torch.from_numpy(own[3])
 
             def t_fwd(tq=tq, tk=tk, tv=tv, torch_fn=torch_fn):
                 with torch.no_grad():
@@ -396,7 +425,7 @@ def score_mod_table(torch, shape: tuple[int, int, int, int], repeats: int) -> No
             )
             print(f"FlexAttention not used: {why_not}")
         _report_agreement(torch, (q, k, v, dout), ours, torch_fn, t_table)
-    _variant_rows(torch, (q, k, v, dout), {"T5 rel. bias": (ours, {}, torch_fn)}, repeats)
+    _variant_rows(torch, (q, k, v, dout), {"T5 rel. bias": (ours, {}, torch_fn, None)}, repeats)
 
 
 def _report_agreement(torch, arrays, ours: dict, torch_fn, t_table) -> None:

@@ -31,7 +31,7 @@ def test_cpu_benchmark_quick_prints_its_table(capsys):
     out = capsys.readouterr().out
     assert "large SGEMM" in out and "% SGEMM" in out
     assert out.count("chunked") == 4  # forward and fwd+bwd, full and causal
-    for variant in ("softcap", "sinks", "ALiBi", "packed docs", "T5 rel. bias"):  # the variants' rows, issue 15's
+    for variant in ("softcap", "sinks", "ALiBi", "packed docs", "docs apart", "T5 rel. bias"):  # issue 14, 15 rows
         rows = [line for line in out.splitlines() if line.startswith(variant + " ")]
         assert [row.split()[-5] for row in rows] == ["forward", "fwd+bwd"], rows  # pass, ms, torch, ratio, ÷ plain
         assert all(row.endswith("x") for row in rows)
