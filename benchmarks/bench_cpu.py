@@ -234,12 +234,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+#: The packed-documents rows pack this many documents into each sequence.
+DOCUMENTS = 4
+
+
 def _documents_apart(x: np.ndarray) -> np.ndarray:
-    """``(B, N, T, D) -> (4 B, N, T / 4, D)``: the 4 packed documents of each
-    batch element as batch elements of their own (a contiguous copy)."""
+    """``(B, N, T, D) -> (DOCUMENTS B, N, T / DOCUMENTS, D)``: the packed
+    documents of each batch element as batch elements of their own (a
+    contiguous copy)."""
     B, N, T, D = x.shape
-    split = x.reshape(B, N, 4, T // 4, D)  # (B, N, 4, T/4, D)
-    return np.ascontiguousarray(split.transpose(0, 2, 1, 3, 4)).reshape(B * 4, N, T // 4, D)  # (4B, N, T/4, D)
+    n, L = DOCUMENTS, T // DOCUMENTS
+    split = x.reshape(B, N, n, L, D)  # (B, N, n, L, D)
+    return np.ascontiguousarray(split.transpose(0, 2, 1, 3, 4)).reshape(B * n, N, L, D)  # (n B, N, L, D)
 
 
 def _variants(torch, q, k, v):
@@ -252,7 +258,7 @@ def _variants(torch, q, k, v):
     rng = np.random.default_rng(1)
     sinks = rng.standard_normal(N).astype(np.float32)
     slopes = npattn.alibi_slopes(N, dtype=np.float32)
-    ids = np.repeat(np.arange(4), -(-T // 4))[:T][None].repeat(q.shape[0], axis=0)  # (B, T): 4 documents
+    ids = np.repeat(np.arange(DOCUMENTS), -(-T // DOCUMENTS))[:T][None].repeat(q.shape[0], axis=0)  # (B, T)
     rows = {
         "softcap": ({"softcap": cap}, {}),
         "sinks": ({"sinks": sinks}, {}),
@@ -260,7 +266,7 @@ def _variants(torch, q, k, v):
         "packed docs": ({"causal": True, "q_segment_ids": ids, "kv_segment_ids": ids}, {"causal": True}),
     }
     layouts = {}
-    if T % 4 == 0:  # documents of equal length: batch elements of their own
+    if T % DOCUMENTS == 0:  # documents of equal length: batch elements of their own
         rows["docs apart"] = ({"causal": True}, {"causal": True})
         layouts["docs apart"] = _documents_apart
     if torch is None:
