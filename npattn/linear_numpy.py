@@ -34,12 +34,16 @@ __all__ = ["handles", "matmul", "POOL_MIN_MACS", "PART_MACS", "POOL_MAX_PARTS"]
 POOL_MIN_MACS = 2**27
 
 #: ... in one row block per this many multiply-adds, at least 2 and at most
-#: :data:`POOL_MAX_PARTS`: each block packs all of ``b`` again, so fewer,
-#: larger blocks do less of it. Measured on 2 cores, float32, pool ÷
-#: OpenBLAS time in loops of each: 512x512x512 in 2 blocks 0.89, in 4 1.00;
-#: 2048x512x512 in 2 1.04-1.08, in 4 1.06-1.15, in 8 1.12; the layer
-#: (E=512, 8 heads, B=8, T=256), 2 blocks ÷ 4 (``bench_workloads.py --rows
-#: MHA --base``, two runs): forward 0.96-0.97, forward+backward 0.97-0.99.
+#: :data:`POOL_MAX_PARTS`, rounded down to a power of two: each block packs
+#: all of ``b`` again, so fewer, larger blocks do less of it. Measured on 2
+#: cores, float32, pool ÷ OpenBLAS time in loops of each: 512x512x512 in 2
+#: blocks 0.89, in 4 1.00; 2048x512x512 in 2 1.04-1.08, in 4 1.06-1.15, in
+#: 8 1.12; the layer (E=512, 8 heads, B=8, T=256), 2 blocks ÷ 4
+#: (``bench_workloads.py --rows MHA --base``, two runs): forward 0.96-0.97,
+#: forward+backward 0.97-0.99. A power of two, so that 2, 4, 8 or 16 threads
+#: finish their blocks together: 3 blocks on 2 threads took 1.34x the time of
+#: 2 (2048x512x1536, 6144x512x512), 5 blocks 1.19-1.22x that of 4
+#: (2560x1024x1024, 10240x512x512).
 PART_MACS = 2**29
 
 #: The most row blocks of one product, whatever the thread count (the
@@ -65,7 +69,7 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     macs = M * K * N
     if macs < POOL_MIN_MACS:
         return a @ b  # (M, K) @ (K, N) -> (M, N)
-    parts = min(POOL_MAX_PARTS, M, max(2, macs // PART_MACS))
+    parts = _power_of_two_at_most(min(POOL_MAX_PARTS, M, max(2, macs // PART_MACS)))
     out = np.empty((M, N), dtype=np.result_type(a, b))
     blocks = [slice(M * i // parts, M * (i + 1) // parts) for i in range(parts)]
 
@@ -74,3 +78,12 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
     run_items(blocks, work)
     return out
+
+
+def _power_of_two_at_most(n: int) -> int:
+    """The largest power of two ``<= n`` (``n >= 1``).
+
+    >>> [_power_of_two_at_most(n) for n in (1, 2, 3, 5, 16)]
+    [1, 2, 2, 4, 16]
+    """
+    return 1 << (n.bit_length() - 1)

@@ -54,7 +54,20 @@ def test_the_block_count_follows_the_size_within_its_bounds(monkeypatch):
     np.testing.assert_array_equal(linear_numpy.matmul(x, np.ones((4, 8))), np.full((3, 8), 4.0))  # 96: 2 blocks
     np.testing.assert_array_equal(linear_numpy.matmul(np.ones((9, 4)), np.ones((4, 64))), np.full((9, 64), 4.0))
     np.testing.assert_array_equal(linear_numpy.matmul(np.ones((2, 64)), np.ones((64, 64))), np.full((2, 64), 64.0))
-    assert [len(blocks) for blocks in seen] == [2, 4, 2]  # 96 // 64 = 1 -> 2; 9*4*64 // 64 = 36 -> 4; M = 2
+    np.testing.assert_array_equal(linear_numpy.matmul(np.ones((3, 4)), np.ones((4, 16))), np.full((3, 16), 4.0))
+    assert [len(blocks) for blocks in seen] == [2, 4, 2, 2]  # 96 // 64 = 1 -> 2; 36 -> 4; M = 2; 192 // 64 = 3 -> 2
+
+
+def test_the_block_count_is_a_power_of_two(monkeypatch):
+    """3 blocks on 2 threads would leave one thread a block alone at the end
+    (1.34x the time of 2 blocks, see :data:`~npattn.linear_numpy.PART_MACS`)."""
+    monkeypatch.setattr(linear_numpy, "POOL_MIN_MACS", 64)
+    monkeypatch.setattr(linear_numpy, "PART_MACS", 64)
+    seen = _blocks_seen(monkeypatch)
+    for rows in (3, 5, 6, 7, 12, 15, 17):  # rows * 4 * 16 // 64 = rows blocks wanted
+        a, b = np.ones((rows, 4)), np.ones((4, 16))
+        np.testing.assert_array_equal(linear_numpy.matmul(a, b), np.full((rows, 16), 4.0))
+    assert [len(blocks) for blocks in seen] == [2, 4, 4, 4, 8, 8, 16]
 
 
 @pytest.mark.parametrize("workers", ["1", "2", "3"])
