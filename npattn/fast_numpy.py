@@ -169,7 +169,7 @@ from .scores.pipeline import bias_tile, mods_keeping_masked, param_grads_from_he
 from .scores.softcap import softcap_backward_inplace, softcap_forward_inplace
 from .scores.tiles import diagonal_view, select_item
 from .scores.visibility import ALL, NONE, classify_tile, segments_hide_nothing, visible_tile
-from .threads import num_threads, run_items
+from .threads import num_threads, power_of_two_at_most, run_items
 
 __all__ = ["supports", "forward", "backward", "num_threads", "FAST_BLOCKS"]
 
@@ -1643,12 +1643,16 @@ def _head_parts(spec: AttentionSpec) -> list[tuple[int, int]]:
     every other pass on one core: B=1, N=8 on K=1, T=S=2048, 2 cores,
     float32, forward+backward 0.79x the time with 4 parts
     (``bench_workloads.py --more``); N=8 on K=2, T=S=4096 causal, 2 parts,
-    1.01x."""
+    1.01x. A power of two of parts (:func:`~npattn.threads.power_of_two_at_most`),
+    so that two threads share them evenly: N=6 on K=1, T=S=2048 and N=12
+    on 1, T=S=1024 made 3 parts, whose backward took 1.25-1.31x the time
+    of 2 (causal or not, 2 cores, float32)."""
     G, items = spec.group_size, spec.num_batch * spec.num_kv_heads
     scores = spec.num_batch * spec.num_heads * spec.q_len * spec.kv_len
     count = min(G // PART_MIN_HEADS, -(-GROUP_MIN_ITEMS // max(items, 1)), scores // PART_MIN_SCORES)
     if count < 2 or _tells_heads_apart(spec):  # count < 2 also where the items are enough
         return [(0, G)]
+    count = power_of_two_at_most(count)
     return [(G * i // count, G * (i + 1) // count) for i in range(count)]
 
 

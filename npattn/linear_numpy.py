@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from .dense_numpy import handles  # the same arrays: NumPy in float32 or float64
-from .threads import run_items
+from .threads import power_of_two_at_most, run_items
 
 __all__ = ["handles", "matmul", "POOL_MIN_MACS", "PART_MACS", "POOL_MAX_PARTS"]
 
@@ -69,7 +69,7 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     macs = M * K * N
     if macs < POOL_MIN_MACS:
         return a @ b  # (M, K) @ (K, N) -> (M, N)
-    parts = _power_of_two_at_most(min(POOL_MAX_PARTS, M, max(2, macs // PART_MACS)))
+    parts = power_of_two_at_most(min(POOL_MAX_PARTS, M, max(2, macs // PART_MACS)))
     out = np.empty((M, N), dtype=np.result_type(a, b))
     blocks = [slice(M * i // parts, M * (i + 1) // parts) for i in range(parts)]
 
@@ -78,12 +78,3 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
     run_items(blocks, work)
     return out
-
-
-def _power_of_two_at_most(n: int) -> int:
-    """The largest power of two ``<= n`` (``n >= 1``).
-
-    >>> [_power_of_two_at_most(n) for n in (1, 2, 3, 5, 16)]
-    [1, 2, 2, 4, 16]
-    """
-    return 1 << (n.bit_length() - 1)

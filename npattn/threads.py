@@ -25,7 +25,7 @@ from typing import Any
 
 from threadpoolctl import ThreadpoolController
 
-__all__ = ["num_threads", "run_items", "shared_pool", "single_threaded_blas"]
+__all__ = ["num_threads", "run_items", "shared_pool", "single_threaded_blas", "power_of_two_at_most"]
 
 _LOCK = threading.Lock()
 _POOL: ThreadPoolExecutor | None = None
@@ -148,3 +148,18 @@ def run_items(items: Sequence[Any], work: Callable[[Any], None], *, parallel: bo
         wait(helpers)
     if errors:
         raise errors[0]
+
+
+def power_of_two_at_most(n: int) -> int:
+    """The largest power of two ``<= n`` (``n >= 1``): how many equal parts
+    to cut work into when the count must not depend on the thread count (so
+    that the bits do not), yet 2, 4, 8 or 16 threads should finish their
+    parts together. Three parts on two threads leave one thread a part
+    alone at the end: a product in 3 row blocks took 1.34x the time of 2
+    blocks, a backward in 3 parts of query heads 1.25-1.31x that of 2
+    (2 cores).
+
+    >>> [power_of_two_at_most(n) for n in (1, 2, 3, 5, 16)]
+    [1, 2, 2, 4, 16]
+    """
+    return 1 << (n.bit_length() - 1)

@@ -429,6 +429,8 @@ def test_few_kv_heads_split_their_query_heads_into_backward_parts():
     assert parts(8, 1, 1024) == [(0, 4), (4, 8)]  # 2**23 scores: 2 parts of 2**22
     assert parts(8, 2, 4096, causal=True) == [(0, 2), (2, 4)]
     assert parts(8, 1, 512) == [(0, 8)]  # too few scores for two parts
+    assert parts(6, 1, 2048) == [(0, 3), (3, 6)]  # 3 parts wanted: a power of two, for two threads to share
+    assert parts(12, 1, 1024) == [(0, 6), (6, 12)]  # 3 by the scores: 2
     assert parts(8, 8, 2048) == [(0, 1)]  # one query head per kv head
     assert parts(16, 2, 2048, B=4) == [(0, 8)]  # 8 items already
     for options in ({"bias": np.zeros((2048, 2048))}, {"dropout_p": 0.1, "seed": 0}, {"alibi_slopes": np.ones(8)}):
@@ -450,13 +452,13 @@ def test_few_kv_heads_split_their_query_heads_into_backward_parts():
             "align": "bottom_right",
         },
         {"q_segment_ids": np.repeat([[[0, 1, 1, 2]]], 2, axis=0).repeat(6, axis=2)},
-        {"sinks": np.linspace(-1, 1, 6)},
+        {"sinks": np.linspace(-1, 1, 8)},
     ],
     ids=["full", "causal", "window", "softcap", "lengths", "causal+lengths", "segments", "sinks"],
 )
 def test_backward_in_query_head_parts_gives_the_generic_paths_numbers(monkeypatch, options):
-    """Batch (2, 1), 6 query heads on 1 kv head, T=24, S=30 (24 with segment
-    ids): with the thresholds lowered, the backward runs as 3 parts of 2
+    """Batch (2, 1), 8 query heads on 1 kv head, T=24, S=30 (24 with segment
+    ids): with the thresholds lowered, the backward runs as 4 parts of 2
     query heads (one item each, their dK and dV shares summed in part order),
     with the generic path's numbers in float64, and the same bits on 1, 2
     and 3 threads (with a cotangent of lse too)."""
@@ -465,10 +467,10 @@ def test_backward_in_query_head_parts_gives_the_generic_paths_numbers(monkeypatc
     S = 24 if "q_segment_ids" in options else 30
     if "q_segment_ids" in options:
         options = {**options, "kv_segment_ids": options["q_segment_ids"]}
-    q, dout = (rng.standard_normal((2, 1, 6, 24, 8)) for _ in range(2))
+    q, dout = (rng.standard_normal((2, 1, 8, 24, 8)) for _ in range(2))
     k, v = (rng.standard_normal((2, 1, 1, S, 8)) for _ in range(2))
     spec = make_spec(q, k, v, impl="chunked", **options)
-    assert fast_numpy._head_parts(spec) == [(0, 2), (2, 4), (4, 6)]
+    assert fast_numpy._head_parts(spec) == [(0, 2), (2, 4), (4, 6), (6, 8)]
     _assert_fast_equals_generic(spec, q, k, v, dout)
     out, lse = fast_numpy.forward(spec, q, k, v)
     dlse = rng.standard_normal(lse.shape)
