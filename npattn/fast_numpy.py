@@ -108,10 +108,19 @@ tricks each variant keeps is decided per call (:class:`_Mode`):
   it directly; the backward keeps ``t = tanh(s / c)`` for ``1 - t^2``. Within
   :data:`ZERO_REFERENCE_BOUND` (Gemma 2's cap of 50 is) the forward needs no
   running maximum at all (see :func:`forward`).
-- **ALiBi**: the fused shifts and base 2 while the slopes times the largest
-  ``|p_i - j|`` keep every score under :func:`_fused_shift_limit` (the term
-  joins the bound), and the upper bound when every slope is >= 0 (the term is
-  then <= 0), so settled spans still skip their row-max pass. The lower
+- **ALiBi**: base e, the shifts after the product and the term, as in the
+  generic path. The term grows with the distance, so a row whose visible
+  keys all lie far away (keys padded by ``kv_lengths``, queries past the
+  keys with ``T > S``) has every score far below 0, and so its shift: in
+  base 2 with the shift inside the product, float32 ``out`` had 2.1x the
+  dense path's error and dQ 3.0x (N=8 heads, T=S=256, one element's keys
+  cut to 40), and with 7 keys against 200 to 513 queries the slopes'
+  gradient 17-134x (single draws); now the generic path's own (1.0x and
+  1.6-1.7x: the backward's ``exp(S - lse)`` carries the rounding of a
+  large float32 ``lse``, which the dense path's stored ``P`` does not),
+  for 1.02-1.03x the time (B=1, N=8, T=S=4096). It keeps the upper bound when every
+  slope is >= 0 (the term is then <= 0), so settled spans still skip
+  their row-max pass. The lower
   bound holds per span only, the raw one less ``max m_n`` times the span's
   largest distance (:meth:`_Item.alibi_reach`): where that keeps every entry
   above the flush floor (flat heads, spans near the diagonal), rows may start
@@ -285,7 +294,8 @@ class _Mode:
     that the forward and the backward decide alike (see the module docstring).
 
     ``base2``: scores in base 2 (``log2 e`` folded into the scale, ``exp2``):
-    no bias, and a bound on every score below :func:`_fused_shift_limit`.
+    no bias or ALiBi, and a bound on every score below
+    :func:`_fused_shift_limit`.
     ``fused``: the per-row shifts ride inside the GEMMs, which needs
     ``base2`` and no softcap (the shift would enter ``tanh``). ``upper`` /
     ``lower``: whether ``S_ij <= bound`` / ``S_ij >= -bound`` hold for the
@@ -307,7 +317,8 @@ class _Mode:
         self.upper = plain and (slopes is None or bool(np.all(slopes >= 0)))
         self.lower = plain and slopes is None
         self.bound = self._score_bound(spec, q_norms, k_norms, slopes)
-        self.base2 = plain and self.bound < _fused_shift_limit(spec.compute_dtype)
+        # ALiBi takes base e and the generic path's order of operations: see the module docstring.
+        self.base2 = plain and slopes is None and self.bound < _fused_shift_limit(spec.compute_dtype)
         self.fused = self.base2 and spec.softcap is None
         self.base = LOG2E if self.base2 else 1.0
         self.ratio = spec.softcap is not None
