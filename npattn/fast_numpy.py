@@ -108,17 +108,25 @@ tricks each variant keeps is decided per call (:class:`_Mode`):
   it directly; the backward keeps ``t = tanh(s / c)`` for ``1 - t^2``. Within
   :data:`ZERO_REFERENCE_BOUND` (Gemma 2's cap of 50 is) the forward needs no
   running maximum at all (see :func:`forward`).
-- **ALiBi**: base e, the shifts after the product and the term, as in the
-  generic path. The term grows with the distance, so a row whose visible
-  keys all lie far away (keys padded by ``kv_lengths``, queries past the
-  keys with ``T > S``) has every score far below 0, and so its shift: in
-  base 2 with the shift inside the product, float32 ``out`` had 2.1x the
-  dense path's error and dQ 3.0x (N=8 heads, T=S=256, one element's keys
-  cut to 40), and with 7 keys against 200 to 513 queries the slopes'
-  gradient 17-134x (single draws); now the generic path's own (1.0x and
-  1.6-1.7x: the backward's ``exp(S - lse)`` carries the rounding of a
-  large float32 ``lse``, which the dense path's stored ``P`` does not),
-  for 1.02-1.03x the time (B=1, N=8, T=S=4096). It keeps the upper bound when every
+- **ALiBi**: base 2 and the fused shifts only where every row sees the key
+  at its own position (:func:`_rows_see_their_own_position`: no mask or
+  segment ids, the valid rows' positions among the valid keys), as in
+  self-attention; elsewhere base e with the shifts after the product and
+  the term, as in the generic path. The term grows with the distance, so
+  a row whose visible keys all lie far away (keys padded by
+  ``kv_lengths``, queries past the keys with ``T > S``) has every score far
+  below 0, and so its shift: in base 2 with the shift inside the product,
+  float32 ``out`` had 2.1x the dense path's error and dQ 3.0x (N=8 heads,
+  T=S=256, one element's keys cut to 40), and with 7 keys against 200 to
+  513 queries the slopes' gradient 17-134x (single draws); in base e it
+  has the generic path's own (1.0x and 1.6-1.7x: the backward's
+  ``exp(S - lse)`` carries the rounding of a large float32 ``lse``, which
+  the dense path's stored ``P`` does not), for 1.08-1.11x the time of base
+  2. Where each row sees its own position, its maximum and ``lse`` stay
+  within the raw bound, and base 2 kept every error within 1.5x the dense
+  path's (T=S=256 full and causal, both lengths bottom-right aligned,
+  T=16 against S=512). Items group kv heads where the keys fit one key
+  tile (:func:`_kv_groups`). It keeps the upper bound when every
   slope is >= 0 (the term is then <= 0), so settled spans still skip
   their row-max pass. The lower
   bound holds per span only, the raw one less ``max m_n`` times the span's
@@ -294,8 +302,9 @@ class _Mode:
     that the forward and the backward decide alike (see the module docstring).
 
     ``base2``: scores in base 2 (``log2 e`` folded into the scale, ``exp2``):
-    no bias or ALiBi, and a bound on every score below
-    :func:`_fused_shift_limit`.
+    no bias, ALiBi only where its term leaves every row's shift as small as
+    without it (:func:`_rows_see_their_own_position`), and a bound on every
+    score below :func:`_fused_shift_limit`.
     ``fused``: the per-row shifts ride inside the GEMMs, which needs
     ``base2`` and no softcap (the shift would enter ``tanh``). ``upper`` /
     ``lower``: whether ``S_ij <= bound`` / ``S_ij >= -bound`` hold for the
@@ -317,8 +326,10 @@ class _Mode:
         self.upper = plain and (slopes is None or bool(np.all(slopes >= 0)))
         self.lower = plain and slopes is None
         self.bound = self._score_bound(spec, q_norms, k_norms, slopes)
-        # ALiBi takes base e and the generic path's order of operations: see the module docstring.
-        self.base2 = plain and slopes is None and self.bound < _fused_shift_limit(spec.compute_dtype)
+        # ALiBi far from a row's keys takes base e and the generic path's order of
+        # operations: see the module docstring.
+        near = slopes is None or (self.upper and _rows_see_their_own_position(spec))
+        self.base2 = plain and near and self.bound < _fused_shift_limit(spec.compute_dtype)
         self.fused = self.base2 and spec.softcap is None
         self.base = LOG2E if self.base2 else 1.0
         self.ratio = spec.softcap is not None
@@ -349,6 +360,34 @@ class _Mode:
             reach = max(spec.q_len - 1 + omax, spec.kv_len - 1 - omin, 0)
             bound += float(np.abs(slopes).max()) * reach
         return LOG2E * bound
+
+
+def _rows_see_their_own_position(spec: AttentionSpec) -> bool:
+    """Whether every query row that sees any key sees the key at its own
+    position ``p_i``, where ALiBi's term is 0: then, with slopes >= 0, the
+    row's maximum and ``lse`` lie within the raw bound (plus ``log S``) as
+    without ALiBi, and the shifts may ride in the products (see the module
+    docstring). Decided from the options alone, conservatively: no mask,
+    mask function, block mask or segment ids (any may hide that key), and
+    the valid rows' positions within the valid keys: ``p_i >= 0`` (the
+    offsets), and ``p_i < kv_len`` (bottom-right alignment places the last
+    valid row on the last valid key; top-left needs ``q_len <= kv_len``).
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> x, longer = np.zeros((1, 1, 4, 2)), np.zeros((1, 1, 6, 2))
+    >>> _rows_see_their_own_position(make_spec(x, x, x, causal=True))
+    True
+    >>> _rows_see_their_own_position(make_spec(longer, x, x, align="top_left"))  # queries 4, 5 past the keys
+    False
+    >>> _rows_see_their_own_position(make_spec(x, x, x, kv_lengths=np.array([2])))  # rows 2, 3 past the keys
+    False
+    """
+    if spec.has_user_mask or spec.block_mask is not None or spec.has_segments:
+        return False
+    if spec.offset_bounds[0] < 0:
+        return False
+    return spec.align == "bottom_right" or spec.q_len_bounds[1] <= spec.kv_len_bounds[0]
 
 
 def _base_scale(spec: AttentionSpec, mode: _Mode) -> tuple[Any, float]:
@@ -482,10 +521,15 @@ def _kv_groups(spec: AttentionSpec, span_scores: int, tiles: int) -> list[tuple[
     :data:`GROUP_MIN_HEADS`), and few enough that the
     ``B * groups * tiles`` items are at least :data:`GROUP_MIN_ITEMS`. One
     head each with score modifications (their functions see one kv head's
-    tile) and with ALiBi (a span is skipped where its item's flattest head
-    leaves nothing above the flush floor, :meth:`_Item.below_floor`)."""
+    tile), and with ALiBi where the keys span several key tiles: a span is
+    skipped where its item's flattest head leaves nothing above the flush
+    floor (:meth:`_Item.below_floor`), and far key tiles are what steep
+    heads skip. Where the keys fit one key tile, a query tile's spans hold
+    its nearest keys, and one-head items only multiplied the items: B=32,
+    N=8, T=S=128 took 4.3x the time forward (256 items of one head, each
+    mostly Python), T=S=512 causal or padded 2.2-2.4x."""
     K, items = spec.num_kv_heads, spec.num_batch * spec.num_kv_heads * tiles
-    single = bool(spec.score_mods) or spec.alibi_slopes is not None
+    single = bool(spec.score_mods) or (spec.alibi_slopes is not None and spec.kv_len > _blocks(spec)[1])
     heads = max(GROUP_MIN_HEADS, GROUP_SCORES // max(span_scores, 1))
     nk = 1 if single else max(1, min(K, heads, items // GROUP_MIN_ITEMS))
     return [(kv0, min(kv0 + nk, K)) for kv0 in range(0, K, nk)]
@@ -780,11 +824,14 @@ class _Item:
         if bias is not None:
             s += self._as_rows(bias, tq, tk, like=s)
         if spec.alibi_slopes is not None:
-            assert self.nk == 1 and s.flags.c_contiguous, "one kv head per item with ALiBi (_kv_groups), s a buffer"
+            assert s.flags.c_contiguous, "s a span's buffer"
             distance = self._diagonals(p0, p1, c0, c1)  # (tq + tk - 1,)
-            term = alibi_tile(spec, p0, p0 + 1, c0 - (tq - 1), c1, self.b, self.heads, distance)  # (G|1, 1, L)
-            view = diagonal_view(term.reshape(term.shape[0], -1), tq, tk)  # (G|1, tq, tk)
-            s.reshape(tq, self.G, tk)[...] += np.swapaxes(view, 0, 1)  # rows t*G + g as (tq, G, tk)
+            term = alibi_tile(spec, p0, p0 + 1, c0 - (tq - 1), c1, self.b, self.heads, distance)  # (nk*G|1, 1, L)
+            heads = term.shape[0]
+            view = diagonal_view(term.reshape(heads, -1), tq, tk)  # (nk*G|1, tq, tk)
+            groups = self.nk if heads > 1 else 1
+            view = np.swapaxes(view.reshape(groups, heads // groups, tq, tk), 1, 2)  # (nk|1, tq, G|1, tk)
+            s.reshape(-1, tq, self.G, tk)[...] += view  # rows t*G + g of each kv head as (nk, tq, G, tk)
 
     def _diagonals(self, p0: int, p1: int, c0: int, c1: int) -> Any:
         """The base-scaled ``b |p_i - j|`` along the diagonals of the span

@@ -72,15 +72,16 @@ def test_items_of_several_kv_heads_equal_items_of_one(case, block_q, block_k):
     """Items that stack a group of kv heads (:func:`npattn.fast_numpy._kv_groups`,
     here as large as the heads allow) give the numbers of one kv head per
     item, forward and backward, over every option: masks, bias, lengths,
-    dropout, segments and the variants (ALiBi and score modifications keep
-    one head per item)."""
+    dropout, segments and the variants (score modifications keep one head
+    per item, and ALiBi where the keys span several key tiles)."""
     blocks = dict(block_q=block_q, block_k=block_k)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fast_numpy, "GROUP_MIN_ITEMS", 1)
         patch.setattr(fast_numpy, "GROUP_SCORES", 2**40)
         spec = make_spec(*case.arrays, impl="chunked", **case.options, **blocks)
         grouped = fast_numpy._kv_groups(spec, 1, 1)
-        assert len(grouped) == (spec.num_kv_heads if spec.alibi_slopes is not None else 1)
+        single = spec.alibi_slopes is not None and spec.kv_len > block_k
+        assert len(grouped) == (spec.num_kv_heads if single else 1)
         together = _run(fast_numpy.forward, fast_numpy.backward, case, **blocks)
         patch.setattr(fast_numpy, "GROUP_SCORES", 0)  # one kv head per item
         alone = _run(fast_numpy.forward, fast_numpy.backward, case, **blocks)
@@ -1291,8 +1292,9 @@ def test_fast_path_gradients_match_central_differences(options):
 def test_modes_of_each_variant():
     """Which tricks each variant keeps (see the module docstring): a softcap
     keeps base 2 and both bounds but not the fused shifts; ALiBi keeps the
-    upper bound (slopes >= 0) but not the lower one, nor base 2 and the
-    fused shifts (see test_fast_accuracy.py); a bias keeps none."""
+    upper bound (slopes >= 0) but not the lower one, and base 2 and the fused
+    shifts only where every row sees the key at its own position (else its
+    shift may lie far below 0: see test_fast_accuracy.py); a bias keeps none."""
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, 2, 8, 4))
 
@@ -1303,9 +1305,16 @@ def test_modes_of_each_variant():
 
     assert mode() == (True, True, True, True)
     assert mode(softcap=2.0) == (True, False, True, True)
-    assert mode(alibi_slopes=np.array([0.5, 0.0])) == (False, False, True, False)
-    assert mode(alibi_slopes=np.array([0.5, -0.1])) == (False, False, False, False)
+    slopes = np.array([0.5, 0.0])
+    assert mode(alibi_slopes=slopes) == (True, True, True, False)
+    assert mode(alibi_slopes=slopes, causal=True, window=(3, 0)) == (True, True, True, False)
+    assert mode(alibi_slopes=slopes, kv_lengths=np.array([5])) == (False, False, True, False)  # rows 5-7 past the keys
+    assert mode(alibi_slopes=slopes, mask=np.eye(8, dtype=bool)) == (False, False, True, False)  # may hide p_i
+    assert mode(alibi_slopes=np.array([0.5, -0.1])) == (False, False, False, False)  # the term grows with the distance
     assert mode(bias=np.zeros((8, 8))) == (False, False, False, False)
+    # Slopes large enough that |m| * |p - j| could reach the fused-shift limit: base e, no fused shifts.
+    limit = fast_numpy._fused_shift_limit(np.float64)
+    assert mode(alibi_slopes=np.array([limit, 0.0]))[:2] == (False, False)
 
 
 def test_softcap_with_scores_that_move_the_row_maximum_equals_the_generic_path():
