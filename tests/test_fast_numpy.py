@@ -319,6 +319,38 @@ def test_query_tiles_hold_at_most_grouped_tile_rows_of_stacked_heads(N, K, T, op
     assert fast_numpy._blocks(make_spec(q, k, k, impl="chunked", **options))[0] == block_q
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"causal": True},
+        {"kv_lengths": np.array([128, 70, 9, 128])},
+        {"causal": True, "sinks": np.linspace(-1, 1, 8)},
+    ],
+    ids=["full", "causal", "padded keys (base e)", "causal+sinks"],
+)
+def test_alibi_items_of_several_kv_heads_equal_the_generic_path(monkeypatch, options):
+    """Keys that fit one key tile (T=S=128): ALiBi's items stack kv heads
+    (4 batch elements, 4 kv heads in 2 items each, 2 query heads per kv
+    head, the slopes differing per head), with the generic path's numbers in
+    float64, the slopes' gradient included."""
+    rng = np.random.default_rng(11)
+    q, dout = (rng.standard_normal((4, 8, 128, 16)) for _ in range(2))
+    k, v = (rng.standard_normal((4, 4, 128, 16)) for _ in range(2))
+    options = {"alibi_slopes": npattn.alibi_slopes(8), **options}
+    spec = make_spec(q, k, v, impl="chunked", **options)
+    assert [b - a for a, b in fast_numpy._kv_groups(spec, 128 * 128 * 2, 1)] == [2, 2]
+    results = []
+    for fast in ("1", "0"):
+        monkeypatch.setenv("NPATTN_FAST_NUMPY", fast)
+        out, res = npattn.attention_forward(q, k, v, impl="chunked", **options)
+        assert res.kernel == ("numpy" if fast == "1" else "generic")
+        grads = npattn.attention_backward(dout, res)
+        results.append((out, res.lse, grads.dq, grads.dk, grads.dv, grads.dalibi_slopes))
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dalibi_slopes"), *results):
+        np.testing.assert_allclose(got, want, atol=1e-12, rtol=1e-12, err_msg=name)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_grouped_heads_in_short_query_tiles_equal_the_generic_path(causal):
     """8 query heads on one kv head at T=S=300 with the default tiles: 128
