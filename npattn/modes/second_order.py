@@ -32,12 +32,16 @@ A Hessian-vector product is this with ``dO' = 0``. **Reverse-over-reverse**
     G_R' = a G_S + b dS G_R
     cot Q    = scale (G_R' K + dR ddK)
     cot K    = scale (G_R'^T Q + dR^T ddQ)
-    cot V    = ((P G) * M)^T dO + P_M^T (g_D dO)
-    cot dO   = ((P G) * M) V + g_D O + P_M ddV
+    cot V    = ((P G) * M)^T dO + P_M^T (g_D dO)  = ((P (G + g_D)) * M)^T dO
+    cot dO   = ((P G) * M) V + g_D O + P_M ddV     = ((P (G + g_D)) * M) V + P_M ddV
     cot dlse = -g_D
 
-where ``rowsum(P G_P) = r + g_D rowsum(dO * O)``, ``r = rowsum(P ((dO ddV^T) * M
-+ G (dP - D)))`` (``rowsum(P dP) = rowsum(dO * O)``).
+where ``rowsum(P G_P) = r + g_D rowsum(P dP)``, ``r = rowsum(P ((dO ddV^T) * M
++ G (dP - D)))`` (and ``rowsum(P dP) = rowsum(dO * O)``, ``O = P_M V``). The
+chunked code takes the right-hand forms, through its own ``P``: in float32
+its ``P`` and the forward's ``O`` differ in their roundings, and the
+left-hand forms' cancellations (``P G V - rowsum(P G) O``) then lose up to
+2x the dense path's accuracy.
 
 **Chunked, linear memory.** Both recompute tiles as the backward does. The
 forward-over-reverse needs ``O'`` and ``lse'``, row quantities: one JVP sweep
@@ -61,6 +65,7 @@ from ..dense import dropout_scale, expand_kv_heads, raw_scores, reduce_kv_heads
 from ..namespace import sum_to_shape
 from ..options import AttentionSpec
 from ..scores.pipeline import raw_curvature
+from ..scores.sinks import sink_share
 from ..scores.tiles import slice_tile
 from ..scores.visibility import NONE, classify_tile
 from . import numpy_kernels
@@ -316,6 +321,22 @@ def _chunked_backward_jvp(spec, res, dO, dl, dots, dO_dot, dl_dot) -> tuple:
     return dq_dot, dk_dot, dv_dot, dbias.result()
 
 
+def _renormalize(spec: AttentionSpec, res: Any, r: Any, l_sum: Any, *row_sums: Any) -> tuple:
+    """``P_ij = exp(S_ij - lse_i)`` from these scores sums to ``l_i`` over a
+    row (``l_sum`` and the sink's share), exactly 1 only where the forward
+    summed the same scores: the NumPy fast path's ``lse`` comes from its own,
+    in base 2. Divides the row sums of ``P`` by ``l`` and moves ``r.lse`` to
+    ``lse + log l``, so that both sweeps read ``P`` that sums to 1 (with the
+    fast forward's ``lse``, float32 double backward had 1.4-1.8x the generic
+    path's error on dQ and d dout). Rows that see nothing keep ``l = 1``."""
+    xp = spec.xp
+    share = sink_share(spec, res.lse)
+    l = l_sum if share is None else l_sum + _grouped_arrays(spec, share=share).share  # (..., K, G, T, 1)
+    l = xp.where(l == 0, xp.ones_like(l), l)
+    r.lse = r.lse + xp.log(l)
+    return tuple(x / l for x in row_sums)
+
+
 def _add_rows(xp: Any, x: Any, rows: slice, update: Any) -> Any:
     """``x`` with ``update`` added to rows ``rows`` of axis -2 (no in-place
     writes: Array API arrays may be immutable)."""
@@ -490,16 +511,20 @@ def _chunked_double_backward(spec, res, dO, dl, dd) -> tuple:
             D=r.D[..., rows, :],
         )
 
-    # Sweep 1: g_D = -rowsum(P G) and r = rowsum(P ((dO ddV^T) M + G (dP - D))), per row.
+    # Sweep 1, per row: g_D = -rowsum(P G), r = rowsum(P ((dO ddV^T) M + G (dP - D))),
+    # rowsum(P dP) and l = rowsum(P) (see _renormalize).
     zeros_rows = xp.zeros(bs + (K, G, T, 1), dtype=spec.compute_dtype, device=spec.device)
-    g_D, r_sum = zeros_rows, zeros_rows
+    g_D, r_sum, p_dp, l_sum = zeros_rows, zeros_rows, zeros_rows, zeros_rows
     for i, j in visits:
         t = tile(i, j)
-        g_D = _add_rows(xp, g_D, t["rows"], -xp.sum(t["p"] * t["g"], axis=-1, keepdims=True))
-        r_sum = _add_rows(
-            xp, r_sum, t["rows"], xp.sum(t["p"] * (t["dO_ddv"] + t["g"] * (t["dp"] - t["D"])), axis=-1, keepdims=True)
-        )
-    p_gp = r_sum + g_D * (r.D + (0 if dl is None else xp.reshape(dl, bs + (K, G, T, 1))))  # rowsum(P G_P)
+        rows, p = t["rows"], t["p"]
+        g_D = _add_rows(xp, g_D, rows, -xp.sum(p * t["g"], axis=-1, keepdims=True))
+        p_gp_part = p * (t["dO_ddv"] + t["g"] * (t["dp"] - t["D"]))  # (..., K, G, tq, tk)
+        r_sum = _add_rows(xp, r_sum, rows, xp.sum(p_gp_part, axis=-1, keepdims=True))
+        p_dp = _add_rows(xp, p_dp, rows, xp.sum(p * t["dp"], axis=-1, keepdims=True))
+        l_sum = _add_rows(xp, l_sum, rows, xp.sum(p, axis=-1, keepdims=True))
+    g_D, r_sum, p_dp = _renormalize(spec, res, r, l_sum, g_D, r_sum, p_dp)
+    p_gp = r_sum + g_D * p_dp  # rowsum(P G_P), rowsum(P dP) from these P rather than rowsum(dO O)
     # Sweep 2: the cotangents.
     cot_q = xp.zeros(bs + (K, G, T, H), dtype=spec.compute_dtype, device=spec.device)
     cot_dout = xp.zeros(bs + (K, G, T, Hv), dtype=spec.compute_dtype, device=spec.device)
@@ -515,7 +540,7 @@ def _chunked_double_backward(spec, res, dO, dl, dd) -> tuple:
         g_s = p * (g_p - p_gp[..., rows, :])
         cot_bias.add(i, j, g_s)
         g_r2 = t["a"] * g_s + t["b"] * ds * t["g_r"]
-        pg, pm = p * t["g"], p
+        pg, pm = p * (t["g"] + gD_i), p  # P (G + g_D) = P G + g_D P: O = P_M V inside the products
         if drop is not None:
             pg, pm = pg * drop, pm * drop
         dr = t["a"] * ds
@@ -528,10 +553,7 @@ def _chunked_double_backward(spec, res, dO, dl, dd) -> tuple:
             axis=-3,
             keepdims=True,
         )
-        cot_v[j] = cot_v[j] + xp.sum(
-            xp.matrix_transpose(pg) @ dO_i + xp.matrix_transpose(pm) @ (gD_i * dO_i), axis=-3, keepdims=True
-        )
-    cot_dout = cot_dout + g_D * r.out
+        cot_v[j] = cot_v[j] + xp.sum(xp.matrix_transpose(pg) @ dO_i, axis=-3, keepdims=True)
     return (
         spec.scale * xp.reshape(cot_q, bs + (N, T, H)),
         xp.reshape(xp.concat(cot_k, axis=-2), bs + (K, S, H)),

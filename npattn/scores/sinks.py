@@ -31,7 +31,7 @@ from ..namespace import sum_to_shape
 from ..options import AttentionSpec
 from .tiles import row_indices
 
-__all__ = ["apply_sinks", "sinks_grad"]
+__all__ = ["apply_sinks", "sinks_grad", "sink_share"]
 
 
 def _sinks(spec: AttentionSpec) -> Any:
@@ -69,6 +69,16 @@ def apply_sinks(spec: AttentionSpec, out: Any, lse: Any) -> tuple[Any, Any, Any]
     return out * factor[..., None], merged, factor
 
 
+def sink_share(spec: AttentionSpec, lse: Any) -> Any | None:
+    """The sink's probability on each row, ``exp(sinks_n - lse_i)``, ``(...,
+    N, T)`` (0 on fully masked rows, ``lse = -inf``); None without sinks."""
+    if spec.sinks is None:
+        return None
+    xp = spec.xp
+    share = xp.exp(_sinks(spec) - _finite_or_zero(xp, lse))  # (..., N, T)
+    return xp.where(lse == -xp.inf, xp.zeros_like(share), share)  # padded rows: no sink
+
+
 def sinks_grad(spec: AttentionSpec, dout: Any, out: Any, lse: Any, dlse: Any | None) -> Any | None:
     """``dsinks`` in the sinks' own shape (compute dtype), from the cotangent
     ``dout``, the final ``out`` and ``lse`` and the optional ``dlse``; None
@@ -79,7 +89,5 @@ def sinks_grad(spec: AttentionSpec, dout: Any, out: Any, lse: Any, dlse: Any | N
     D = xp.sum(dout * out, axis=-1)  # (..., N, T): rowsum(dO * O)
     if dlse is not None:
         D = D - dlse
-    p_sink = xp.exp(_sinks(spec) - _finite_or_zero(xp, lse))  # (..., N, T)
-    p_sink = xp.where(lse == -xp.inf, xp.zeros_like(p_sink), p_sink)  # padded rows: no sink
-    dsinks = -xp.sum(p_sink * D, axis=-1)  # (..., N)
+    dsinks = -xp.sum(sink_share(spec, lse) * D, axis=-1)  # (..., N)
     return sum_to_shape(xp, dsinks, spec.sinks_shape)
