@@ -419,6 +419,21 @@ def _keys_carry_scale(c: Any) -> bool:
     return abs(float(c)) <= 1.0
 
 
+def _factor_sides(c: Any) -> tuple[Any, Any]:
+    """``(q_factor, k_factor)``: the scores' factor ``c`` on the side
+    :func:`_keys_carry_scale` picks, None on the other (no scaling there)."""
+    return (None, c) if _keys_carry_scale(c) else (c, None)
+
+
+def _lse_in_base(lse: Any, b: float, mode: _Mode, dtype: Any) -> Any:
+    """``lse`` (nats) in the scores' base: ``b lse`` rounded once from
+    float64 (``b`` of :func:`_base_scale`); ``lse`` itself in base e. What
+    the backward's ``exp(S - lse)`` subtracts, in the forward's own base."""
+    if mode.base == 1.0:
+        return lse
+    return (lse.astype(np.float64) * b).astype(dtype)
+
+
 #: Positions transposed at a time by :func:`_augmented_transposed`: a
 #: ``(128, 64)`` float32 block and its transpose stay in the L1 cache, which
 #: makes the copy 2.5x faster than one strided copy of the whole array.
@@ -1548,9 +1563,8 @@ def _backward_call(
     scale = dtype.type(spec.scale)
     base_scale, b_eff = _base_scale(spec, mode)  # the forward's own scale and base of the scores
     # c on the side the forward put it; dK = scale dR^T Q, from dR^T Q or dR^T (c Q)
-    keys_scaled = _keys_carry_scale(base_scale)
-    q_factor, k_factor = (None, base_scale) if keys_scaled else (base_scale, None)
-    dk_factor = dtype.type(spec.scale if keys_scaled else spec.scale / float(base_scale))
+    q_factor, k_factor = _factor_sides(base_scale)
+    dk_factor = dtype.type(spec.scale if q_factor is None else spec.scale / float(base_scale))
     one = dtype.type(1)
     fold_D = mode.base2 and spec.dropout_p == 0
     span_size = G * _largest_span(plans_by_batch)  # one kv head's largest span of scores
@@ -1568,8 +1582,7 @@ def _backward_call(
         # The item's query side, all T positions stacked position-major: row t*G + g' per kv head.
         lse_b = _position_major(lse3[b, heads], nk)  # (nk, T*G)
         D_b = _position_major(D[b, heads], nk)  # (nk, T*G)
-        # lse in the scores' base, b_eff lse, rounded once (from float64)
-        lse_shift = (lse_b.astype(np.float64) * b_eff).astype(dtype) if base != 1.0 else lse_b  # (nk, T*G)
+        lse_shift = _lse_in_base(lse_b, b_eff, mode, dtype)  # (nk, T*G)
         qa = _augmented_rows(q3[b, heads], -lse_shift if fused else 0, q_factor, dtype, nk)  # (nk, T*G, H+1)
         doa = _augmented_rows(do3[b, heads], -D_b if fold_D else 0, one, dtype, nk)  # (nk, T*G, Hv+1)
         q_b, do_b = qa[..., :H], doa[..., :Hv]  # (nk, T*G, H) Q (or c Q), (nk, T*G, Hv) dO: views

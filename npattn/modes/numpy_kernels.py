@@ -41,9 +41,10 @@ from ..fast_numpy import (
     _blocks,
     _buffer,
     _Exp,
+    _factor_sides,
     _head_major,
     _Item,
-    _keys_carry_scale,
+    _lse_in_base,
     _Mode,
     _position_major,
     _row_norms,
@@ -149,9 +150,7 @@ class _Call:
         self.scale = dtype.type(spec.scale)  # the tangents' factor: S' is in nats
         # The scores' factor c, on Q or on K as the fast path puts it, and their base b
         factor, self.base = _base_scale(spec, self.mode)
-        keys_scaled = _keys_carry_scale(factor)
-        self.q_factor: Any = None if keys_scaled else factor
-        self.k_factor: Any = factor if keys_scaled else None
+        self.q_factor, self.k_factor = _factor_sides(factor)
         self.ones_k = np.ones(self.block_k, dtype=dtype)
 
     def item(self, b: int, kv: int) -> _Item:
@@ -159,11 +158,8 @@ class _Call:
         return _Item(self.spec, b, (kv, kv + 1), self.mode)
 
     def shift(self, lse_rows: Any) -> Any:
-        """``lse`` in the scores' base: ``b lse`` rounded once from float64,
-        as the fast backward's; ``lse`` itself in base e."""
-        if self.mode.base == 1.0:
-            return lse_rows
-        return (lse_rows.astype(np.float64) * self.base).astype(self.spec.compute_dtype)
+        """``lse`` in the scores' base, as the fast backward subtracts it."""
+        return _lse_in_base(lse_rows, self.base, self.mode, self.spec.compute_dtype)
 
     def query_rows(self, q_rows: Any, shift: Any | None = None) -> Any:
         """``[c Q, -shift]`` in position-major rows, ``(G, tq, H) -> (tq*G,
