@@ -128,7 +128,11 @@ tricks each variant keeps is decided per call (:class:`_Mode`):
   T=16 against S=512). Items group kv heads where the keys fit one key
   tile (:func:`_kv_groups`). It keeps the upper bound when every
   slope is >= 0 (the term is then <= 0), so settled spans still skip
-  their row-max pass. The lower
+  their row-max pass. Where every row also sees its own position, the term
+  is 0 there, so each row's maximum lies within the raw bound of 0, and
+  the forward keeps the zero reference (:func:`forward`) as without ALiBi:
+  no row-max pass, rescaling or unset rows, the flushed ``exp`` only in
+  spans that reach the flush floor, and spans wholly below it skipped. The lower
   bound holds per span only, the raw one less ``max m_n`` times the span's
   largest distance (:meth:`_Item.alibi_reach`): where that keeps every entry
   above the flush floor (flat heads, spans near the diagonal), rows may start
@@ -317,7 +321,12 @@ class _Mode:
     :func:`_base_scale`). User score modifications turn off the bounds and
     base 2, as a bias does: they may move any score anywhere, and they read
     scores in nats. ``bound``: a bound on every ``|S_ij|`` of the call, in
-    base 2 (:meth:`_score_bound`).
+    base 2, and ``raw_bound`` the same before ALiBi's term
+    (:meth:`_score_bounds`). ``maxima_near_zero``: whether every row that
+    sees a key has its maximum within ``raw_bound`` of 0: the lower bound,
+    or ALiBi with the upper one where each row sees the key at its own
+    position (its term is 0 there); the forward may then keep the zero
+    reference (:func:`_zero_reference_fits`).
     """
 
     def __init__(self, spec: AttentionSpec, q_norms: Any, k_norms: Any):
@@ -325,10 +334,14 @@ class _Mode:
         plain = spec.bias is None and not spec.score_mods  # a user modification may move any score anywhere
         self.upper = plain and (slopes is None or bool(np.all(slopes >= 0)))
         self.lower = plain and slopes is None
-        self.bound = self._score_bound(spec, q_norms, k_norms, slopes)
+        self.raw_bound, alibi_reach = self._score_bounds(spec, q_norms, k_norms, slopes)
+        self.bound = self.raw_bound + alibi_reach
         # ALiBi far from a row's keys takes base e and the generic path's order of
-        # operations: see the module docstring.
-        near = slopes is None or (self.upper and _rows_see_their_own_position(spec))
+        # operations: see the module docstring. Near them, ALiBi's term is 0 at the
+        # key of each row's own position, whose score bounds the row's maximum below.
+        own_position = slopes is not None and self.upper and _rows_see_their_own_position(spec)
+        near = slopes is None or own_position
+        self.maxima_near_zero = self.lower or own_position
         self.base2 = plain and near and self.bound < _fused_shift_limit(spec.compute_dtype)
         self.fused = self.base2 and spec.softcap is None
         self.base = LOG2E if self.base2 else 1.0
@@ -341,25 +354,26 @@ class _Mode:
         modes' kernels (:mod:`npattn.modes.numpy_kernels`), whose tangents no
         bound covers."""
         mode = cls.__new__(cls)
-        mode.upper = mode.lower = mode.base2 = mode.fused = mode.ratio = False
-        mode.base, mode.bound = 1.0, np.inf
+        mode.upper = mode.lower = mode.maxima_near_zero = mode.base2 = mode.fused = mode.ratio = False
+        mode.base, mode.bound, mode.raw_bound = 1.0, np.inf, np.inf
         mode.cap = np.inf if spec.softcap is None else spec.softcap
         return mode
 
     @staticmethod
-    def _score_bound(spec: AttentionSpec, q_norms: Any, k_norms: Any, slopes: Any | None) -> float:
-        """A bound on every ``|S_ij|`` in base 2: Cauchy-Schwarz, or the softcap
-        if lower, plus ``max|m_n|`` times the largest ``|p_i - j|`` with ALiBi."""
-        bound = 0.0
+    def _score_bounds(spec: AttentionSpec, q_norms: Any, k_norms: Any, slopes: Any | None) -> tuple[float, float]:
+        """``(raw, reach)`` in base 2: a bound on every ``|S_ij|`` before ALiBi
+        (Cauchy-Schwarz, or the softcap if lower) and how far ALiBi can move a
+        score, ``max|m_n|`` times the largest ``|p_i - j|`` (0 without it)."""
+        raw = reach = 0.0
         if q_norms.size and k_norms.size:
-            bound = abs(spec.scale) * float(q_norms.max()) * float(k_norms.max())
+            raw = abs(spec.scale) * float(q_norms.max()) * float(k_norms.max())
         if spec.softcap is not None:
-            bound = min(bound, spec.softcap)
+            raw = min(raw, spec.softcap)
         if slopes is not None and slopes.size:
             omin, omax = spec.offset_bounds  # positions p lie in [omin, T - 1 + omax], keys in [0, S - 1]
-            reach = max(spec.q_len - 1 + omax, spec.kv_len - 1 - omin, 0)
-            bound += float(np.abs(slopes).max()) * reach
-        return LOG2E * bound
+            distance = max(spec.q_len - 1 + omax, spec.kv_len - 1 - omin, 0)
+            reach = float(np.abs(slopes).max()) * distance
+        return LOG2E * raw, LOG2E * reach
 
 
 def _rows_see_their_own_position(spec: AttentionSpec) -> bool:
@@ -371,7 +385,9 @@ def _rows_see_their_own_position(spec: AttentionSpec) -> bool:
     mask function, block mask or segment ids (any may hide that key), and
     the valid rows' positions within the valid keys: ``p_i >= 0`` (the
     offsets), and ``p_i < kv_len`` (bottom-right alignment places the last
-    valid row on the last valid key; top-left needs ``q_len <= kv_len``).
+    valid row on the last valid key; top-left needs ``q_len <= kv_len``, in
+    each batch element: a padded batch of self-attention, ``q_lengths =
+    kv_lengths``, has it, though its longest queries pass its shortest keys).
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
@@ -382,12 +398,19 @@ def _rows_see_their_own_position(spec: AttentionSpec) -> bool:
     False
     >>> _rows_see_their_own_position(make_spec(x, x, x, kv_lengths=np.array([2])))  # rows 2, 3 past the keys
     False
+    >>> two = np.zeros((2, 1, 4, 2))
+    >>> _rows_see_their_own_position(make_spec(two, two, two, q_lengths=np.array([2, 4]), kv_lengths=np.array([2, 4])))
+    True
     """
     if spec.has_user_mask or spec.block_mask is not None or spec.has_segments:
         return False
     if spec.offset_bounds[0] < 0:
         return False
-    return spec.align == "bottom_right" or spec.q_len_bounds[1] <= spec.kv_len_bounds[0]
+    if spec.align == "bottom_right" or spec.q_len_bounds[1] <= spec.kv_len_bounds[0]:
+        return True
+    if spec.q_lengths is None or spec.kv_lengths is None:  # then the bounds above decided it
+        return False
+    return bool(np.all(np.asarray(spec.q_lengths) <= np.asarray(spec.kv_lengths)))
 
 
 def _base_scale(spec: AttentionSpec, mode: _Mode) -> tuple[Any, float]:
@@ -1113,10 +1136,14 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
 
     - **at the zero reference**, when the Cauchy-Schwarz bound
       ``|S_ij| <= |scale q_i| |k_j|`` (or the softcap) keeps every score of
-      the call within :data:`ZERO_REFERENCE_BOUND` of 0 and no bias, ALiBi or
+      the call within :data:`ZERO_REFERENCE_BOUND` of 0 and no bias or
       score modification can move it (:class:`_Forward`): ``P~ = exp(S)``
-      with no running maximum, rescaling or flush, hidden entries zeroed
-      after the ``exp``; ``l = rowsum(P~)``, ``acc = P~ V``.
+      with no running maximum or rescaling, hidden entries zeroed after the
+      ``exp``; ``l = rowsum(P~)``, ``acc = P~ V``. ALiBi (slopes >= 0) only
+      lowers scores, and where every row sees the key at its own position,
+      whose term is 0, each row's maximum stays within the bound of 0 too:
+      its far spans take the flushed ``exp``, or are skipped where every
+      entry lies below the flush floor.
     - **with a running maximum** otherwise: each row keeps a reference
       maximum ``m``, updated lazily. Per span, with the shifted scores
       ``S_ij - m`` (from one GEMM when fused, see the module docstring) and
@@ -1246,8 +1273,8 @@ class _Forward:
         found = self.zero_reference[slot]
         if found is None:
             v_rows = self.v3[b, slice(*self.groups[g])]  # (nk, S, Hv)
-            bound, dropout_p = self.mode.bound, self.spec.dropout_p
-            found = self.mode.lower and _zero_reference_fits(bound, v_rows, dropout_p, self.dtype)
+            bound, dropout_p = self.mode.raw_bound, self.spec.dropout_p
+            found = self.mode.maxima_near_zero and _zero_reference_fits(bound, v_rows, dropout_p, self.dtype)
             self.zero_reference[slot] = found
         return found
 
@@ -1297,16 +1324,39 @@ class _Forward:
         return span is not None and span[:2] == self.q_tiles[qi]
 
     def _spans_at_zero_reference(self, item: _Item, g: int, qi: int, q0: int, qa: Any, sums: _Sums) -> None:
-        """The spans of one query tile with every row's reference at 0."""
-        nk, G = item.nk, self.G
+        """The spans of one query tile with every row's reference at 0.
+
+        Without ALiBi every score lies within the call's bound, so ``P~ =
+        exp(S)`` is never subnormal nor inf. ALiBi's term can take a score
+        far below it: there the exp is the flushed one, except in a span whose
+        raw bound plus ALiBi's reach (:meth:`_Item.alibi_reach`) keeps every
+        entry above the flush floor, and a span whose every entry lies below
+        that floor (:meth:`_Item.below_floor`, its row bounds ``|c q_i|
+        max_j |k_j|`` against the reference 0) holds only exact zeros after
+        the flushed exp and is skipped, as in the loop with a running maximum."""
+        nk, G, exp = item.nk, self.G, self.exp
         keys, values = self._keys(item.b, g), self.v3[item.b, item.kv_slice]  # (nk, H, S), (nk, S, Hv)
         s_flat = np.empty(nk * self.span_size, dtype=self.dtype)  # one span's scores, reused
+        alibi = item.slope_min is not None
+        if alibi:  # (nk, rows): |c q_i| in the scores' base, rows position-major
+            rows = qa.shape[1]
+            q_norms = _position_major(self.q_norms3[item.b, item.head_slice, q0 : q0 + rows // G], nk) * self.norm_scale
         for plan in self.plans[item.b][qi]:
             for span in plan:
                 r, (c0, c1) = _rows(span, q0, G), span[2:4]
+                flushed = False
+                if alibi:
+                    row_bounds = q_norms[:, r] * self.k_norm_max[item.b][g][c0, c1]  # (nk, R): S_ij before ALiBi
+                    # (a single span over all rows writes the sums: it holds each row's own position)
+                    if not sums.single_span and item.below_floor(row_bounds, span, exp.floor):
+                        continue
+                    flushed = min(float(row_bounds.max()), self.mode.cap) + item.alibi_reach(span) >= -exp.floor
                 s = _buffer(s_flat, nk, r.stop - r.start, c1 - c0)  # (nk, R, tk)
-                item.scores(s, qa[:, r], keys, span, hide=False)  # scale Q K^T, softcapped
-                self.exp.fast(s, out=s)  # P~_ij = exp(S_ij): bounded, so never subnormal or inf
+                item.scores(s, qa[:, r], keys, span, hide=False)  # scale Q K^T, softcapped, ALiBi's term
+                if flushed:
+                    exp.flushed(s)  # P~_ij = exp(S_ij), exactly 0 far below the bound
+                else:
+                    exp.fast(s, out=s)  # P~_ij = exp(S_ij), never subnormal nor inf
                 item.fill_hidden(s, span, 0)
                 sums.add(s, r, self.ones_k[: c1 - c0], values[:, c0:c1], item.dropout_scale(*span[:4]))
 

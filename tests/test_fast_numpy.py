@@ -894,14 +894,19 @@ def _zero_reference(q, k, v, **options):
 
 def test_the_forward_keeps_the_zero_reference_only_where_every_score_and_sum_is_bounded():
     """No running maximum only while nothing can move a score past
-    ``ZERO_REFERENCE_BOUND`` (a bias, ALiBi, large products) and the sums
-    ``S 2**bound max|v|`` stay finite; a softcap bounds the products."""
+    ``ZERO_REFERENCE_BOUND`` (a bias, large products, ALiBi where a row may
+    not see its own position) and the sums ``S 2**bound max|v|`` stay
+    finite; a softcap bounds the products."""
     rng = np.random.default_rng(7)
     q, k, v = (rng.standard_normal((1, 2, 32, 8)).astype(np.float32) for _ in range(3))
     assert _zero_reference(q, k, v)
     assert _zero_reference(q, k, v, causal=True, softcap=50.0, dropout_p=0.5, seed=1, kv_lengths=np.array([20]))
     assert not _zero_reference(q, k, v, bias=np.zeros((32, 32), np.float32))
-    assert not _zero_reference(q, k, v, alibi_slopes=np.ones(2, np.float32))
+    ones = np.ones(2, np.float32)
+    assert _zero_reference(q, k, v, alibi_slopes=ones, causal=True)  # 0 at each row's own key: maxima >= -bound
+    assert not _zero_reference(q, k, v, alibi_slopes=-ones)  # a negative slope lifts scores past the bound
+    assert not _zero_reference(q, k, v, alibi_slopes=ones, kv_lengths=np.array([20]))  # rows 20-31: no own key
+    assert not _zero_reference(q, k, v, alibi_slopes=ones, mask=np.eye(32, dtype=bool)[::-1])  # it may be hidden
     assert not _zero_reference(q, k, v, score_mods=[npattn.softcap_mod(5.0)])
     assert not _zero_reference(40 * q, k, v)  # |S_ij| up to ~300 in base 2
     assert _zero_reference(40 * q, k, v, softcap=50.0)  # capped at 50 nats, 72 in base 2
@@ -1560,4 +1565,48 @@ def test_flat_alibi_spans_keep_a_lower_bound_and_take_the_plain_exp(monkeypatch,
         return len(flushed)
 
     assert run(np.array([1e-3, 2e-3])) == 0
-    assert run(np.array([1.0, 2.0])) > 0
+    assert run(np.array([1.0, 4.0])) > 0  # 4 x 255 keys: 1470 below the raw bound in base 2, past float64's floor
+
+
+LENGTHS = np.array([300, 131])
+
+
+@pytest.mark.parametrize(
+    ("options", "far_spans"),
+    [({}, True), ({"causal": True}, True), ({"window": (40, 7)}, False), ({"q_lengths": LENGTHS, "kv_lengths": LENGTHS}, True)],
+    ids=["full", "causal", "window", "padded self-attention"],
+)
+def test_alibi_where_each_row_sees_its_own_key_runs_at_the_zero_reference(monkeypatch, options, far_spans):
+    """ALiBi with slopes >= 0 only lowers scores, and is 0 at each row's own
+    key: where every row sees that key (self-attention, a window around it,
+    a padded batch with ``q_lengths = kv_lengths``) each row's maximum lies
+    within the raw bound of 0, and the forward keeps the zero reference, no
+    running maximum. A steep head's far spans take the flushed exp or are
+    skipped (fewer score tiles than a flat head's), and out, lse and every
+    gradient, the slopes' too, are the generic path's in float64."""
+    rng = np.random.default_rng(11)
+    q, k, v, dout = (rng.standard_normal((2, 4, 300, 16)) for _ in range(4))
+    slopes = np.array([32.0, 0.5, 0.05, 0.0])  # 32: float64's flush floor (2**-1000) 22 keys away
+    options = dict(options, alibi_slopes=slopes, block_q=64, block_k=64)
+    loops, heads = [], []
+    for name in ("_spans_at_zero_reference", "_spans_with_running_max"):
+        real = getattr(fast_numpy._Forward, name)
+        monkeypatch.setattr(fast_numpy._Forward, name, lambda self, *a, _real=real, _name=name: loops.append(_name) or _real(self, *a))
+    real_scores = fast_numpy._Item.scores
+    monkeypatch.setattr(fast_numpy._Item, "scores", lambda self, *a, **kw: heads.append(self.kv_slice.start) or real_scores(self, *a, **kw))
+    spec = make_spec(q, k, v, impl="chunked", **options)
+    out, lse = fast_numpy.forward(spec, q, k, v)
+    grads = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)
+    assert set(loops) == {"_spans_at_zero_reference"}
+    if far_spans:  # the steep head skips them in both passes; a window of 40 has none
+        assert heads.count(0) < heads.count(3)
+    else:
+        assert heads.count(0) == heads.count(3)
+    out_g, lse_g = chunked.chunked_forward(spec, q, k, v)
+    grads_g = chunked.chunked_backward(spec, q, k, v, out_g, lse_g, dout, None)
+    finite = np.isfinite(lse_g)
+    np.testing.assert_array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], lse_g[finite], atol=1e-12, rtol=0)
+    np.testing.assert_allclose(out, out_g, atol=1e-12, rtol=0)
+    for got, want in zip([*grads[:3], grads[4]["alibi_slopes"]], [*grads_g[:3], grads_g[4]["alibi_slopes"]]):
+        np.testing.assert_allclose(got, want, atol=1e-12 * max(1.0, np.abs(want).max()), rtol=0)
