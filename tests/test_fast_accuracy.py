@@ -34,6 +34,14 @@ FLOOR = 1e-9
 
 SEEDS = range(16)
 
+#: ... but 64 where a case has ALiBi: the slopes' gradient sums every
+#: ``dS_ij |p_i - j|`` of a head into one number, and its mean error over
+#: 16 seeds swung between 0.74x and 1.64x the dense path's from one window
+#: of seeds to the next (seeds 0-15, 16-31, ..., 80-95 of the same code;
+#: 0.75x to 1.57x before the fast forward kept ALiBi at the zero reference),
+#: while over 64 seeds it read 1.09x and 1.12x (seeds 0-63, 64-127).
+ALIBI_SEEDS = range(64)
+
 #: The standard slopes of 8 heads (Press et al.).
 ALIBI = npattn.alibi_slopes(8)
 
@@ -138,7 +146,9 @@ def _assert_within_factor(fast, reference, label, names=NAMES):
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_fast_path_float32_error_is_within_factor_of_dense(case):
-    _assert_within_factor(*_errors(*CASES[case], SEEDS), "dense path")
+    shape, options = CASES[case]
+    seeds = ALIBI_SEEDS if "alibi_slopes" in options else SEEDS
+    _assert_within_factor(*_errors(shape, options, seeds), "dense path")
 
 
 @pytest.mark.parametrize("case", list(CHUNKED_CASES), ids=list(CHUNKED_CASES))
