@@ -821,7 +821,9 @@ class _Item:
     head's 2-D ``(tq*G, tk)`` (``nk = 1``), as the derivative modes'
     kernels pass."""
 
-    def __init__(self, spec: AttentionSpec, b: int, kv_heads: tuple[int, int], mode: _Mode):
+    def __init__(
+        self, spec: AttentionSpec, b: int, kv_heads: tuple[int, int], mode: _Mode, alibi_memo: dict | None = None
+    ):
         kv0, kv1 = kv_heads
         self.spec, self.b, self.G = spec, b, spec.group_size
         self.kv_slice, self.nk = slice(kv0, kv1), kv1 - kv0
@@ -837,7 +839,11 @@ class _Item:
         if spec.alibi_slopes is not None:
             slopes = select_item(spec, spec.alibi_slopes, b, self.heads)  # (nk*G|1, 1, 1)
             self.slope_min, self.slope_max = float(np.min(slopes)) * mode.base, float(np.max(slopes)) * mode.base
-        self._last_diagonals: tuple[tuple[int, int, int, int], Any] | None = None  # see _diagonals
+        # ALiBi's distances and terms by span shape (:meth:`_diagonals`), shared by a call's items;
+        # this element's index only where its positions (or slopes) differ from the others'
+        self.alibi_memo = {} if alibi_memo is None else alibi_memo
+        self._positions_key = b if np.ndim(spec.q_offset) else None
+        self._slopes_key = b if spec.alibi_slopes is not None and np.ndim(spec.alibi_slopes) > 1 else None
 
     def _as_rows(self, tile: Any, tq: int, tk: int, like: Any = None) -> Any:
         """``(nk*G|1, tq|1, tk|1)`` or ``(tq|1, tk|1)`` -> ``(nk, tq*G, tk)``,
@@ -863,8 +869,7 @@ class _Item:
             s += self._as_rows(bias, tq, tk, like=s)
         if spec.alibi_slopes is not None:
             assert s.flags.c_contiguous, "s a span's buffer"
-            distance = self._diagonals(p0, p1, c0, c1)  # (tq + tk - 1,)
-            term = alibi_tile(spec, p0, p0 + 1, c0 - (tq - 1), c1, self.b, self.heads, distance)  # (nk*G|1, 1, L)
+            term = self._alibi_term(p0, p1, c0, c1)  # (nk*G|1, 1, tq + tk - 1)
             heads = term.shape[0]
             view = diagonal_view(term.reshape(heads, -1), tq, tk)  # (nk*G|1, tq, tk)
             groups = self.nk if heads > 1 else 1
@@ -879,17 +884,35 @@ class _Item:
         it as the span's distances. It is the pipeline's
         :func:`~npattn.scores.alibi.alibi_distance` of the span's first query
         against the keys its diagonals start at, ``[c0 - tq + 1, c1)``
-        (``|p_i - j|`` depends on ``p_i - j`` alone). The last span's is kept:
-        the backward's scores and slope gradient read it in turn."""
-        span = (p0, p1, c0, c1)
-        if self._last_diagonals is not None and self._last_diagonals[0] == span:
-            return self._last_diagonals[1]
+        (``|p_i - j|`` depends on ``p_i - j`` alone). Built once per span
+        shape and offset ``p0 - c0`` and kept in :attr:`alibi_memo`: the
+        forward's items, the backward's scores and its slope gradients read
+        them in turn (each took 13 us of small array calls: alibi_distance
+        8, alibi_tile 5). The memo holds a row of ``tq + tk - 1`` values per
+        offset and span shape (per head, for the terms): a few times
+        ``N (T + S) / 128`` rows of at most 1023 values, linear in the
+        sequence."""
         tq = p1 - p0
-        distance = alibi_distance(self.spec, p0, p0 + 1, c0 - (tq - 1), c1, batch=self.b)  # (1, tq + tk - 1)
-        base = self.spec.compute_dtype.type(self.mode.base)
-        diagonals = distance.reshape(-1) * base if base != 1 else distance.reshape(-1)
-        self._last_diagonals = (span, diagonals)
-        return diagonals
+        key = ("distance", self._positions_key, p0 - c0, tq, c1 - c0)
+        found = self.alibi_memo.get(key)
+        if found is None:
+            distance = alibi_distance(self.spec, p0, p0 + 1, c0 - (tq - 1), c1, batch=self.b)  # (1, tq + tk - 1)
+            base = self.spec.compute_dtype.type(self.mode.base)
+            found = self.alibi_memo[key] = distance.reshape(-1) * base if base != 1 else distance.reshape(-1)
+        return found
+
+    def _alibi_term(self, p0: int, p1: int, c0: int, c1: int) -> Any:
+        """The pipeline's :func:`~npattn.scores.alibi.alibi_tile` of this
+        item's heads along the span's diagonals (:meth:`_diagonals`),
+        ``(nk*G|1, 1, tq + tk - 1)``, kept in :attr:`alibi_memo` as they are."""
+        tq = p1 - p0
+        key = ("term", self._slopes_key, self.heads, self._positions_key, p0 - c0, tq, c1 - c0)
+        found = self.alibi_memo.get(key)
+        if found is None:
+            distance = self._diagonals(p0, p1, c0, c1)
+            term = alibi_tile(self.spec, p0, p0 + 1, c0 - (tq - 1), c1, self.b, self.heads, distance)
+            found = self.alibi_memo[key] = term
+        return found
 
     def fill_hidden(self, s: Any, span: tuple, value: float) -> None:
         """Set the hidden entries of the span's ``(..., R, c1 - c0)`` array ``s`` to ``value``."""
@@ -1263,6 +1286,7 @@ class _Forward:
         self.threshold = RESCALE_THRESHOLD * mode.base
         self.ones_k = np.ones(self.block_k, dtype=dtype)
         self.k_norm_max = [[_RangeMax(self.k_norms[b, slice(*group)]) for group in self.groups] for b in range(Bf)]
+        self.alibi_memo: dict = {}  # ALiBi's span terms, shared by the items (_Item._diagonals)
 
     def _at_zero_reference(self, b: int, g: int) -> bool:
         """Whether batch element ``b``'s group ``g`` keeps every row at the
@@ -1297,7 +1321,7 @@ class _Forward:
         """The item ``(b, g, qi)``: its spans, then its rows of ``out`` and ``lse``."""
         b, g, qi = job
         q0, q1 = self.q_tiles[qi]
-        item = _Item(self.spec, b, self.groups[g], self.mode)
+        item = _Item(self.spec, b, self.groups[g], self.mode, self.alibi_memo)
         q_rows = self.q3[b, item.head_slice, q0:q1]  # (nk*G, tq, H)
         # (nk, tq*G, H+1) = [Q_i, -m], the running maximum's shift riding in the
         # product; (nk, tq*G, H) = Q_i at the zero reference, which has none
@@ -1622,10 +1646,11 @@ def _backward_call(
     # Each item writes the slope gradients of its own heads: summed in a fixed order.
     alibi_grads = None if spec.alibi_slopes is None else np.zeros((Bf, N), dtype=dtype)
     mod_grads: list[dict[str, Any]] = [{} for _ in range(Bf * len(groups))]  # per item, summed in item order below
+    alibi_memo: dict = {}  # ALiBi's span terms, shared by the items (_Item._diagonals)
 
     def work(job):
         b, g = job
-        item = _Item(spec, b, groups[g], mode)
+        item = _Item(spec, b, groups[g], mode, alibi_memo)
         item.keep_inputs = True
         plans = plans_by_batch[b]
         heads, kvs, nk = item.head_slice, item.kv_slice, item.nk

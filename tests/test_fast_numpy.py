@@ -223,9 +223,9 @@ def test_batch_elements_fold_into_heads_where_nothing_tells_them_apart(monkeypat
     groups = []
     real_item = fast_numpy._Item
 
-    def noting_groups(spec_, b, kv_heads, mode):
+    def noting_groups(spec_, b, kv_heads, *rest):
         groups.append((spec_.batch_shape, b, kv_heads))
-        return real_item(spec_, b, kv_heads, mode)
+        return real_item(spec_, b, kv_heads, *rest)
 
     monkeypatch.setattr(fast_numpy, "_Item", noting_groups)
     _assert_fast_equals_generic(spec, q, k, v, dout)
