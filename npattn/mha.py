@@ -416,6 +416,11 @@ def _check_cache(
     if cache.dtype != cdtype:
         raise TypeError(f"cache stores {cache.dtype}, but the layer computes in {cdtype}")
     cache.check_new(B, T)
+    if cache.length + T == 0:
+        raise ValueError(
+            "x has no new positions (T=0) and the cache is empty: the queries would attend to no key; "
+            "pass at least one position"
+        )
     return "bottom_right"
 
 

@@ -1573,7 +1573,12 @@ LENGTHS = np.array([300, 131])
 
 @pytest.mark.parametrize(
     ("options", "far_spans"),
-    [({}, True), ({"causal": True}, True), ({"window": (40, 7)}, False), ({"q_lengths": LENGTHS, "kv_lengths": LENGTHS}, True)],
+    [
+        ({}, True),
+        ({"causal": True}, True),
+        ({"window": (40, 7)}, False),
+        ({"q_lengths": LENGTHS, "kv_lengths": LENGTHS}, True),
+    ],
     ids=["full", "causal", "window", "padded self-attention"],
 )
 def test_alibi_where_each_row_sees_its_own_key_runs_at_the_zero_reference(monkeypatch, options, far_spans):
@@ -1589,11 +1594,25 @@ def test_alibi_where_each_row_sees_its_own_key_runs_at_the_zero_reference(monkey
     slopes = np.array([32.0, 0.5, 0.05, 0.0])  # 32: float64's flush floor (2**-1000) 22 keys away
     options = dict(options, alibi_slopes=slopes, block_q=64, block_k=64)
     loops, heads = [], []
-    for name in ("_spans_at_zero_reference", "_spans_with_running_max"):
+
+    def count_calls(name):
         real = getattr(fast_numpy._Forward, name)
-        monkeypatch.setattr(fast_numpy._Forward, name, lambda self, *a, _real=real, _name=name: loops.append(_name) or _real(self, *a))
+
+        def loop(self, *args):
+            loops.append(name)
+            return real(self, *args)
+
+        monkeypatch.setattr(fast_numpy._Forward, name, loop)
+
+    count_calls("_spans_at_zero_reference")
+    count_calls("_spans_with_running_max")
     real_scores = fast_numpy._Item.scores
-    monkeypatch.setattr(fast_numpy._Item, "scores", lambda self, *a, **kw: heads.append(self.kv_slice.start) or real_scores(self, *a, **kw))
+
+    def scores(self, *args, **kwargs):
+        heads.append(self.kv_slice.start)  # one kv head per item: the keys span several key tiles
+        return real_scores(self, *args, **kwargs)
+
+    monkeypatch.setattr(fast_numpy._Item, "scores", scores)
     spec = make_spec(q, k, v, impl="chunked", **options)
     out, lse = fast_numpy.forward(spec, q, k, v)
     grads = fast_numpy.backward(spec, q, k, v, out, lse, dout, None)

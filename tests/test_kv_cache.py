@@ -112,6 +112,8 @@ def test_cache_errors_name_the_problem():
         mha_forward(params, x, cache={"k": None}, num_heads=2)
     with pytest.raises(ValueError, match=r"mask of shape"):  # the core's error, raised before the cache moves
         mha_forward(params, x, cache=fresh, num_heads=2, mask=np.ones((2, 5), bool))
+    with pytest.raises(ValueError, match=r"x has no new positions \(T=0\) and the cache is empty"):
+        mha_forward(params, x[:, :0], cache=fresh, num_heads=2, causal=True)
     assert fresh.length == 0 and fresh.keys.shape == (2, 2, 0, 4)
     y, res = mha_forward(params, x, cache=fresh, num_heads=2, causal=True)
     with pytest.raises(ValueError, match=r"forward only"):

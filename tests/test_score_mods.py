@@ -905,6 +905,10 @@ def test_bad_mask_mod_results_are_named(path):
         npattn.block_mask(lambda idx: idx.k - idx.q, 3, 5, align="top_left")
     with pytest.raises(ValueError, match=r"does not broadcast"):
         npattn.block_mask(lambda idx: np.ones((2, 1, 1, 1), bool), 3, 5, num_heads=3, align="top_left")
+    per_element = r"kv_lengths of shape \(2,\) set positions per batch element: pass .* batch_shape=\(2,\)"
+    with pytest.raises(ValueError, match=per_element):
+        npattn.block_mask(band, 4, 6, align="bottom_right", kv_lengths=np.array([6, 3]))
+    npattn.block_mask(band, 4, 6, align="bottom_right", kv_lengths=np.array([6, 3]), batch_shape=(2,))
 
 
 def test_block_mask_for_another_call_is_rejected():

@@ -13,6 +13,7 @@ fast path's 512-wide tiles and 128-wide sub-blocks read a mask built with
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -161,6 +162,8 @@ def block_mask(
     heads = None if num_heads is None else check_int("num_heads", num_heads, minimum=1)
     if batch_shape is not None:
         batch_shape = tuple(check_int("batch_shape", size, minimum=0) for size in batch_shape)
+    else:
+        _check_lengths_need_no_batch(q_lengths, kv_lengths)
     spec = _index_spec(mask_mod, (batch_shape, heads, T, S), align, (q_lengths, kv_lengths), xp, device)
     kinds = np.empty((spec.num_batch, spec.num_heads, -(-T // bq), -(-S // bk)), dtype=np.int8)
     for i, q0 in enumerate(range(0, T, bq)):
@@ -174,6 +177,18 @@ def block_mask(
     return BlockMask(
         mask_mod, T, S, bq, bk, batch_shape, heads, to_numpy(offset) if hasattr(offset, "shape") else offset, kinds
     )
+
+
+def _check_lengths_need_no_batch(q_lengths: Any, kv_lengths: Any) -> None:
+    """Raise ``ValueError`` where lengths differ per batch element but
+    ``batch_shape`` is None (one batch element's positions for all)."""
+    for name, lengths in (("q_lengths", q_lengths), ("kv_lengths", kv_lengths)):
+        shape = tuple(getattr(lengths, "shape", ()))
+        if math.prod(shape) > 1:
+            raise ValueError(
+                f"{name} of shape {shape} set positions per batch element: pass the calls' batch axes "
+                f"as batch_shape={shape} (block_mask evaluates one element for all without it)"
+            )
 
 
 def _index_spec(mask_mod, sizes, align, lengths, xp, device) -> Any:
