@@ -351,13 +351,13 @@ def forward_from_spec(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any,
     residuals: AttentionResiduals
     if spec.impl == "dense":
         out, lse, probs = dense_forward(spec, qc, kc, vc)
-        out, lse, factor = apply_sinks(spec, out, lse)
+        out, lse, factor = apply_sinks(spec, out, lse, overwrite=True)  # out: the kernel's own
         if factor is not None:
-            probs = probs * factor[..., None]  # (..., N, T, S): the sinks' share leaves each row
+            probs *= factor[..., None]  # (..., N, T, S), the kernel's own: the sinks' share leaves each row
         residuals = DenseResiduals(spec, qc, kc, vc, out, lse, probs)
     else:
         kernel = chunked_kernel(spec)
-        out, lse, _ = apply_sinks(spec, *_CHUNKED_KERNELS[kernel][0](spec, qc, kc, vc))
+        out, lse, _ = apply_sinks(spec, *_CHUNKED_KERNELS[kernel][0](spec, qc, kc, vc), overwrite=True)
         residuals = ChunkedResiduals(spec, qc, kc, vc, out, lse, kernel)
     return out, residuals
 
