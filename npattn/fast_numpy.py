@@ -310,11 +310,11 @@ class _Mode:
     without it (:func:`_rows_see_their_own_position`), and a bound on every
     score below :func:`_fused_shift_limit`.
     ``fused``: the per-row shifts ride inside the GEMMs, which needs
-    ``base2`` and no softcap (the shift would enter ``tanh``). ``upper`` /
-    ``lower``: whether ``S_ij <= bound`` / ``S_ij >= -bound`` hold for the
-    Cauchy-Schwarz bound ``|scale q_i| |k_j|`` (a softcap lowers it to
-    ``min(bound, c)``): both need no bias; ALiBi keeps the upper one when
-    every slope is >= 0 (its term is then <= 0) and loses the lower one.
+    ``base2`` and no softcap (the shift would enter ``tanh``). ``upper``:
+    whether ``S_ij <= bound`` holds for the Cauchy-Schwarz bound ``|scale
+    q_i| |k_j|`` (a softcap lowers it to ``min(bound, c)``): it needs no
+    bias, and ALiBi keeps it when every slope is >= 0 (its term is then <=
+    0). ALiBi loses the lower bound ``S_ij >= -bound`` over the call.
     ``cap``: the softcap in the scores' base, in the compute dtype (inf
     without one); ``ratio``: whether ``Q`` carries ``1 / softcap`` in its
     scale, so that the products already are ``s / c`` (see
@@ -323,17 +323,16 @@ class _Mode:
     scores in nats. ``bound``: a bound on every ``|S_ij|`` of the call, in
     base 2, and ``raw_bound`` the same before ALiBi's term
     (:meth:`_score_bounds`). ``maxima_near_zero``: whether every row that
-    sees a key has its maximum within ``raw_bound`` of 0: the lower bound,
-    or ALiBi with the upper one where each row sees the key at its own
-    position (its term is 0 there); the forward may then keep the zero
-    reference (:func:`_zero_reference_fits`).
+    sees a key has its maximum within ``raw_bound`` of 0: the lower bound
+    ``S_ij >= -raw_bound``, or ALiBi with the upper bound where each row
+    sees the key at its own position (its term is 0 there); the forward
+    may then keep the zero reference (:func:`_zero_reference_fits`).
     """
 
     def __init__(self, spec: AttentionSpec, q_norms: Any, k_norms: Any):
         slopes = None if spec.alibi_slopes is None else np.asarray(spec.alibi_slopes)
         plain = spec.bias is None and not spec.score_mods  # a user modification may move any score anywhere
         self.upper = plain and (slopes is None or bool(np.all(slopes >= 0)))
-        self.lower = plain and slopes is None
         self.raw_bound, alibi_reach = self._score_bounds(spec, q_norms, k_norms, slopes)
         self.bound = self.raw_bound + alibi_reach
         # ALiBi far from a row's keys takes base e and the generic path's order of
@@ -341,7 +340,7 @@ class _Mode:
         # key of each row's own position, whose score bounds the row's maximum below.
         own_position = slopes is not None and self.upper and _rows_see_their_own_position(spec)
         near = slopes is None or own_position
-        self.maxima_near_zero = self.lower or own_position
+        self.maxima_near_zero = (plain and slopes is None) or own_position  # the lower bound, or the own key's
         self.base2 = plain and near and self.bound < _fused_shift_limit(spec.compute_dtype)
         self.fused = self.base2 and spec.softcap is None
         self.base = LOG2E if self.base2 else 1.0
@@ -354,7 +353,7 @@ class _Mode:
         modes' kernels (:mod:`npattn.modes.numpy_kernels`), whose tangents no
         bound covers."""
         mode = cls.__new__(cls)
-        mode.upper = mode.lower = mode.maxima_near_zero = mode.base2 = mode.fused = mode.ratio = False
+        mode.upper = mode.maxima_near_zero = mode.base2 = mode.fused = mode.ratio = False
         mode.base, mode.bound, mode.raw_bound = 1.0, np.inf, np.inf
         mode.cap = np.inf if spec.softcap is None else spec.softcap
         return mode

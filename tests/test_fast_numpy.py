@@ -1328,23 +1328,25 @@ def test_fast_path_gradients_match_central_differences(options):
 
 def test_modes_of_each_variant():
     """Which tricks each variant keeps (see the module docstring): a softcap
-    keeps base 2 and both bounds but not the fused shifts; ALiBi keeps the
-    upper bound (slopes >= 0) but not the lower one, and base 2 and the fused
-    shifts only where every row sees the key at its own position (else its
-    shift may lie far below 0: see test_fast_accuracy.py); a bias keeps none."""
+    keeps base 2, the upper bound and the zero reference but not the fused
+    shifts; ALiBi keeps the upper bound (slopes >= 0), and base 2, the fused
+    shifts and the zero reference only where every row sees the key at its
+    own position (else its shift may lie far below 0: see
+    test_fast_accuracy.py); a bias keeps none. The fourth entry is
+    ``maxima_near_zero``, which the zero reference needs."""
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, 2, 8, 4))
 
     def mode(**options):
         spec = make_spec(q, q, q, impl="chunked", **options)
         m = fast_numpy._Mode(spec, fast_numpy._row_norms(q), fast_numpy._row_norms(q))
-        return m.base2, m.fused, m.upper, m.lower
+        return m.base2, m.fused, m.upper, m.maxima_near_zero
 
     assert mode() == (True, True, True, True)
     assert mode(softcap=2.0) == (True, False, True, True)
     slopes = np.array([0.5, 0.0])
-    assert mode(alibi_slopes=slopes) == (True, True, True, False)
-    assert mode(alibi_slopes=slopes, causal=True, window=(3, 0)) == (True, True, True, False)
+    assert mode(alibi_slopes=slopes) == (True, True, True, True)
+    assert mode(alibi_slopes=slopes, causal=True, window=(3, 0)) == (True, True, True, True)
     assert mode(alibi_slopes=slopes, kv_lengths=np.array([5])) == (False, False, True, False)  # rows 5-7 past the keys
     assert mode(alibi_slopes=slopes, mask=np.eye(8, dtype=bool)) == (False, False, True, False)  # may hide p_i
     assert mode(alibi_slopes=np.array([0.5, -0.1])) == (False, False, False, False)  # the term grows with the distance
