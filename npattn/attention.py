@@ -20,6 +20,7 @@ from .options import (
     AUTO_CHUNKED_MIN_SCORES,
     AUTO_FAST_MIN_SCORES,
     AUTO_FAST_SINGLE_HEAD_MIN_SCORES,
+    AUTO_FAST_VARIANT_MIN_SCORES,
     AttentionSpec,
     make_spec,
     plain_key,
@@ -206,8 +207,9 @@ def attention_forward(
         ``npattn.options.AUTO_CHUNKED_MIN_SCORES`` (2**24) entries, and on
         NumPy (float32/float64, where the chunked path is the fast path of
         :mod:`npattn.fast_numpy`) also once they reach
-        ``npattn.options.AUTO_FAST_MIN_SCORES`` (2**21; 2**22 with ALiBi or
-        score modifications), from where that path is the faster. Pass
+        ``npattn.options.AUTO_FAST_MIN_SCORES`` (2**21; 2**20 with a
+        softcap, ALiBi or dropout, 2**22 with score modifications), from
+        where that path is the faster. Pass
         ``"dense"`` to get ``probs`` back.
     block_q, block_k : int, optional
         Tile sizes of the chunked path; given ones always win. Defaults
@@ -497,9 +499,13 @@ def _scores(spec: AttentionSpec) -> int:
 
 def _fast_min_scores(spec: AttentionSpec) -> int:
     """Scores from which ``"auto"`` takes the NumPy fast path: more with
-    ALiBi or score modifications, whose items hold one kv head each."""
-    single_head = spec.alibi_slopes is not None or bool(spec.score_mods)
-    return AUTO_FAST_SINGLE_HEAD_MIN_SCORES if single_head else AUTO_FAST_MIN_SCORES
+    score modifications, whose items hold one kv head each; fewer with a
+    softcap, ALiBi or dropout, whose dense path makes passes of its own."""
+    if spec.score_mods:
+        return AUTO_FAST_SINGLE_HEAD_MIN_SCORES
+    if spec.softcap is not None or spec.alibi_slopes is not None or spec.dropout_p:
+        return AUTO_FAST_VARIANT_MIN_SCORES
+    return AUTO_FAST_MIN_SCORES
 
 
 def choose_impl(spec: AttentionSpec) -> AttentionSpec:
@@ -510,8 +516,9 @@ def choose_impl(spec: AttentionSpec) -> AttentionSpec:
     than :data:`~npattn.options.AUTO_CHUNKED_MIN_SCORES` entries, or where the
     NumPy fast path takes the inputs and they reach
     :data:`~npattn.options.AUTO_FAST_MIN_SCORES` (or
-    :data:`~npattn.options.AUTO_FAST_SINGLE_HEAD_MIN_SCORES` with ALiBi or
-    score modifications); dense otherwise.
+    :data:`~npattn.options.AUTO_FAST_VARIANT_MIN_SCORES` with a softcap,
+    ALiBi or dropout, :data:`~npattn.options.AUTO_FAST_SINGLE_HEAD_MIN_SCORES`
+    with score modifications); dense otherwise.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec

@@ -65,9 +65,9 @@ cost is the ~20 kernel launches per tile, not the tile's size.
 ``impl="auto"`` picks this path when the dense score tensor ``(..., N, T, S)``
 would hold more than ``npattn.options.AUTO_CHUNKED_MIN_SCORES`` = 2**24
 entries (64 MiB in float32), all batch elements and heads together; on NumPy
-also from ``npattn.options.AUTO_FAST_MIN_SCORES`` = 2**21 entries (2**22 with
-ALiBi or score modifications), where its fast path (:mod:`npattn.fast_numpy`)
-overtakes the dense path.
+also from ``npattn.options.AUTO_FAST_MIN_SCORES`` = 2**21 entries (2**20 with
+a softcap, ALiBi or dropout, 2**22 with score modifications), where its fast
+path (:mod:`npattn.fast_numpy`) overtakes the dense path.
 """
 
 from __future__ import annotations

@@ -51,20 +51,37 @@ AUTO_CHUNKED_MIN_SCORES = 2**24
 #: (0.56-0.88) but forward+backward does not everywhere (0.72-1.14), and at
 #: 2**19 neither does (full: 0.91-1.11 and 0.75-1.31). A bool mask, a bias,
 #: the softcap, dropout and sinks at 2**21 (B=4 T=256, B=1 T=512, one run):
-#: forward 0.30-0.72, forward+backward 0.31-0.90. ALiBi and score
-#: modifications start later (:data:`AUTO_FAST_SINGLE_HEAD_MIN_SCORES`). The
+#: forward 0.30-0.72, forward+backward 0.31-0.90. A softcap, ALiBi or
+#: dropout start earlier (:data:`AUTO_FAST_VARIANT_MIN_SCORES`), score
+#: modifications later (:data:`AUTO_FAST_SINGLE_HEAD_MIN_SCORES`). The
 #: multi-head layer follows the same rule (its projections run on the same
 #: pool, :mod:`npattn.linear_numpy`).
 #: See ``docs/performance.rst``.
 AUTO_FAST_MIN_SCORES = 2**21
 
-#: :data:`AUTO_FAST_MIN_SCORES` for calls with ALiBi or score
-#: modifications, whose fast-path items hold one kv head each
-#: (:func:`npattn.fast_numpy._kv_groups`), so that short sequences make many
-#: small items. Measured as above, one run: at 2**21 the forward takes
+#: :data:`AUTO_FAST_MIN_SCORES` for calls with a softcap, ALiBi or dropout
+#: (and no score modification), whose dense path makes whole-tensor passes
+#: of its own (``tanh``, the distances, the keep mask's hashes) on one core.
+#: Measured as above (one run; N=8, H=64, standard slopes, cap 50, p=0.1):
+#: at 2**20 (B=8 T=128, B=1 T=362, B=2 T=256, full and causal) the fast
+#: path takes 0.30-0.73 of the dense path's time forward and 0.35-0.72
+#: forward+backward; ALiBi at 2**21 (B=16 T=128 to N=2 T=1024) 0.22-0.72
+#: and 0.23-0.70. At 2**19 ALiBi loses (0.89-1.44), and a softcap or
+#: dropout win full attention (0.41-0.76) but not always causal
+#: (0.94-1.02 forward, 0.49-0.98 forward+backward); a bias, sinks or a
+#: mask at 2**20 do not win (1.00-1.72 in one of the passes), and keep
+#: :data:`AUTO_FAST_MIN_SCORES`.
+AUTO_FAST_VARIANT_MIN_SCORES = 2**20
+
+#: :data:`AUTO_FAST_MIN_SCORES` for calls with score modifications, whose
+#: fast-path items hold one kv head each (:func:`npattn.fast_numpy._kv_groups`),
+#: so that short sequences make many small items. Measured as above, one
+#: run, when ALiBi's items held one kv head too: at 2**21 the forward took
 #: 1.22-2.67 of the dense path's time (B=4 T=256, B=16 T=128) but 0.45 at
 #: B=1 T=512; at 2**22 (B=8 T=256, B=2 T=512) forward 0.38-1.01 and
-#: forward+backward 0.42-0.89.
+#: forward+backward 0.42-0.89. ALiBi now groups kv heads where the keys fit
+#: one key tile and keeps the zero reference where rows see their own keys,
+#: and takes :data:`AUTO_FAST_MIN_SCORES`.
 AUTO_FAST_SINGLE_HEAD_MIN_SCORES = 2**22
 
 #: Tile sizes of the generic chunked path on the CPU (array-api-strict on any

@@ -39,7 +39,13 @@ from strategies import ALL_FEATURES, attention_cases
 import npattn
 import npattn.chunked as chunked
 from npattn.attention import choose_impl
-from npattn.options import AUTO_CHUNKED_MIN_SCORES, AUTO_FAST_MIN_SCORES, AUTO_FAST_SINGLE_HEAD_MIN_SCORES, make_spec
+from npattn.options import (
+    AUTO_CHUNKED_MIN_SCORES,
+    AUTO_FAST_MIN_SCORES,
+    AUTO_FAST_SINGLE_HEAD_MIN_SCORES,
+    AUTO_FAST_VARIANT_MIN_SCORES,
+    make_spec,
+)
 from npattn.scores.sinks import apply_sinks, sinks_grad
 
 TOL = dict(rtol=1e-12, atol=1e-12)
@@ -584,11 +590,12 @@ def test_auto_picks_the_numpy_fast_path_from_2_to_the_21_scores_in_total(monkeyp
         dict(kv_lengths=np.full(4, 9)),
         dict(q_segment_ids=ids, kv_segment_ids=ids),
         dict(mask=np.ones((256, 256), dtype=bool)),
-        dict(softcap=5.0),
+        dict(bias=np.zeros((256, 256))),
     ]:
         assert impl(256, 256, **options) == "chunked", options
         fewer = {**options, "kv_segment_ids": ids[:, :255]} if "kv_segment_ids" in options else options
         fewer = {**fewer, "mask": np.ones((256, 255), dtype=bool)} if "mask" in options else fewer
+        fewer = {**fewer, "bias": np.zeros((256, 255))} if "bias" in options else fewer
         assert impl(256, 255, align="top_left", **fewer) == "dense", options
     monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")
     assert impl(256, 256) == impl(256, 256, causal=True) == "dense"
@@ -598,19 +605,27 @@ def test_auto_picks_the_numpy_fast_path_from_2_to_the_21_scores_in_total(monkeyp
     assert choose_impl(make_spec(x, x, x)).impl == "dense"  # no fast path for other namespaces
 
 
-def test_auto_picks_the_fast_path_from_2_to_the_22_scores_with_alibi_or_score_mods():
-    """ALiBi and score modifications run one kv head per fast-path item, so
-    ``"auto"`` takes that path from AUTO_FAST_SINGLE_HEAD_MIN_SCORES."""
+def test_auto_thresholds_of_score_mods_and_of_softcap_alibi_and_dropout():
+    """Score modifications run one kv head per fast-path item, so ``"auto"``
+    takes that path from AUTO_FAST_SINGLE_HEAD_MIN_SCORES; a softcap, ALiBi
+    or dropout, whose dense path makes passes of its own, from
+    AUTO_FAST_VARIANT_MIN_SCORES; a bias or sinks from AUTO_FAST_MIN_SCORES,
+    as plain attention."""
 
     def impl(T, **options):
         q = np.broadcast_to(np.zeros((), dtype=np.float32), (4, 8, T, 4))  # no memory behind it
         return choose_impl(make_spec(q, q, q, **options)).impl
 
-    assert AUTO_FAST_SINGLE_HEAD_MIN_SCORES == 2**22
-    for options in [dict(alibi_slopes=np.ones(8)), dict(score_mods=[npattn.head_temperature(np.ones(8))])]:
-        assert impl(512, **options) == "chunked", options  # 2**23
-        assert impl(362, **options) == "dense", options  # just below 2**22
-        assert impl(256, causal=True, **options) == "dense", options  # 2**21
+    assert AUTO_FAST_SINGLE_HEAD_MIN_SCORES == 2**22 and AUTO_FAST_VARIANT_MIN_SCORES == 2**20
+    mods = dict(score_mods=[npattn.head_temperature(np.ones(8))])
+    assert impl(512, **mods) == "chunked"  # 2**23
+    assert impl(362, **mods) == "dense"  # just below 2**22
+    assert impl(256, causal=True, **mods) == "dense"  # 2**21
+    for variant in [dict(alibi_slopes=np.ones(8)), dict(softcap=5.0), dict(dropout_p=0.1, seed=0)]:
+        assert impl(182, causal=True, **variant) == impl(182, **variant) == "chunked", variant  # from 2**20
+        assert impl(181, **variant) == "dense", variant  # just below 2**20
+    assert impl(182, bias=np.zeros((182, 182))) == impl(182, sinks=np.zeros(8)) == "dense"  # 2**21 for them
+    assert impl(256, sinks=np.zeros(8)) == "chunked"
 
 
 def test_spec_replace_is_dataclasses_replace_without_init():
