@@ -26,7 +26,7 @@ from .options import (
     plain_key,
     plain_spec,
 )
-from .scores.sinks import apply_sinks, sinks_grad
+from .scores.sinks import apply_sinks, scaled_rows, sinks_grad
 
 __all__ = [
     "attention",
@@ -355,7 +355,7 @@ def forward_from_spec(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any,
         out, lse, probs = dense_forward(spec, qc, kc, vc)
         out, lse, factor = apply_sinks(spec, out, lse, overwrite=True)  # out: the kernel's own
         if factor is not None:
-            probs *= factor[..., None]  # (..., N, T, S), the kernel's own: the sinks' share leaves each row
+            probs = scaled_rows(xp, probs, factor, overwrite=True)  # (..., N, T, S): the sinks' share leaves each row
         residuals = DenseResiduals(spec, qc, kc, vc, out, lse, probs)
     else:
         kernel = chunked_kernel(spec)

@@ -233,6 +233,25 @@ def test_sinks_gradient_of_a_hidden_row_moves_only_the_sink(path):
     assert all(np.all(getattr(g, name) == 0) for name in ("dq", "dk", "dv"))
 
 
+def test_sinks_rescale_in_place_only_numpy_arrays_the_caller_hands_over():
+    """``scaled_rows`` writes into ``x`` only with ``overwrite`` and on NumPy
+    (a kernel's own ``out``: no second array's page faults); elsewhere, or
+    without ``overwrite``, ``x`` is left as it was."""
+    from npattn.scores.sinks import scaled_rows
+
+    xps = pytest.importorskip("array_api_strict")
+    factor = np.array([0.5, 2.0])
+    x = np.ones((2, 3))
+    kept = scaled_rows(np, x, factor)
+    assert np.all(x == 1) and kept is not x
+    scaled = scaled_rows(np, x, factor, overwrite=True)
+    assert scaled is x and np.array_equal(x, [[0.5] * 3, [2.0] * 3])
+    y = xps.ones((2, 3), dtype=xps.float64)
+    result = scaled_rows(xps, y, xps.asarray(factor), overwrite=True)
+    assert result is not y and bool(xps.all(y == 1))
+    assert np.array_equal(np.asarray(result), [[0.5] * 3, [2.0] * 3])
+
+
 @pytest.mark.parametrize("path", list(PATHS))
 def test_softcap_bounds_the_scores(path):
     """Scores of about ±1e4 capped at c = 2: each finite lse lies within

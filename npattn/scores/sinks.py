@@ -27,11 +27,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import array_api_compat
+
 from ..namespace import sum_to_shape
 from ..options import AttentionSpec
 from .tiles import row_indices
 
-__all__ = ["apply_sinks", "sinks_grad", "sink_share"]
+__all__ = ["apply_sinks", "scaled_rows", "sinks_grad", "sink_share"]
 
 
 def _sinks(spec: AttentionSpec) -> Any:
@@ -57,10 +59,8 @@ def apply_sinks(spec: AttentionSpec, out: Any, lse: Any, *, overwrite: bool = Fa
     (..., N, T)`` over the real keys: ``(out, lse, factor)`` with
     ``factor = exp(lse⁰ - lse)`` ``(..., N, T)``, which also rescales the
     dense path's probabilities. Without sinks, returns the inputs and None.
-    With ``overwrite`` (a kernel's own fresh ``out``), ``out`` is rescaled
-    in place: a second ``out``-sized array cost its page faults, 1.13-1.18x
-    plain attention's forward time with sinks at B=8, N=12, T=S=512 against
-    0.98-1.04x in place (2 cores, float32).
+    With ``overwrite`` (a kernel's own fresh ``out``), ``out`` may be
+    rescaled in place (:func:`scaled_rows`).
     """
     if spec.sinks is None:
         return out, lse, None
@@ -70,10 +70,20 @@ def apply_sinks(spec: AttentionSpec, out: Any, lse: Any, *, overwrite: bool = Fa
     if padded is not None:
         merged = xp.where(padded, xp.full_like(merged, -xp.inf), merged)  # padded rows stay fully masked
     factor = xp.where(lse == -xp.inf, xp.zeros_like(lse), xp.exp(lse - _finite_or_zero(xp, merged)))  # (..., N, T)
-    if not overwrite:
-        return out * factor[..., None], merged, factor
-    out *= factor[..., None]  # (..., N, T, Hv) *= (..., N, T, 1)
-    return out, merged, factor
+    return scaled_rows(xp, out, factor, overwrite=overwrite), merged, factor
+
+
+def scaled_rows(xp: Any, x: Any, factor: Any, *, overwrite: bool = False) -> Any:
+    """``x * factor[..., None]``, ``(..., T, D) * (..., T)``: with
+    ``overwrite`` (``x`` the caller's own fresh array) in place on NumPy,
+    where a second ``x``-sized array cost its page faults (sinks' forward
+    1.13-1.18x plain attention's time at B=8, N=12, T=S=512 against
+    0.98-1.04x in place; 2 cores, float32); a new array on other namespaces,
+    whose arrays may be immutable."""
+    if overwrite and array_api_compat.is_numpy_namespace(xp):
+        x *= factor[..., None]  # (..., T, D) *= (..., T, 1)
+        return x
+    return x * factor[..., None]
 
 
 def sink_share(spec: AttentionSpec, lse: Any) -> Any | None:
