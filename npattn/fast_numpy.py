@@ -348,6 +348,15 @@ class _Mode:
         self.cap = np.inf if spec.softcap is None else spec.compute_dtype.type(spec.softcap * self.base)
 
     @classmethod
+    def of_inputs(cls, spec: AttentionSpec, q: Any, k: Any) -> _Mode:
+        """The mode of a call on ``q`` and ``k`` (it depends on the inputs
+        alone: a backward in parts and the derivative modes take the fast
+        forward's own again)."""
+        q3 = np.reshape(q, (spec.num_batch, spec.num_heads, spec.q_len, spec.head_dim))  # (B, N, T, H)
+        k3 = np.reshape(k, (spec.num_batch, spec.num_kv_heads, spec.kv_len, spec.head_dim))  # (B, K, S, H)
+        return cls(spec, _row_norms(q3), _row_norms(k3))
+
+    @classmethod
     def exact(cls, spec: AttentionSpec) -> _Mode:
         """Base e, no fused shifts, no bounds: the mode of the derivative
         modes' kernels (:mod:`npattn.modes.numpy_kernels`), whose tangents no
@@ -1346,6 +1355,12 @@ class _Forward:
         span = _only_span(self.plans[b][qi])
         return span is not None and span[:2] == self.q_tiles[qi]
 
+    def _query_norms(self, item: _Item, q0: int, rows: int) -> Any:
+        """``|c q_i|`` in the scores' base of the item's ``rows`` stacked rows
+        from position ``q0``, position-major: ``(nk, rows)``, for the bounds."""
+        positions = self.q_norms3[item.b, item.head_slice, q0 : q0 + rows // self.G]  # (nk*G, rows / G)
+        return _position_major(positions, item.nk) * self.norm_scale
+
     def _spans_at_zero_reference(self, item: _Item, g: int, qi: int, q0: int, qa: Any, sums: _Sums) -> None:
         """The spans of one query tile with every row's reference at 0.
 
@@ -1361,9 +1376,8 @@ class _Forward:
         keys, values = self._keys(item.b, g), self.v3[item.b, item.kv_slice]  # (nk, H, S), (nk, S, Hv)
         s_flat = np.empty(nk * self.span_size, dtype=self.dtype)  # one span's scores, reused
         alibi = item.slope_min is not None
-        if alibi:  # (nk, rows): |c q_i| in the scores' base, rows position-major
-            rows = qa.shape[1]
-            q_norms = _position_major(self.q_norms3[item.b, item.head_slice, q0 : q0 + rows // G], nk) * self.norm_scale
+        if alibi:
+            q_norms = self._query_norms(item, q0, qa.shape[1])  # (nk, rows)
         for plan in self.plans[item.b][qi]:
             for span in plan:
                 r, (c0, c1) = _rows(span, q0, G), span[2:4]
@@ -1392,7 +1406,7 @@ class _Forward:
         m = np.zeros((nk, rows), dtype=dtype)  # reference row maximum
         l = sums.l
         unset = np.ones((nk, rows), dtype=bool)  # rows that have seen no visible key yet
-        q_norms = _position_major(self.q_norms3[item.b, item.head_slice, q0 : q0 + rows // G], nk) * self.norm_scale
+        q_norms = self._query_norms(item, q0, rows)  # (nk, rows)
         keys, values = self._keys(item.b, g), self.v3[item.b, item.kv_slice]  # (nk, H+1, S), (nk, S, Hv)
         k_norm_max = self.k_norm_max[item.b][g]  # read only when upper
         s_flat = np.empty(nk * self.span_size, dtype=dtype)  # one span's scores, reused
@@ -1843,8 +1857,7 @@ def _backward_in_head_parts(
     own bound, from its heads alone, could pick base 2 or the fused shifts
     where the forward did not."""
     Bf, K, G, T, H = spec.num_batch, spec.num_kv_heads, spec.group_size, spec.q_len, spec.head_dim
-    q3, k3 = np.reshape(q, (Bf, K * G, T, H)), np.reshape(k, (Bf, K, spec.kv_len, H))
-    mode = _Mode(spec, _row_norms(q3), _row_norms(k3))
+    mode = _Mode.of_inputs(spec, q, k)
     calls = []
     for part in parts:
         sub = spec.replace(num_heads=K * (part[1] - part[0]))  # the part's own call: b - a query heads per kv head

@@ -47,7 +47,6 @@ from ..fast_numpy import (
     _lse_in_base,
     _Mode,
     _position_major,
-    _row_norms,
     _rows,
     handles,
 )
@@ -133,7 +132,7 @@ class _Call:
 
     ``mode`` is the exact one (:meth:`_Mode.exact`) for a JVP, which runs
     its own forward. The forward-over-reverse takes the fast forward's
-    (:func:`forward_mode`), so that its ``P = exp(S - lse)`` comes from the
+    (:meth:`_Mode.of_inputs`), so that its ``P = exp(S - lse)`` comes from the
     scores that forward's ``lse`` summed, in its base and with its shifts in
     the products, as the fast backward's ``P`` does: in base e against a
     base-2 ``lse`` the two roundings no longer cancel in a row's sums, and
@@ -173,14 +172,6 @@ class _Call:
     def unshifted(self) -> bool:
         """Whether the products leave the row shifts for a pass of their own."""
         return not self.mode.fused
-
-
-def forward_mode(spec: AttentionSpec, q: Any, k: Any) -> _Mode:
-    """The mode of the fast forward of ``q`` and ``k`` (it depends on the
-    inputs alone, so the derivative modes can take it again)."""
-    q3 = np.reshape(q, (spec.num_batch, spec.num_heads, spec.q_len, spec.head_dim))  # (B, N, T, H)
-    k3 = np.reshape(k, (spec.num_batch, spec.num_kv_heads, spec.kv_len, spec.head_dim))  # (B, K, S, H)
-    return _Mode(spec, _row_norms(q3), _row_norms(k3))
 
 
 class _QueryTile:
@@ -314,7 +305,7 @@ def tangent_rows(spec: AttentionSpec, res: Any, dots: tuple, lse_safe: Any) -> t
     T, Hv = spec.q_len, spec.value_dim
     q3, qd3, k3, kd3, v3, vd3 = _inputs(spec, res.q, res.k, res.v, dots)
     o3, lse3 = np.reshape(res.out, (Bf, N, T, Hv)), np.reshape(lse_safe, (Bf, N, T))
-    call = _Call(spec, forward_mode(spec, res.q, res.k))
+    call = _Call(spec, _Mode.of_inputs(spec, res.q, res.k))
     kTa = _augmented_transposed(k3, dtype, scale=call.k_factor)  # (B, K, H+1, S)
     kcat = _pair_transposed(k3, kd3, dtype)  # (B, K, 2H, S)
     out_dot, lse_dot = np.empty((Bf, N, T, Hv), dtype=dtype), np.empty((Bf, N, T), dtype=dtype)
@@ -369,7 +360,7 @@ def backward_jvp(spec: AttentionSpec, res: Any, dO: Any, rows_terms: tuple, dots
     dq_dot = np.empty((Bf, N, T, H), dtype=dtype)
     dk_dot, dv_dot = np.empty((Bf, K, S, H), dtype=dtype), np.empty((Bf, K, S, Hv), dtype=dtype)
     dbias_dot = None if spec.bias is None else np.zeros(spec.bias.shape, dtype=dtype)
-    call = _Call(spec, forward_mode(spec, res.q, res.k))
+    call = _Call(spec, _Mode.of_inputs(spec, res.q, res.k))
     k_tiles, plans, exp, scale = call.k_tiles, call.plans, call.exp, call.scale
 
     def work(job):
