@@ -24,7 +24,8 @@ NumPy on a multi-core CPU:
   per-span Python and the GIL hand-offs between the pool's threads, not the
   arithmetic, were what small shapes spent their time on. Short sequences
   that causal/window, lengths or segments cut take 128-row query tiles
-  (:data:`SHORT_PARTIAL_LENGTH`).
+  (:data:`SHORT_PARTIAL_LENGTH`), and the forward 32-row ones where a band
+  alone cuts a short square (:data:`DIAGONAL_SPLIT_BLOCK`).
 - **no running maximum where none is needed** (:func:`forward`): when the
   bound below (or a softcap) keeps every score within
   :data:`ZERO_REFERENCE_BOUND` of 0, the forward exponentiates the scores
@@ -272,14 +273,64 @@ SHORT_PARTIAL_LENGTH = 1024
 GROUPED_TILE_ROWS = 1024
 
 
-def _blocks(spec: AttentionSpec) -> tuple[int, int]:
+#: The forward's query tiles and sub-blocks (:func:`plan_tile`), instead of
+#: :data:`SPLIT_BLOCK`, where a causal/window band alone decides visibility
+#: and runs through a short square from its corner (``T = S`` up to
+#: :data:`DIAGONAL_SHORT_LENGTH`, query offset 0), with at most
+#: :data:`DIAGONAL_STACKED_ROWS` stacked rows ``G * T`` a kv head: a causal
+#: tile of 128 then computes 10/16 of its area, a causal T=S=512 0.85x the
+#: area of 128-row spans. The backward keeps SPLIT_BLOCK: its ``dK`` and
+#: ``dV`` sum the rows of each span, products of 32 terms with 32-row spans
+#: (0.87-1.63x the backward's time at seven shapes). Measured (2 cores,
+#: H=64, float32, causal unless said, ``impl="chunked"``, one process,
+#: interleaved; forward time against 128-row tiles): B=4, N=8, T=S=128
+#: 0.69x; B=8, N=8 on K=1, T=S=128 0.77x; B=8, N=8, T=S=256 0.69-0.78x,
+#: float64 0.86x, on K=2 0.86x, on K=4 0.79x; B=8, N=16 on K=4, T=S=256
+#: 0.84x; B=4, N=8, T=S=512 0.80-0.85x; B=8, N=12, T=S=512 0.87-0.92x;
+#: B=4, N=8 on K=2, T=S=512 0.97x; windows at B=8 of 64 and 128 keys
+#: (T=S=512) 0.68x and 0.78x, of 32 each side (T=S=256) 0.54x. Left out:
+#: B=4, N=16 on K=4, T=S=512 (2048 stacked rows) 1.00-1.04x; T=S=1024
+#: 1.02-1.10x; 128 queries against 1024 keys and 512 against 2048
+#: (bottom-right) 1.12x and 1.27x; causal with ``kv_lengths`` (B=8,
+#: T=S=256) 1.30x and ``kv_lengths`` alone 1.32x (rows that see every key,
+#: and plans per batch element at four times the classifications); a bias,
+#: ALiBi or dropout, whose terms each span builds, 1.17-1.69x (softcap
+#: 0.75-0.80x and sinks 0.78-0.87x are in); 64-row sub-blocks inside
+#: 512-row tiles at T=S=4096 1.03x (causal) and 1.04x (packed documents).
+DIAGONAL_SPLIT_BLOCK = 32
+
+#: See :data:`DIAGONAL_SPLIT_BLOCK`.
+DIAGONAL_SHORT_LENGTH = 512
+
+#: See :data:`DIAGONAL_SPLIT_BLOCK`.
+DIAGONAL_STACKED_ROWS = 1024
+
+
+def _forward_split(spec: AttentionSpec) -> int:
+    """The forward's sub-block rows: :data:`DIAGONAL_SPLIT_BLOCK` (or
+    :data:`SPLIT_BLOCK` if smaller) where its rule holds, else
+    :data:`SPLIT_BLOCK`."""
+    T = spec.q_len
+    band = spec.window_left is not None or spec.window_right is not None
+    other_rules = spec.has_user_mask or spec.q_lengths is not None or spec.kv_lengths is not None or spec.has_segments
+    span_terms = spec.bias is not None or spec.alibi_slopes is not None or spec.dropout_p or spec.score_mods
+    short_square = spec.kv_len == T <= DIAGONAL_SHORT_LENGTH and spec.offset_bounds == (0, 0)
+    stacked = spec.group_size * T <= DIAGONAL_STACKED_ROWS
+    if band and not other_rules and not span_terms and short_square and stacked and spec.block_q is None:
+        return min(DIAGONAL_SPLIT_BLOCK, SPLIT_BLOCK)
+    return SPLIT_BLOCK
+
+
+def _blocks(spec: AttentionSpec, split: int | None = None) -> tuple[int, int]:
     """``(block_q, block_k)``: the caller's, else :data:`FAST_BLOCKS` (with
     :data:`SHORT_PARTIAL_LENGTH`'s and :data:`GROUPED_TILE_ROWS`'
     exceptions), clipped to the sequence lengths (at least 1). A pure
-    function of ``spec``: the backward tiles as the forward."""
+    function of ``spec`` and ``split``, the sub-block rows (:data:`SPLIT_BLOCK`
+    unless given): the query tiles of a short partly visible sequence."""
     short_partial = spec.has_index_rules and spec.q_len <= SHORT_PARTIAL_LENGTH
     grouped = max(SPLIT_BLOCK, GROUPED_TILE_ROWS // max(spec.group_size, 1))
-    block_q = spec.block_q or (SPLIT_BLOCK if short_partial else min(FAST_BLOCKS[0], grouped))
+    split = SPLIT_BLOCK if split is None else split
+    block_q = spec.block_q or (split if short_partial else min(FAST_BLOCKS[0], grouped))
     block_k = spec.block_k or FAST_BLOCKS[1]
     return max(1, min(block_q, spec.q_len)), max(1, min(block_k, spec.kv_len))
 
@@ -650,7 +701,7 @@ def _coalesce(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple((start, stop) for start, stop in merged)
 
 
-def plan_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> list[tuple]:
+def plan_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int, split: int | None = None) -> list[tuple]:
     """The spans of the tile ``[q0, q1) x [k0, k1)`` worth computing.
 
     Each span is ``(p0, p1, c0, c1, hidden)``: query positions ``[p0, p1)``
@@ -659,19 +710,20 @@ def plan_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> list[t
     visible tile is one span with nothing hidden, a fully hidden tile none.
 
     A partly visible tile (a causal diagonal, a window's edge, the end of the
-    padded keys) is cut into :data:`SPLIT_BLOCK`-row chunks; each chunk keeps
-    the keys from its first to its last sub-block that is not fully hidden,
-    and consecutive chunks with the same keys are merged. A causal diagonal
-    tile of 512 thus computes 10/16 of its area, and masks only its four
-    128x128 diagonal sub-blocks. Only the index rules can hide a sub-block,
-    so tiles that only a user mask makes partial stay whole.
+    padded keys) is cut into ``split``-row chunks (:data:`SPLIT_BLOCK` unless
+    given); each chunk keeps the keys from its first to its last sub-block
+    that is not fully hidden, and consecutive chunks with the same keys are
+    merged. A causal diagonal tile of 512 thus computes 10/16 of its area,
+    and masks only its four 128x128 diagonal sub-blocks. Only the index
+    rules can hide a sub-block, so tiles that only a user mask makes partial
+    stay whole.
     """
     kind = classify_tile(spec, q0, q1, k0, k1)
     if kind == NONE:
         return []
     if kind == ALL:
         return [(q0, q1, k0, k1, ())]
-    sub = SPLIT_BLOCK
+    sub = SPLIT_BLOCK if split is None else split
     if not spec.has_index_rules or (q1 - q0 <= sub and k1 - k0 <= sub):
         return [(q0, q1, k0, k1, ((k0, k1),))]
     key_blocks = [(j0, min(j0 + sub, k1)) for j0 in range(k0, k1, sub)]
@@ -692,7 +744,9 @@ def plan_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int) -> list[t
     return spans
 
 
-def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list, masks: dict | None = None) -> list[list[list[tuple]]]:
+def _plans(
+    spec: AttentionSpec, q_tiles: list, k_tiles: list, masks: dict | None = None, split: int | None = None
+) -> list[list[list[tuple]]]:
     """``plans[i][j]``: :func:`plan_tile` of query tile ``i`` and key tile ``j``,
     made once per call and shared by every (batch element, kv head) item
     (per batch element with lengths or segment ids, see :func:`_batch_plans`).
@@ -740,13 +794,16 @@ def _plans(spec: AttentionSpec, q_tiles: list, k_tiles: list, masks: dict | None
         # index rules' alone: planned without the ids (a packed call's plans 1.8x faster).
         one_document = q0 < q1 and k0 < k1 and segments_hide_nothing(spec, q0, q1, k0, k1)
         rules = positions_only if one_document else spec
-        return [with_masks(span, one_document) for span in plan_tile(rules, q0, q1, k0, k1)]
+        return [with_masks(span, one_document) for span in plan_tile(rules, q0, q1, k0, k1, split)]
 
     return [[tile_plan(q0, q1, k0, k1) for k0, k1 in k_tiles] for q0, q1 in q_tiles]
 
 
-def _batch_plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list[list[list[tuple]]]]:
-    """``plans[b][i][j]``: the spans of batch element ``b``'s tile ``(i, j)``.
+def _batch_plans(
+    spec: AttentionSpec, q_tiles: list, k_tiles: list, split: int | None = None
+) -> list[list[list[list[tuple]]]]:
+    """``plans[b][i][j]``: the spans of batch element ``b``'s tile ``(i, j)``,
+    partly visible tiles cut into ``split``-row chunks (:func:`plan_tile`).
 
     Where every element sees the same keys, they share :func:`_plans`. With
     ``q_lengths`` or ``kv_lengths``, or segment ids over several elements,
@@ -761,7 +818,7 @@ def _batch_plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list
     lengths = spec.q_lengths is not None or spec.kv_lengths is not None
     segments = spec.segment_host if spec.has_segments and spec.num_batch > 1 else None
     if not lengths and segments is None:
-        return [_plans(spec, q_tiles, k_tiles)] * spec.num_batch
+        return [_plans(spec, q_tiles, k_tiles, split=split)] * spec.num_batch
     Bf, T, S = spec.num_batch, spec.q_len, spec.kv_len
     q_lens = np.full(Bf, T) if spec.q_lengths is None else np.reshape(spec.q_lengths, (Bf,))
     kv_lens = np.full(Bf, S) if spec.kv_lengths is None else np.reshape(spec.kv_lengths, (Bf,))
@@ -788,7 +845,7 @@ def _batch_plans(spec: AttentionSpec, q_tiles: list, k_tiles: list) -> list[list
             )
             cut_q = [(q0, min(q1, q_len)) for q0, q1 in q_tiles]  # empty past q_len: no spans
             cut_k = [(k0, min(k1, kv_len)) for k0, k1 in k_tiles]
-            found = by_element[key] = _plans(element, cut_q, cut_k, masks)
+            found = by_element[key] = _plans(element, cut_q, cut_k, masks, split)
         plans.append(found)
     return plans
 
@@ -1274,9 +1331,10 @@ class _Forward:
         self.out = np.empty((Bf, N, T, Hv), dtype=dtype)
         self.row_l = np.zeros((Bf, N, T), dtype=dtype)  # rowsum(P~), 0 on rows that saw no key
         self.row_m = np.zeros((Bf, N, T), dtype=dtype)  # the reference maximum, 0 at the zero reference
-        block_q, self.block_k = _blocks(spec)
+        split = _forward_split(spec)  # the backward's tiles may be larger (DIAGONAL_SPLIT_BLOCK)
+        block_q, self.block_k = _blocks(spec, split)
         self.q_tiles, self.k_tiles = tile_ranges(T, block_q), tile_ranges(S, self.block_k)
-        self.plans = _batch_plans(spec, self.q_tiles, self.k_tiles)  # [b][qi][kj]
+        self.plans = _batch_plans(spec, self.q_tiles, self.k_tiles, split)  # [b][qi][kj]
         self.span_size = self.G * _largest_span(self.plans)  # one kv head's largest span of scores
         self.groups = _kv_groups(spec, self.span_size, len(self.q_tiles))
         # [K^T; 1] per (batch element, group), built by its first item, in

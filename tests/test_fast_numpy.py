@@ -1108,6 +1108,60 @@ def test_default_tiles_and_spans_equal_the_generic_path(case):
     _assert_fast_equals_generic(spec, q, k, v, rng.standard_normal((2, 4, T, 4)))  # dout: (B, N, T, Hv)
 
 
+@pytest.mark.parametrize(
+    ("N", "K", "T", "options", "split"),
+    [
+        (8, 8, 128, {"causal": True}, fast_numpy.DIAGONAL_SPLIT_BLOCK),
+        (8, 8, 512, {"window": (64, 0)}, fast_numpy.DIAGONAL_SPLIT_BLOCK),
+        (8, 2, 256, {"causal": True, "softcap": 30.0, "sinks": np.zeros(8)}, fast_numpy.DIAGONAL_SPLIT_BLOCK),
+        (8, 1, 128, {"causal": True, "align": "bottom_right"}, fast_numpy.DIAGONAL_SPLIT_BLOCK),  # T = S: offset 0
+        (8, 8, 1024, {"causal": True}, fast_numpy.SPLIT_BLOCK),  # not short
+        (8, 2, 512, {"causal": True}, fast_numpy.SPLIT_BLOCK),  # 2048 stacked rows
+        (8, 8, 128, {}, fast_numpy.SPLIT_BLOCK),  # no band
+        (8, 8, 128, {"causal": True, "kv_lengths": np.array([128])}, fast_numpy.SPLIT_BLOCK),
+        (8, 8, 128, {"causal": True, "bias": np.zeros((128, 128))}, fast_numpy.SPLIT_BLOCK),
+        (8, 8, 128, {"causal": True, "alibi_slopes": np.ones(8)}, fast_numpy.SPLIT_BLOCK),
+        (8, 8, 128, {"causal": True, "dropout_p": 0.1, "seed": 0}, fast_numpy.SPLIT_BLOCK),
+        (8, 8, 128, {"causal": True, "block_q": 64}, fast_numpy.SPLIT_BLOCK),  # the caller's tiles
+    ],
+)
+def test_forward_cuts_short_banded_squares_into_diagonal_blocks(N, K, T, options, split):
+    """:func:`npattn.fast_numpy._forward_split`: 32-row tiles and sub-blocks
+    only where :data:`~npattn.fast_numpy.DIAGONAL_SPLIT_BLOCK`'s rule holds."""
+    q, k = np.zeros((1, N, T, 4)), np.zeros((1, K, T, 4))
+    spec = make_spec(q, k, k, impl="chunked", **options)
+    assert fast_numpy._forward_split(spec) == split
+    if split == fast_numpy.DIAGONAL_SPLIT_BLOCK:
+        assert fast_numpy._blocks(spec, split)[0] == split  # the forward's query tiles
+        assert fast_numpy._blocks(spec)[0] == fast_numpy.SPLIT_BLOCK  # the backward's
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"causal": True}, {"window": (20, 3)}, {"causal": True, "softcap": 2.0, "sinks": np.linspace(-1, 1, 4)}],
+    ids=["causal", "window", "causal+softcap+sinks"],
+)
+def test_diagonal_blocks_compute_less_and_equal_the_generic_path(options):
+    """The forward in 32-row diagonal blocks (T=S=200, 4 query heads on 2 kv
+    heads) computes less of the square than 128-row spans, and, with the
+    backward on its own 128-row tiles, gives the generic path's numbers in
+    float64."""
+    T = 200
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((2, 4, T, 8)), rng.standard_normal((2, 2, T, 8)), rng.standard_normal((2, 2, T, 4))
+    spec = make_spec(q, k, v, impl="chunked", **options)
+    split = fast_numpy._forward_split(spec)
+    assert split == fast_numpy.DIAGONAL_SPLIT_BLOCK
+
+    def area(split):
+        block_q, block_k = fast_numpy._blocks(spec, split)
+        plans = fast_numpy._plans(spec, tile_ranges(T, block_q), tile_ranges(T, block_k), split=split)
+        return sum((p1 - p0) * (c1 - c0) for row in plans for plan in row for p0, p1, c0, c1, _ in plan)
+
+    assert area(split) < 0.85 * area(fast_numpy.SPLIT_BLOCK)
+    _assert_fast_equals_generic(spec, q, k, v, rng.standard_normal((2, 4, T, 4)))
+
+
 # --- score-pipeline variants: softcap, ALiBi, sinks, segment ids ----------------------------
 
 
