@@ -176,6 +176,7 @@ from typing import Any, NamedTuple
 import array_api_compat
 import numpy as np
 
+from . import blas_numpy
 from . import dropout as _dropout
 from .chunked import tile_ranges
 from .namespace import sum_to_shape
@@ -1009,10 +1010,10 @@ class _Item:
         """
         p0, p1, c0, c1, _ = span
         if self.spec.softcap is None:
-            np.matmul(qa, kTa[..., c0:c1], out=out)  # (nk, R, H[+1]) @ (nk, H[+1], tk) -> (nk, R, tk)
+            blas_numpy.matmul(qa, kTa[..., c0:c1], out=out)  # (nk, R, H[+1]) @ (nk, H[+1], tk) -> (nk, R, tk)
         else:
             t = out if tanh is None else tanh
-            np.matmul(qa, kTa[..., c0:c1], out=t)  # (nk, R, H[+1]) @ (nk, H[+1], tk): s, or s / c
+            blas_numpy.matmul(qa, kTa[..., c0:c1], out=t)  # (nk, R, H[+1]) @ (nk, H[+1], tk): s, or s / c
             softcap_forward_inplace(np, t, self.mode.cap, out=out, ratio=self.mode.ratio)  # t, out = c t
         if self.additive:
             self.add_bias(out, p0, p1, c0, c1)
@@ -1166,7 +1167,7 @@ def _add_row_products(acc: Any, a: Any, b: Any, tmp: Any, partial: bool, G: int)
     positions first, keep those roundings few (see the module docstring)."""
     R = a.shape[-2]
     if not _cuts_row_products(partial, G, R):
-        np.matmul(np.swapaxes(a, -1, -2), b, out=tmp)  # (..., n, R) @ (..., R, m) -> (..., n, m)
+        blas_numpy.matmul(np.swapaxes(a, -1, -2), b, out=tmp)  # (..., n, R) @ (..., R, m) -> (..., n, m)
         acc += tmp
         return
     tq = R // G
@@ -1176,7 +1177,7 @@ def _add_row_products(acc: Any, a: Any, b: Any, tmp: Any, partial: bool, G: int)
         for t0 in range((tq - 1) // ROW_CHUNK * ROW_CHUNK, -1, -ROW_CHUNK):
             rows = slice(t0, t0 + ROW_CHUNK)
             a_rows, b_rows = a_heads[..., rows, g, :], b_heads[..., rows, g, :]  # (..., chunk, n), (..., chunk, m)
-            np.matmul(np.swapaxes(a_rows, -1, -2), b_rows, out=tmp)  # (..., n, chunk) @ (..., chunk, m)
+            blas_numpy.matmul(np.swapaxes(a_rows, -1, -2), b_rows, out=tmp)  # (..., n, chunk) @ (..., chunk, m)
             acc += tmp
 
 
@@ -1617,7 +1618,7 @@ class _Sums:
         if drop is not None:
             p *= drop
         pv = self.acc if single else _buffer(self.pv_flat, nk, R, v_rows.shape[-1])
-        np.matmul(p, v_rows, out=pv)  # (nk, R, tk) @ (nk, tk, Hv) -> (nk, R, Hv)
+        blas_numpy.matmul(p, v_rows, out=pv)  # (nk, R, tk) @ (nk, tk, Hv) -> (nk, R, Hv)
         if not single:
             self.acc[:, r] += pv
 
@@ -1796,11 +1797,11 @@ def _backward_call(
                     p_dropped = p if drop is None else p * drop
                     partial = bool(span[4])  # some entries hidden: a diagonal, an edge
                     if direct:  # (nk, tk, R) @ (nk, R, Hv) -> (nk, tk, Hv)
-                        np.matmul(np.swapaxes(p_dropped, -1, -2), do_b[:, r], out=dv_j[:, cols])
+                        blas_numpy.matmul(np.swapaxes(p_dropped, -1, -2), do_b[:, r], out=dv_j[:, cols])
                     else:
                         _add_row_products(dv_j[:, cols], p_dropped, do_b[:, r], dv_tmp[:, :tk], partial, G)
                     ds = _buffer(dp_flat, nk, R, tk)
-                    np.matmul(doa[:, r], vTa[..., c0:c1], out=ds)  # (nk, R, Hv+1) @ (nk, Hv+1, tk) -> dP [- D]
+                    blas_numpy.matmul(doa[:, r], vTa[..., c0:c1], out=ds)  # (nk, R, Hv+1) @ (nk, Hv+1, tk) -> dP [- D]
                     if drop is not None:
                         ds *= drop
                     if not fold_D:
@@ -1815,10 +1816,11 @@ def _backward_call(
                     if t is not None:  # dR_ij: through the softcap (the pipeline's derivative)
                         softcap_backward_inplace(np, t, ds)
                     if direct:  # (nk, R, tk) @ (nk, tk, H) -> (nk, R, H); (nk, tk, R) @ (nk, R, H) -> (nk, tk, H)
-                        np.matmul(ds, k3[b, kvs, c0:c1], out=dq_b[:, r])
-                        np.matmul(np.swapaxes(ds, -1, -2), q_b[:, r], out=dk_j[:, cols])
+                        blas_numpy.matmul(ds, k3[b, kvs, c0:c1], out=dq_b[:, r])
+                        blas_numpy.matmul(np.swapaxes(ds, -1, -2), q_b[:, r], out=dk_j[:, cols])
                     else:
-                        np.matmul(ds, k3[b, kvs, c0:c1], out=dq_tmp[:, :R])  # (nk, R, tk) @ (nk, tk, H) -> (nk, R, H)
+                        # (nk, R, tk) @ (nk, tk, H) -> (nk, R, H)
+                        blas_numpy.matmul(ds, k3[b, kvs, c0:c1], out=dq_tmp[:, :R])
                         dq_b[:, r] += dq_tmp[:, :R]
                         _add_row_products(dk_j[:, cols], ds, q_b[:, r], dk_tmp[:, :tk], partial, G)  # (nk, tk, H)
             dk_j *= dk_factor
