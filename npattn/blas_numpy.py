@@ -23,10 +23,10 @@ A transposed right-hand operand takes a kernel that the small path
 refuses, and cut into pieces it ran slower (81 -> 65 at 128 x 64 x 128),
 so :func:`matmul` leaves it whole. A piece sums each entry's ``K`` terms
 one after another, as the packed kernels do up to their block of ``K``:
-the same bits for sums of up to 384 terms (measured in float32 and
-float64; checked in ``tests/test_blas_numpy.py``), while longer sums,
-which the packed kernels add block by block, may differ in their last
-bits (never in the thread count's way: the pieces depend on the shapes).
+the same bits for sums of up to :data:`SAME_BITS_TERMS` terms, while
+longer sums, which the packed kernels add block by block, may differ in
+their last bits; :func:`matmul` cuts only the former, so that a product
+gives the same bits cut or whole (``tests/test_blas_numpy.py``).
 
 The small kernels run on the calling thread alone, while OpenBLAS threads a
 packed product of this size when it may: :func:`matmul` is for products
@@ -48,6 +48,7 @@ __all__ = [
     "SMALL_KERNEL_CORES",
     "MAX_PIECES",
     "ROW_STRIDE_LIMIT",
+    "SAME_BITS_TERMS",
 ]
 
 #: OpenBLAS's bound on ``M N K`` for its small-matrix kernels
@@ -70,6 +71,11 @@ SMALL_KERNEL_CORES = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
 #: 1.02x, and B=4, N=16 on K=4, T=S=512 causal backward 0.98-1.04x; up to
 #: 32, B=1, N=8, T=S=4096 1.06x forward and 1.21x forward+backward.
 MAX_PIECES = 2
+
+#: ... and products of longer sums stay whole: up to 384 terms the small
+#: kernels gave the packed kernels' bits, float32 and float64 alike, but not
+#: from 449 (float32) and 448 (float64) on (OpenBLAS 0.3.31, SkylakeX).
+SAME_BITS_TERMS = 384
 
 #: ... and products whose right-hand rows lie this many bytes apart or more
 #: stay whole: rows a page apart share cache sets, which the packed kernels'
@@ -117,9 +123,9 @@ def matmul(a: Any, b: Any, out: Any) -> Any:
 def row_pieces(a: Any, b: Any) -> int:
     """Into how many pieces of rows :func:`matmul` cuts ``a @ b``: the fewest
     that each fit the small kernels (:func:`small_product_limit`), where the
-    whole product does not but 2 to :data:`MAX_PIECES` pieces do and ``b``'s
-    rows are contiguous and less than :data:`ROW_STRIDE_LIMIT` bytes apart;
-    else 1.
+    whole product does not but 2 to :data:`MAX_PIECES` pieces do, each
+    entry sums at most :data:`SAME_BITS_TERMS` terms, and ``b``'s rows are
+    contiguous and less than :data:`ROW_STRIDE_LIMIT` bytes apart; else 1.
 
     >>> x = np.zeros((128, 128), np.float32)  # 128 x 64 x 128: 2 pieces, unless b is transposed or it fits
     >>> pieces = row_pieces(x[:, :64], x[:64]), row_pieces(x[:, :64], x[:64].T), row_pieces(x[:32, :64], x[:64])
@@ -130,6 +136,8 @@ def row_pieces(a: Any, b: Any) -> int:
     if not limit or b.ndim < 2 or b.strides[-1] != b.itemsize or abs(b.strides[-2]) >= ROW_STRIDE_LIMIT:
         return 1
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    if K > SAME_BITS_TERMS:
+        return 1
     rows = limit // max(N * K, 1)  # the most rows a piece may hold
     pieces = -(-M // rows) if rows else 0
     return pieces if 2 <= pieces <= MAX_PIECES else 1

@@ -27,6 +27,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
+from . import blas_numpy
 from .options import AUTO_FAST_MIN_SCORES
 from .threads import run_items
 
@@ -192,7 +193,9 @@ def plain_forward(
     (which takes ``K Q^T``), the rows of the call's arrays: the same
     operations per row, but a product of vectors may round in its last bits
     unlike the whole call's (see :data:`SPLIT_CHUNKS`). P is the products'
-    transposed view with one query head per kv head, else a copy."""
+    transposed view with one query head per kv head, else a copy. A chunk's
+    products, on one BLAS thread, go through :func:`npattn.blas_numpy.matmul`
+    (the same bits)."""
     *lead, N, T, H = q.shape
     K, S, Hv = k.shape[-3], k.shape[-2], v.shape[-1]
     if out is None and q.size * S >= SPLIT_MIN_SCORES * H:  # B*N*T*S scores, from the sizes alone
@@ -204,7 +207,7 @@ def plain_forward(
     q_g = q.reshape((*lead, K, rows, H)) if grouped else q  # (..., K, G*T, H)
     qs_t = scaled_transpose(q_g, spec.scale, S)  # (..., K, H, G*T)
     # (..., K, S, H) @ (..., K, H, G*T): K Q^T (the operator where no buffer is given: a small call's floor)
-    products = k @ qs_t if products is None else np.matmul(k, qs_t, out=products)
+    products = k @ qs_t if products is None else blas_numpy.matmul(k, qs_t, out=products)
     s = products.swapaxes(-1, -2)  # (..., K, G*T, S): (K Q^T)^T
     if grouped:
         s = s.reshape((*lead, N, T, S))  # (..., N, T, S)
@@ -213,7 +216,7 @@ def plain_forward(
     if out is None:  # (..., K, G*T, S) @ (..., K, S, Hv) -> (..., K, G*T, Hv)
         out = p_g @ v
         return (out.reshape((*lead, N, T, Hv)) if grouped else out), lse, p
-    np.matmul(p_g, v, out=out.reshape((*lead, K, rows, Hv)) if grouped else out)  # into the chunk's rows
+    blas_numpy.matmul(p_g, v, out=out.reshape((*lead, K, rows, Hv)) if grouped else out)  # into the chunk's rows
     return out, lse, p
 
 
@@ -286,7 +289,7 @@ def plain_backward(
     rows = (N // K) * T if K else 0
     dout_g = np.reshape(dout, (*lead, K, rows, Hv))  # (..., K, G*T, Hv)
     p_t = np.swapaxes(np.reshape(p, (*lead, K, rows, S)), -1, -2)  # (..., K, S, G*T)
-    dv = p_t @ dout_g if grads is None else np.matmul(p_t, dout_g, out=grads[2])  # (..., K, S, Hv)
+    dv = p_t @ dout_g if grads is None else blas_numpy.matmul(p_t, dout_g, out=grads[2])  # (..., K, S, Hv)
     dout_t = narrow_columns(np.swapaxes(dout_g, -1, -2), S)  # (..., K, Hv, G*T)
     dp = np.reshape(np.swapaxes(v @ dout_t, -1, -2), (*lead, N, T, S))  # (..., N, T, S): (V dO^T)^T
     D = np.sum(dout * out, axis=-1, keepdims=True)  # (..., N, T, 1): rowsum(P * dP), over Hv not S
@@ -299,9 +302,9 @@ def plain_backward(
         dk = spec.scale * (np.swapaxes(ds_g, -1, -2) @ q_g)  # (..., K, S, H)
         return dq, dk, dv
     dq, dk, _ = grads
-    np.matmul(ds_g, k, out=np.reshape(dq, (*lead, K, rows, H)))  # into a view of the chunk's rows
+    blas_numpy.matmul(ds_g, k, out=np.reshape(dq, (*lead, K, rows, H)))  # into a view of the chunk's rows
     dq *= spec.scale
-    np.matmul(np.swapaxes(ds_g, -1, -2), q_g, out=dk)
+    blas_numpy.matmul(np.swapaxes(ds_g, -1, -2), q_g, out=dk)
     dk *= spec.scale
     return dq, dk, dv
 

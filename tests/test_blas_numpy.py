@@ -21,7 +21,15 @@ def small_kernels(monkeypatch):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(
     ("M", "K", "N", "pieces"),
-    [(128, 64, 128, 2), (128, 65, 128, 2), (128, 128, 64, 2), (256, 64, 128, 3), (257, 64, 128, 3), (400, 64, 128, 4)],
+    [
+        (128, 64, 128, 2),
+        (128, 65, 128, 2),
+        (128, 128, 64, 2),
+        (256, 64, 128, 3),
+        (257, 64, 128, 3),
+        (400, 64, 128, 4),
+        (48, 384, 64, 2),  # the longest sums cut: SAME_BITS_TERMS
+    ],
 )
 def test_pieces_give_the_bits_of_one_product(monkeypatch, small_kernels, dtype, M, K, N, pieces):
     """A batch of products cut into pieces of rows (up to 4 here), against
@@ -45,6 +53,7 @@ def test_pieces_give_the_bits_of_one_product(monkeypatch, small_kernels, dtype, 
         ((128, 64), lambda b: b[:64, ::2][:, :128], "b's columns strided"),
         ((128, 64), lambda b: np.zeros((64, 1024), np.float32)[:, :128], "b's rows 4 KiB apart"),
         ((256, 64), lambda b: b[:64, :128], "more than MAX_PIECES pieces"),
+        ((48, 385), lambda b: np.zeros((385, 64), np.float32), "sums longer than SAME_BITS_TERMS"),
         ((128, 64), lambda b: b[:64, 0], "a product with a vector"),
     ],
 )

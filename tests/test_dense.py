@@ -436,6 +436,30 @@ def test_the_raw_score_lane_in_chunks_on_the_pool_is_the_same_on_any_thread_coun
             np.testing.assert_allclose(getattr(got[2], name), getattr(whole[2], name), rtol=tol, atol=tol, err_msg=name)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_raw_score_lane_cuts_its_chunks_products_with_the_same_bits(monkeypatch, dtype):
+    """The chunks' products through :func:`npattn.blas_numpy.matmul`, cut
+    into pieces of rows (here from 2**15 multiply-adds, so that these small
+    products are cut): the bits of the products whole, forward and backward."""
+    from npattn import blas_numpy
+
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((4, 4, 40, 16)).astype(dtype)
+    k, v = (rng.standard_normal((4, 2, 40, 16)).astype(dtype) for _ in range(2))
+    dout, dlse = rng.standard_normal(q.shape).astype(dtype), rng.standard_normal(q.shape[:-1]).astype(dtype)
+    options = {"causal": True, "kv_lengths": np.array([40, 31, 9, 40])}
+    whole = _raw_lane(q, k, v, dout, dlse, options, split_from=0, threads="2")
+    monkeypatch.setattr(blas_numpy, "small_product_limit", lambda: 2**15)
+    pieces, row_pieces = [], blas_numpy.row_pieces
+    monkeypatch.setattr(blas_numpy, "row_pieces", lambda a, b: pieces.append(row_pieces(a, b)) or pieces[-1])
+    cut = _raw_lane(q, k, v, dout, dlse, options, split_from=0, threads="2")
+    assert max(pieces) == 2, "no product was cut"
+    for a, b in ((cut[0], whole[0]), (cut[1].lse, whole[1].lse), (cut[1].probs, whole[1].probs)):
+        np.testing.assert_array_equal(a, b)
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(getattr(cut[2], name), getattr(whole[2], name), err_msg=name)
+
+
 @pytest.mark.parametrize(
     "batch, K, G, options",
     [
