@@ -36,6 +36,7 @@ inside :func:`~npattn.threads.single_threaded_blas`, the pool's items.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,7 @@ __all__ = [
     "MAX_PIECES",
     "ROW_STRIDE_LIMIT",
     "SAME_BITS_TERMS",
+    "MIN_BATCH",
 ]
 
 #: OpenBLAS's bound on ``M N K`` for its small-matrix kernels
@@ -76,6 +78,15 @@ MAX_PIECES = 2
 #: kernels gave the packed kernels' bits, float32 and float64 alike, but not
 #: from 449 (float32) and 448 (float64) on (OpenBLAS 0.3.31, SkylakeX).
 SAME_BITS_TERMS = 384
+
+#: ... and batches of fewer products than this stay whole: a piece is a
+#: NumPy call of its own (a few microseconds, against the 3 or so that
+#: cutting saves a 128 x 64 x 128 product), and the fast path's items of one
+#: or two kv heads on long sequences took 1.03-1.05x the time with their
+#: diagonal spans' products cut (B=1, N=8, T=S=4096 window of 256;
+#: B=1, N=16, T=S=2048 causal forward), against 0.88-0.96x for items of 8
+#: to 16 heads at T=S=128 and 256.
+MIN_BATCH = 4
 
 #: ... and products whose right-hand rows lie this many bytes apart or more
 #: stay whole: rows a page apart share cache sets, which the packed kernels'
@@ -124,11 +135,13 @@ def row_pieces(a: Any, b: Any) -> int:
     """Into how many pieces of rows :func:`matmul` cuts ``a @ b``: the fewest
     that each fit the small kernels (:func:`small_product_limit`), where the
     whole product does not but 2 to :data:`MAX_PIECES` pieces do, each
-    entry sums at most :data:`SAME_BITS_TERMS` terms, and ``b``'s rows are
-    contiguous and less than :data:`ROW_STRIDE_LIMIT` bytes apart; else 1.
+    entry sums at most :data:`SAME_BITS_TERMS` terms, the batch holds at
+    least :data:`MIN_BATCH` products, and ``b``'s rows are contiguous and
+    less than :data:`ROW_STRIDE_LIMIT` bytes apart; else 1.
 
-    >>> x = np.zeros((128, 128), np.float32)  # 128 x 64 x 128: 2 pieces, unless b is transposed or it fits
-    >>> pieces = row_pieces(x[:, :64], x[:64]), row_pieces(x[:, :64], x[:64].T), row_pieces(x[:32, :64], x[:64])
+    >>> x = np.zeros((4, 128, 128), np.float32)  # 4 x (128 x 64 x 128): 2 pieces, unless b is transposed or it fits
+    >>> a, b = x[..., :64], x[:, :64]
+    >>> pieces = row_pieces(a, b), row_pieces(a, np.swapaxes(x[..., :64], -1, -2)), row_pieces(a[:, :32], b)
     >>> pieces == ((2, 1, 1) if small_product_limit() else (1, 1, 1))  # 1 throughout where BLAS has no small kernels
     True
     """
@@ -136,7 +149,7 @@ def row_pieces(a: Any, b: Any) -> int:
     if not limit or b.ndim < 2 or b.strides[-1] != b.itemsize or abs(b.strides[-2]) >= ROW_STRIDE_LIMIT:
         return 1
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
-    if K > SAME_BITS_TERMS:
+    if K > SAME_BITS_TERMS or max(math.prod(a.shape[:-2]), math.prod(b.shape[:-2])) < MIN_BATCH:
         return 1
     rows = limit // max(N * K, 1)  # the most rows a piece may hold
     pieces = -(-M // rows) if rows else 0

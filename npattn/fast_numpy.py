@@ -13,7 +13,9 @@ NumPy on a multi-core CPU:
   :func:`_head_parts`). Every item accumulates in a fixed order, so results
   are bit-identical whatever the number of threads.
 - **single-threaded BLAS inside the items** (threadpoolctl), so that BLAS
-  threads do not oversubscribe the pool's.
+  threads do not oversubscribe the pool's, each product through
+  :func:`npattn.blas_numpy.matmul` (cut in two where that brings it within
+  OpenBLAS's small-matrix kernels).
 - **in-place float32/float64 ufuncs** (``out=``) on one preallocated score
   tile per item, and the G query heads that share a kv head stacked into one
   ``(tq * G, H)`` matrix, position-major (row ``t*G + g``), so each tile is

@@ -36,11 +36,11 @@ def test_pieces_give_the_bits_of_one_product(monkeypatch, small_kernels, dtype, 
     ``np.matmul`` whole, with ``a`` as it is and as a transposed view."""
     monkeypatch.setattr(blas_numpy, "MAX_PIECES", 4)
     rng = np.random.default_rng(M + K + N)
-    b = rng.standard_normal((3, K, N)).astype(dtype)
-    for a in (rng.standard_normal((3, M, K)).astype(dtype), np.swapaxes(rng.standard_normal((3, K, M)), -1, -2)):
+    b = rng.standard_normal((4, K, N)).astype(dtype)
+    for a in (rng.standard_normal((4, M, K)).astype(dtype), np.swapaxes(rng.standard_normal((4, K, M)), -1, -2)):
         a = a.astype(dtype, copy=False)
         assert blas_numpy.row_pieces(a, b) == pieces
-        out = np.full((3, M, N), np.nan, dtype=dtype)
+        out = np.full((4, M, N), np.nan, dtype=dtype)
         assert blas_numpy.matmul(a, b, out=out) is out
         np.testing.assert_array_equal(out, np.matmul(a, b))
 
@@ -48,18 +48,20 @@ def test_pieces_give_the_bits_of_one_product(monkeypatch, small_kernels, dtype, 
 @pytest.mark.parametrize(
     ("a_shape", "b_view", "why"),
     [
-        ((96, 64), lambda b: b[:64, :128], "fits the small kernels whole"),
-        ((128, 64), lambda b: b[:128, :64].T, "a transposed b"),
-        ((128, 64), lambda b: b[:64, ::2][:, :128], "b's columns strided"),
-        ((128, 64), lambda b: np.zeros((64, 1024), np.float32)[:, :128], "b's rows 4 KiB apart"),
-        ((256, 64), lambda b: b[:64, :128], "more than MAX_PIECES pieces"),
-        ((48, 385), lambda b: np.zeros((385, 64), np.float32), "sums longer than SAME_BITS_TERMS"),
-        ((128, 64), lambda b: b[:64, 0], "a product with a vector"),
+        ((4, 96, 64), lambda b: b[:, :64, :128], "fits the small kernels whole"),
+        ((4, 128, 64), lambda b: np.swapaxes(b[:, :128, :64], -1, -2), "a transposed b"),
+        ((4, 128, 64), lambda b: b[:, :64, ::2][..., :128], "b's columns strided"),
+        ((4, 128, 64), lambda b: np.zeros((4, 64, 1024), np.float32)[..., :128], "b's rows 4 KiB apart"),
+        ((4, 256, 64), lambda b: b[:, :64, :128], "more than MAX_PIECES pieces"),
+        ((4, 48, 385), lambda b: np.zeros((4, 385, 64), np.float32), "sums longer than SAME_BITS_TERMS"),
+        ((3, 128, 64), lambda b: b[:3, :64, :128], "fewer than MIN_BATCH products"),
+        ((4, 128, 64), lambda b: b[:, :64, 0], "a product with a vector"),
     ],
 )
 def test_products_stay_whole_outside_the_rule(small_kernels, a_shape, b_view, why):
-    b = b_view(np.zeros((512, 512), np.float32))
+    b = b_view(np.zeros((4, 512, 512), np.float32))
     assert blas_numpy.row_pieces(np.zeros(a_shape, np.float32), b) == 1, why
+    assert blas_numpy.row_pieces(np.zeros((4, 128, 64), np.float32), np.zeros((4, 64, 128), np.float32)) == 2
 
 
 class _FakeController:
@@ -85,7 +87,7 @@ def test_nothing_is_cut_without_the_small_kernels(monkeypatch, blas, core):
     blas_numpy.small_product_limit.cache_clear()
     try:
         assert blas_numpy.small_product_limit() == 0
-        assert blas_numpy.row_pieces(np.zeros((128, 64), np.float32), np.zeros((64, 128), np.float32)) == 1
+        assert blas_numpy.row_pieces(np.zeros((4, 128, 64), np.float32), np.zeros((4, 64, 128), np.float32)) == 1
     finally:
         blas_numpy.small_product_limit.cache_clear()
 
@@ -101,7 +103,7 @@ def test_the_small_kernels_are_found_where_openblas_reports_them():
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"causal": True}, {"kv_lengths": np.array([128, 77])}], ids=["full", "causal", "kv_lengths"]
+    "options", [{}, {"causal": True}, {"kv_lengths": np.array([128, 77, 128, 5])}], ids=["full", "causal", "kv_lengths"]
 )
 def test_fast_path_in_pieces_equals_the_generic_path(monkeypatch, options):
     """The fast path with its products cut (here from 2**17 multiply-adds,
@@ -109,7 +111,7 @@ def test_fast_path_in_pieces_equals_the_generic_path(monkeypatch, options):
     float64: forward and backward."""
     monkeypatch.setattr(blas_numpy, "small_product_limit", lambda: 2**17)
     rng = np.random.default_rng(3)
-    q, k, v = (rng.standard_normal((2, 4, 128, 16)) for _ in range(3))
+    q, k, v = (rng.standard_normal((4, 8, 128, 16)) for _ in range(3))  # items of 4 kv heads
     dout = rng.standard_normal(q.shape)
     spec = make_spec(q, k, v, impl="chunked", **options)
     cut = []

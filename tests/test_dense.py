@@ -444,8 +444,8 @@ def test_the_raw_score_lane_cuts_its_chunks_products_with_the_same_bits(monkeypa
     from npattn import blas_numpy
 
     rng = np.random.default_rng(4)
-    q = rng.standard_normal((4, 4, 40, 16)).astype(dtype)
-    k, v = (rng.standard_normal((4, 2, 40, 16)).astype(dtype) for _ in range(2))
+    q = rng.standard_normal((4, 8, 40, 16)).astype(dtype)  # chunks of 4 kv heads: batches of 4 products
+    k, v = (rng.standard_normal((4, 4, 40, 16)).astype(dtype) for _ in range(2))
     dout, dlse = rng.standard_normal(q.shape).astype(dtype), rng.standard_normal(q.shape[:-1]).astype(dtype)
     options = {"causal": True, "kv_lengths": np.array([40, 31, 9, 40])}
     whole = _raw_lane(q, k, v, dout, dlse, options, split_from=0, threads="2")
