@@ -296,7 +296,8 @@ GROUPED_TILE_ROWS = 1024
 #: 1.02-1.10x; 128 queries against 1024 keys and 512 against 2048
 #: (bottom-right) 1.12x and 1.27x; causal with ``kv_lengths`` (B=8,
 #: T=S=256) 1.30x and ``kv_lengths`` alone 1.32x (rows that see every key,
-#: and plans per batch element at four times the classifications); a bias,
+#: and plans per batch element at four times the classifications); packed
+#: documents (causal, 2 to 8 of them in T=S=256 or 512) 1.16-1.64x; a bias,
 #: ALiBi or dropout, whose terms each span builds, 1.17-1.69x (softcap
 #: 0.75-0.80x and sinks 0.78-0.87x are in); 64-row sub-blocks inside
 #: 512-row tiles at T=S=4096 1.03x (causal) and 1.04x (packed documents).
