@@ -65,41 +65,42 @@ def test_products_stay_whole_outside_the_rule(small_kernels, a_shape, b_view, wh
 
 
 class _FakeController:
-    """threadpoolctl's controller, reporting one OpenBLAS of ``core``."""
+    """threadpoolctl's controller, reporting one loaded OpenBLAS per core in ``cores``."""
 
-    core = "SkylakeX"
+    cores: tuple[str, ...] = ()
 
     def select(self, **_):
         return self
 
     def info(self):
-        return [{"internal_api": "openblas", "architecture": self.core}]
+        return [{"internal_api": "openblas", "architecture": core} for core in self.cores]
 
 
-@pytest.mark.parametrize(("blas", "core"), [("mkl", "SkylakeX"), ("scipy-openblas", "Haswell")])
-def test_nothing_is_cut_without_the_small_kernels(monkeypatch, blas, core):
-    """A BLAS other than OpenBLAS, or an OpenBLAS whose core has no small
-    kernels, leaves every product whole."""
+@pytest.mark.parametrize(
+    ("blas", "cores", "cuts"),
+    [
+        ("scipy-openblas", ("SkylakeX",), True),
+        ("openblas", ("SapphireRapids", "Cooperlake"), True),
+        ("mkl", ("SkylakeX",), False),  # NumPy's BLAS is not the OpenBLAS loaded beside it
+        ("scipy-openblas", ("Haswell",), False),
+        ("scipy-openblas", ("SkylakeX", "Zen"), False),  # one loaded OpenBLAS without the kernels
+        ("scipy-openblas", (), False),  # threadpoolctl found none
+    ],
+)
+def test_the_small_kernels_are_found_only_where_numpys_openblas_has_them(monkeypatch, blas, cores, cuts):
+    """:func:`~npattn.blas_numpy.small_product_limit` from NumPy's build
+    configuration and what threadpoolctl reports, whatever this machine's."""
     config = {"Build Dependencies": {"blas": {"name": blas}}}
     monkeypatch.setattr(np, "show_config", lambda mode=None: config)
-    monkeypatch.setattr(_FakeController, "core", core)
+    monkeypatch.setattr(_FakeController, "cores", cores)
     monkeypatch.setattr(threadpoolctl, "ThreadpoolController", _FakeController)
     blas_numpy.small_product_limit.cache_clear()
     try:
-        assert blas_numpy.small_product_limit() == 0
-        assert blas_numpy.row_pieces(np.zeros((4, 128, 64), np.float32), np.zeros((4, 64, 128), np.float32)) == 1
+        assert blas_numpy.small_product_limit() == (blas_numpy.SMALL_PRODUCT_LIMIT if cuts else 0)
+        a, b = np.zeros((4, 128, 64), np.float32), np.zeros((4, 64, 128), np.float32)
+        assert blas_numpy.row_pieces(a, b) == (2 if cuts else 1)
     finally:
         blas_numpy.small_product_limit.cache_clear()
-
-
-def test_the_small_kernels_are_found_where_openblas_reports_them():
-    """This machine's answer, from what its OpenBLAS reports (the fake
-    controller above shows the other way)."""
-    config = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
-    reports = threadpoolctl.ThreadpoolController().select(internal_api="openblas").info()
-    cores = {str(info.get("architecture", "")).lower() for info in reports}
-    has_them = "openblas" in str(config.get("name", "")).lower() and cores and cores <= blas_numpy.SMALL_KERNEL_CORES
-    assert blas_numpy.small_product_limit() == (blas_numpy.SMALL_PRODUCT_LIMIT if has_them else 0)
 
 
 @pytest.mark.parametrize(
