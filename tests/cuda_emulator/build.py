@@ -1,0 +1,112 @@
+"""Compile CUDA C++ kernel sources for the CPU emulator (``emulator.h``) into a ctypes library.
+
+The sources and the wrapper text are concatenated, in that order, into one
+translation unit (like the one code string of a CuPy ``RawModule``), each
+behind a ``#line`` directive so that g++ and the emulator's messages name the
+original file. ``extern __shared__ T name[];`` is rewritten to
+``auto* const name = ::cuda_emulator::dynamic_shared<T>();``. Libraries are
+cached under ``$CUDA_EMULATOR_CACHE`` (default: a folder in the temp
+directory), keyed by a hash of every input. A wrapper::
+
+    extern "C" void run_scale(const float* x, float* y, int n) {
+        cuda_emulator::launch(dim3((n + 255) / 256), dim3(256), [&] { scale(x, y, n); });
+    }
+
+is then ``build([path], wrapper, {}, "scale").run_scale(x_ptr, y_ptr, n)`` through ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+HEADER = Path(__file__).with_name("emulator.h")
+CXX = "g++"
+FLAGS = ("-std=c++17", "-O1", "-shared", "-fPIC")
+CACHE_DIR = Path(os.environ.get("CUDA_EMULATOR_CACHE") or Path(tempfile.gettempdir()) / "npattn-cuda-emulator")
+
+_EXTERN_SHARED = re.compile(r"\bextern\s+__shared__\s+(?P<type>[^;\[\]{}]*?)\b(?P<name>[A-Za-z_]\w*)\s*\[\s*\]\s*;")
+_ALIGN = re.compile(r"\b(?:__align__|alignas)\s*\([^()]*\)")
+_loaded: dict[Path, ctypes.CDLL] = {}
+
+
+def _rewrite_extern_shared(text: str) -> str:
+    """``extern __shared__ T name[];`` -> a pointer to the emulator's dynamic shared memory (same line count)."""
+
+    def replace(m: re.Match[str]) -> str:
+        type_ = " ".join(_ALIGN.sub(" ", m["type"]).split())  # the buffer is 256-byte aligned
+        newlines = "\n" * m.group(0).count("\n")
+        return f"auto* const {m['name']} = ::cuda_emulator::dynamic_shared<{type_}>();{newlines}"
+
+    return _EXTERN_SHARED.sub(replace, text)
+
+
+def _line(name: str) -> str:
+    return '#line 1 "' + name.replace("\\", "\\\\").replace('"', '\\"') + '"\n'
+
+
+def build(
+    source_paths: Iterable[str | os.PathLike[str]],
+    wrapper_source: str,
+    defines: Mapping[str, str] | None = None,
+    name: str = "kernels",
+) -> ctypes.CDLL:
+    """Compile ``source_paths`` + ``wrapper_source`` (``extern "C"`` functions calling
+    ``cuda_emulator::launch``) with ``-D key=value`` for each define; load and return the library.
+
+    Raises ``RuntimeError`` with g++'s messages when the compile fails.
+    """
+    paths = [Path(p) for p in source_paths]
+    parts = [_line(p.name) + _rewrite_extern_shared(p.read_text()) + "\n" for p in paths]
+    parts.append(_line(f"{name}-wrapper") + wrapper_source + "\n")
+    unit = "".join(parts)
+    args = [f"-D{key}={value}" for key, value in sorted((defines or {}).items())]
+    digest = hashlib.sha256()
+    for item in (CXX, *FLAGS, *args, HEADER.read_text(), unit):
+        digest.update(item.encode() + b"\0")
+    stem = f"{name}-{digest.hexdigest()[:24]}"
+    library = CACHE_DIR / f"{stem}.so"
+    if library in _loaded:
+        return _loaded[library]
+    if not library.exists():
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        unit_path = CACHE_DIR / f"{stem}.cu"
+        unit_path.write_text(unit)
+        partial = CACHE_DIR / f"{stem}.{os.getpid()}.so"  # renamed when complete: safe with parallel builds
+        command = [CXX, *FLAGS, "-include", str(HEADER), *args, "-x", "c++", str(unit_path), "-o", str(partial)]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            partial.unlink(missing_ok=True)
+            sources = ", ".join(str(p) for p in paths) or "no sources"
+            raise RuntimeError(f"g++ failed to build {name!r} ({sources}):\n{result.stderr}")
+        os.replace(partial, library)
+    _loaded[library] = ctypes.CDLL(str(library))
+    return _loaded[library]
+
+
+_PROBE = """
+extern "C" int cuda_emulator_probe() {
+  int n = 0;
+  cuda_emulator::launch(dim3(2), dim3(3), [&] { __syncthreads(); n += 1; });
+  return n;
+}
+"""
+
+
+@functools.cache
+def available() -> bool:
+    """Whether g++ is on PATH and can build and run an emulated kernel."""
+    if shutil.which(CXX) is None:
+        return False
+    try:
+        return bool(build([], _PROBE, {}, "probe").cuda_emulator_probe() == 6)
+    except (RuntimeError, OSError):
+        return False

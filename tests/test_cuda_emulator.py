@@ -1,0 +1,260 @@
+"""The CPU emulator of CUDA kernels (tests/cuda_emulator): barriers, warp shuffles, indices, dynamic
+shared memory, and that divergent barriers abort instead of hanging."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cuda_emulator import build
+
+pytestmark = pytest.mark.skipif(not build.available(), reason="g++ cannot build the CUDA emulator here")
+
+
+def _ptr(a: np.ndarray) -> ctypes.c_void_p:
+    return ctypes.c_void_p(a.ctypes.data)
+
+
+def _build(tmp_path: Path, source: str, wrapper: str, name: str, defines: dict[str, str] | None = None) -> ctypes.CDLL:
+    path = tmp_path / f"{name}.cu"
+    path.write_text(source)
+    return build.build([path], wrapper, defines or {}, name)
+
+
+BLOCK_SUM = r"""
+extern "C" __global__ void __launch_bounds__(BLOCK)
+block_sum(const float* __restrict__ x, float* __restrict__ out, int n) {
+    __shared__ float s[BLOCK];
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    s[threadIdx.x] = i < n ? x[i] : 0.0f;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+        if (threadIdx.x < stride) s[threadIdx.x] += s[threadIdx.x + stride];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = s[0];
+}
+"""
+BLOCK_SUM_WRAPPER = r"""
+extern "C" void run_block_sum(const float* x, float* out, int n, int blocks) {
+    cuda_emulator::launch(dim3(blocks), dim3(BLOCK), [&] { block_sum(x, out, n); });
+}
+"""
+
+
+def _block_sums(tmp_path: Path, x: np.ndarray, block: int) -> np.ndarray:
+    lib = _build(tmp_path, BLOCK_SUM, BLOCK_SUM_WRAPPER, "block_sum", {"BLOCK": str(block)})
+    blocks = -(-x.size // block)
+    out = np.full(blocks, np.nan, np.float32)
+    lib.run_block_sum(_ptr(x), _ptr(out), x.size, blocks)
+    return out
+
+
+def _tree_sums(x: np.ndarray, block: int) -> np.ndarray:
+    """The kernel's order of additions, in NumPy."""
+    padded = np.zeros(-(-x.size // block) * block, np.float32)
+    padded[: x.size] = x
+    s = padded.reshape(-1, block)
+    while s.shape[1] > 1:
+        half = s.shape[1] // 2
+        s = s[:, :half] + s[:, half:]
+    return s[:, 0]
+
+
+def test_block_sum_shared_memory_tree(tmp_path):
+    x = np.random.default_rng(0).integers(-8, 9, 1000).astype(np.float32)  # small integers: every sum is exact
+    out = _block_sums(tmp_path, x, 128)
+    expected = np.pad(x, (0, 1024 - 1000)).reshape(8, 128).sum(axis=1)
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_repeat_is_deterministic(tmp_path):
+    x = np.random.default_rng(1).standard_normal(3000).astype(np.float32)
+    first = _block_sums(tmp_path, x, 256)
+    for _ in range(3):
+        assert _block_sums(tmp_path, x, 256).tobytes() == first.tobytes()
+    np.testing.assert_array_equal(first, _tree_sums(x, 256))  # same order of float additions as NumPy's tree
+
+
+SHUFFLE = r"""
+template <class T>
+__device__ __forceinline__ T butterfly_sum(T v, int width) {
+    for (int m = 1; m < width; m *= 2) v += __shfl_xor_sync(0xffffffffu, v, m, width);
+    return v;
+}
+
+// out[0..5): one shuffle per lane mask 1..16; out[5]: full-warp sum; out[6]: sums within groups of 4 lanes.
+template <class T>
+__global__ void shuffles(const T* x, T* out, int width) {
+    const int n = gridDim.x * blockDim.x;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const T v = x[i];
+    int k = 0;
+    for (int m = 1; m < 32; m *= 2, ++k) out[k * n + i] = __shfl_xor_sync(0xffffffffu, v, m, width);
+    out[5 * n + i] = butterfly_sum(v, 32);
+    out[6 * n + i] = butterfly_sum(v, 4);
+}
+"""
+SHUFFLE_WRAPPER = "\n".join(
+    f'extern "C" void run_{name}(const {t}* x, {t}* out, int width) {{\n'
+    f"    cuda_emulator::launch(dim3(2), dim3(64), [&] {{ shuffles<{t}>(x, out, width); }});\n}}"
+    for name, t in [
+        ("f32", "float"),
+        ("f64", "double"),
+        ("i32", "int"),
+        ("u32", "unsigned"),
+        ("i64", "long long"),
+        ("u64", "unsigned long long"),
+    ]
+)
+DTYPES = {"f32": np.float32, "f64": np.float64, "i32": np.int32, "u32": np.uint32, "i64": np.int64, "u64": np.uint64}
+
+
+def _shfl_xor_sources(n: int, lane_mask: int, width: int) -> np.ndarray:
+    """CUDA's rule: lane ^ lane_mask, or the caller's own lane when that is past its width-segment."""
+    i = np.arange(n)
+    lane = i % 32
+    src = lane ^ lane_mask
+    src = np.where(src >= (lane // width + 1) * width, lane, src)
+    return i - lane + src
+
+
+@pytest.mark.parametrize("width", [32, 4])
+def test_shfl_xor_butterfly(tmp_path, width):
+    lib = _build(tmp_path, SHUFFLE, SHUFFLE_WRAPPER, "shuffles")
+    n = 128
+    for name, dtype in DTYPES.items():
+        x = np.random.default_rng(2).integers(0, 1000, n) + (0.5 if name.startswith("f") else 0)
+        x = x.astype(dtype)  # integers and halves: every sum is exact
+        out = np.zeros((7, n), dtype)
+        getattr(lib, f"run_{name}")(_ptr(x), _ptr(out), width)
+        for k, m in enumerate([1, 2, 4, 8, 16]):
+            np.testing.assert_array_equal(out[k], x[_shfl_xor_sources(n, m, width)], err_msg=f"{name} mask {m}")
+        np.testing.assert_array_equal(out[5], np.repeat(x.reshape(-1, 32).sum(axis=1, dtype=dtype), 32))
+        np.testing.assert_array_equal(out[6], np.repeat(x.reshape(-1, 4).sum(axis=1, dtype=dtype), 4))
+
+
+INDICES = r"""
+extern "C" __global__ void indices(int* ids, int* coords) {
+    const int tid = threadIdx.x + threadIdx.y * blockDim.x + threadIdx.z * blockDim.x * blockDim.y;
+    const int bid = blockIdx.x + blockIdx.y * gridDim.x + blockIdx.z * gridDim.x * gridDim.y;
+    const int g = bid * blockDim.x * blockDim.y * blockDim.z + tid;
+    ids[g] = g;
+    const unsigned c[6] = {threadIdx.x, threadIdx.y, threadIdx.z, blockIdx.x, blockIdx.y, blockIdx.z};
+    for (int k = 0; k < 6; ++k) coords[6 * g + k] = c[k];
+}
+"""
+INDICES_WRAPPER = r"""
+extern "C" void run_indices(int* ids, int* coords, const unsigned* g, const unsigned* b) {
+    cuda_emulator::launch(dim3(g[0], g[1], g[2]), dim3(b[0], b[1], b[2]), [&] { indices(ids, coords); });
+}
+"""
+
+
+@pytest.mark.parametrize(("grid", "block"), [((3, 2, 1), (8, 4, 1)), ((3, 2, 2), (4, 3, 2))])
+def test_grid_and_block_indices(tmp_path, grid, block):
+    lib = _build(tmp_path, INDICES, INDICES_WRAPPER, "indices")
+    total = int(np.prod(grid) * np.prod(block))
+    ids = np.full(total, -1, np.int32)
+    coords = np.full((total, 6), -1, np.int32)
+    g, b = np.array(grid, np.uint32), np.array(block, np.uint32)  # alive during the call
+    lib.run_indices(_ptr(ids), _ptr(coords), _ptr(g), _ptr(b))
+    np.testing.assert_array_equal(ids, np.arange(total))
+    # Linear ids run x fastest: reversed (z, y, x) C-order index grids.
+    bz, by, bx, tz, ty, tx = np.indices(grid[::-1] + block[::-1]).reshape(6, total)
+    np.testing.assert_array_equal(coords, np.stack([tx, ty, tz, bx, by, bz], axis=1))
+
+
+DEVICE_HELPERS = r"""
+extern "C" __global__ void helpers(const float* x, float* out, int n) {
+    extern __shared__ __align__(16) float tile[];  // dynamic shared memory: launch's 4th argument
+    const int i = threadIdx.x;
+    tile[i] = x[i];
+    __syncthreads();
+    const float v = tile[n - 1 - i];  // reversed through shared memory
+    out[0 * n + i] = v;
+    out[1 * n + i] = __int_as_float(__float_as_int(v));
+    out[2 * n + i] = (float)__longlong_as_double(__double_as_longlong((double)v));
+    out[3 * n + i] = fmaxf(v, 0.0f) + fminf(v, 0.0f) - fabsf(v) * 0.0f;
+    out[4 * n + i] = max(i, 3) + min(i, 3) + min(2u, (unsigned)i) + max(1ll, (long long)i);
+    out[5 * n + i] = expf(0.0f) + logf(1.0f) + tanhf(0.0f) + sqrtf(4.0f);  // exactly 3
+    out[6 * n + i] = (float)(exp(0.0) + log(1.0) + tanh(0.0) + fabs(-1.0));  // exactly 2
+}
+"""
+DEVICE_HELPERS_WRAPPER = r"""
+extern "C" void run_helpers(const float* x, float* out, int n) {
+    cuda_emulator::launch(dim3(1), dim3(n), [&] { helpers(x, out, n); }, n * sizeof(float));
+}
+"""
+
+
+def test_dynamic_shared_memory_and_device_helpers(tmp_path):
+    lib = _build(tmp_path, DEVICE_HELPERS, DEVICE_HELPERS_WRAPPER, "helpers")
+    n = 48
+    x = np.random.default_rng(3).standard_normal(n).astype(np.float32)
+    out = np.zeros((7, n), np.float32)
+    lib.run_helpers(_ptr(x), _ptr(out), n)
+    i = np.arange(n)
+    for k in range(4):
+        np.testing.assert_array_equal(out[k], x[::-1], err_msg=f"row {k}")
+    np.testing.assert_array_equal(out[4], np.maximum(i, 3) + np.minimum(i, 3) + np.minimum(2, i) + np.maximum(1, i))
+    np.testing.assert_array_equal(out[5], 3.0)
+    np.testing.assert_array_equal(out[6], 2.0)
+
+
+DIVERGENT = r"""
+extern "C" __global__ void early_return(int* out) {
+    if (threadIdx.x % 2) return;  // half the block never reaches the barrier
+    __syncthreads();
+    out[threadIdx.x] = 1;
+}
+
+extern "C" __global__ void two_barriers(int* out) {
+    if (threadIdx.x < 8) {
+        __syncthreads();
+    } else {
+        __syncthreads();  // another call site
+    }
+    out[threadIdx.x] = 1;
+}
+
+extern "C" __global__ void half_shuffle(int* out) {
+    int v = threadIdx.x;
+    if (threadIdx.x < 32) v = __shfl_xor_sync(0xffffffffu, v, 1);
+    __syncthreads();
+    out[threadIdx.x] = v;
+}
+"""
+DIVERGENT_WRAPPER = "\n".join(
+    f'extern "C" void run_{k}() {{\n'
+    f"    static int out[64];\n"
+    f"    cuda_emulator::launch(dim3(2), dim3(64), [&] {{ {k}(out); }});\n}}"
+    for k in ["early_return", "two_barriers", "half_shuffle"]
+)
+SECOND_SITE = 1 + next(i for i, line in enumerate(DIVERGENT.splitlines()) if "another call site" in line)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "message"),
+    [
+        ("early_return", "has returned"),
+        ("two_barriers", f"divergent.cu:{SECOND_SITE}"),
+        ("half_shuffle", "__syncthreads()"),
+    ],
+)
+def test_divergent_barrier_aborts(tmp_path, kernel, message):
+    lib = _build(tmp_path, DIVERGENT, DIVERGENT_WRAPPER, "divergent")
+    script = f"import ctypes, sys; ctypes.CDLL(sys.argv[1]).run_{kernel}()"
+    result = subprocess.run([sys.executable, "-c", script, lib._name], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "cuda_emulator: divergent barrier in block (0,0,0)" in result.stderr
+    assert message in result.stderr
+
+
+def test_compile_error_raises(tmp_path):
+    with pytest.raises(RuntimeError, match=r"broken\.cu:2"):
+        _build(tmp_path, "__global__ void k() {\n  undeclared_name = 1;\n}\n", "", "broken")
