@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from . import dense_numpy, fast_numpy
+from . import dense_numpy, fast_cupy, fast_numpy
 from .chunked import chunked_backward, chunked_forward
 from .dense import dense_backward, dense_forward
 from .namespace import resolve_namespace
@@ -110,10 +110,11 @@ class ChunkedResiduals(AttentionResiduals):
     """Residuals of the chunked path: only ``out`` and ``lse``, never the
     probabilities (memory linear in sequence length).
 
-    kernel : {"generic", "numpy"}
+    kernel : {"generic", "numpy", "cupy"}
         Which implementation ran the forward (the Array API path of
-        :mod:`npattn.chunked`, or the NumPy fast path of
-        :mod:`npattn.fast_numpy`); the backward runs the same one.
+        :mod:`npattn.chunked`, the NumPy fast path of
+        :mod:`npattn.fast_numpy`, or the fused CUDA kernels of
+        :mod:`npattn.fast_cupy`); the backward runs the same one.
     """
 
     kernel: str = "generic"
@@ -514,7 +515,8 @@ def choose_impl(spec: AttentionSpec) -> AttentionSpec:
 
     Chunked once the dense score tensor ``(..., N, T, S)`` would hold more
     than :data:`~npattn.options.AUTO_CHUNKED_MIN_SCORES` entries, or where the
-    NumPy fast path takes the inputs and they reach
+    NumPy fast path (or the CuPy one, :mod:`npattn.fast_cupy`) takes the
+    inputs and they reach
     :data:`~npattn.options.AUTO_FAST_MIN_SCORES` (or
     :data:`~npattn.options.AUTO_FAST_VARIANT_MIN_SCORES` with a softcap,
     ALiBi or dropout, :data:`~npattn.options.AUTO_FAST_SINGLE_HEAD_MIN_SCORES`
@@ -531,21 +533,25 @@ def choose_impl(spec: AttentionSpec) -> AttentionSpec:
         return spec
     scores = _scores(spec)
     large = scores > AUTO_CHUNKED_MIN_SCORES
-    fast = scores >= _fast_min_scores(spec) and fast_numpy.supports(spec)
+    fast = scores >= _fast_min_scores(spec) and (fast_numpy.supports(spec) or fast_cupy.preferred(spec))
     return spec.replace(impl="chunked" if large or fast else "dense")
 
 
 def chunked_kernel(spec: AttentionSpec) -> str:
-    """The chunked kernel a forward with ``spec`` runs: ``"numpy"`` (the fast
-    path) for NumPy inputs it supports, else ``"generic"``."""
-    return "numpy" if fast_numpy.supports(spec) else "generic"
+    """The chunked kernel a forward with ``spec`` runs: ``"numpy"`` or
+    ``"cupy"`` (the fast paths) for NumPy or CuPy inputs they support, else
+    ``"generic"``."""
+    if fast_numpy.supports(spec):
+        return "numpy"
+    return "cupy" if fast_cupy.preferred(spec) else "generic"
 
 
 #: ``(forward, backward)`` of the chunked path by kernel name: the generic
-#: Array API path, and the NumPy fast path chosen for NumPy inputs.
+#: Array API path, and the fast paths chosen for NumPy and CuPy inputs.
 _CHUNKED_KERNELS = {
     "generic": (chunked_forward, chunked_backward),
     "numpy": (fast_numpy.forward, fast_numpy.backward),
+    "cupy": (fast_cupy.forward, fast_cupy.backward),
 }
 
 

@@ -1,4 +1,6 @@
-"""npattn on CuPy (a CUDA GPU) against NumPy on the CPU.
+"""npattn on CuPy (a CUDA GPU) against NumPy on the CPU: the dense path and
+the generic chunked path (``NPATTN_FAST_CUPY=0`` throughout; the fused
+kernels of :mod:`npattn.fast_cupy` have ``tests/test_fast_cupy.py``).
 
 Every test here is marked ``gpu`` and takes the conftest ``backend`` fixture
 narrowed to ``"cupy"``, so without CuPy or a CUDA device each one is reported
@@ -43,6 +45,13 @@ from npattn.namespace import to_numpy
 from npattn.options import make_spec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.parametrize("backend", ["cupy"], indirect=True)]
+
+
+@pytest.fixture(autouse=True)
+def _generic_chunked_path(monkeypatch):
+    """Route ``impl="chunked"`` on CuPy to the generic Array API path."""
+    monkeypatch.setenv("NPATTN_FAST_CUPY", "0")
+
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 IMPLS = ["dense", "chunked"]

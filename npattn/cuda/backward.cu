@@ -1,0 +1,197 @@
+// FlashAttention-2 backward (Algorithm 2) in two kernels, so that every
+// gradient is summed by one thread group in a fixed order (no atomics: the
+// same inputs give the same bits):
+//
+//     P_ij  = exp(s_ij - lse_i)                      (0 where hidden)
+//     dP_ij = drop_ij (dO_i . v_j)
+//     dS_ij = P_ij (dP_ij - D_i),   D_i = rowsum(dO_i * O_i) - dlse_i
+//     dR_ij = dS_ij (1 - t_ij^2)    through the softcap (t = tanh(s / c))
+//
+//   npattn_backward_dq:   dQ_i  = scale sum_j dR_ij k_j, and the ALiBi
+//                         slope's share -sum_j dS_ij |p_i - j| of row i
+//   npattn_backward_dkdv: dK_j  = scale sum_i dR_ij q_i,
+//                         dV_j  = sum_i P_ij drop_ij dO_i,
+//                         i over the G query heads of kv head h, stacked
+//                         position-major as in the forward.
+//
+// Each thread group holds TILE rows (dq) or keys (dkdv), so that a
+// slice read from shared memory serves all of them. `lse` and `D` come in
+// shape (B, N, T); npattn.fast_cupy computes D.
+
+// One entry (row, key j) of the backward, given the two products:
+// returns dR_ij (through steps 3-2) and sets the dropped probability
+// P_ij drop_ij; adds the ALiBi slope's share to `slope_grad`.
+__device__ __forceinline__ scalar_t entry_backward(const Problem& pb, const Row& row, long long j, scalar_t product,
+                                                   scalar_t dp, scalar_t row_lse, scalar_t row_D,
+                                                   scalar_t& dropped, scalar_t& slope_grad) {
+  scalar_t capped_tanh;
+  const scalar_t p = fn_exp(score(pb, row, j, product, capped_tanh) - row_lse);
+  const scalar_t drop = dropout_factor(pb, row, j);
+  dropped = p * drop;
+  return score_backward(pb, row, j, p * (dp * drop - row_D), capped_tanh, slope_grad);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    npattn_backward_dq(const scalar_t* __restrict__ q,     // (B, N, T, H)
+                       const scalar_t* __restrict__ k,     // (B, KH, S, H)
+                       const scalar_t* __restrict__ v,     // (B, KH, S, Hv)
+                       const scalar_t* __restrict__ dout,  // (B, N, T, Hv)
+                       const scalar_t* __restrict__ lse,   // (B, N, T)
+                       const scalar_t* __restrict__ D,     // (B, N, T)
+                       scalar_t* __restrict__ dq,          // (B, N, T, H)
+                       scalar_t* __restrict__ slope_rows,  // (B, N, T): -sum_j dS_ij |p_i - j|, with ALiBi
+                       const long long* config, const scalar_t* reals, const long long* q_offsets,
+                       const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
+                       const long long* kv_segments, const scalar_t* slopes) {
+  __shared__ __align__(16) scalar_t key_tile[KEYS * HEAD_DIM];
+  __shared__ __align__(16) scalar_t value_tile[KEYS * VALUE_DIM];
+  __shared__ long long scratch[2 * ROWS];
+  const Problem pb = read_problem(config, reals, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
+  const int lane = threadIdx.x % LANES, group = threadIdx.x / LANES;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int stacked = pb.G * pb.T;
+  Row rows[TILE];
+  long long row_index[TILE];
+  scalar_t q_lane[TILE][DH], dout_lane[TILE][DV], dq_lane[TILE][DH], row_lse[TILE], row_D[TILE], slope_grad[TILE];
+#pragma unroll
+  for (int t = 0; t < TILE; ++t) {
+    const int r = (blockIdx.x * TILE + t) * ROWS + group;
+    const int i = min(r, stacked - 1) / pb.G, n = h * pb.G + min(r, stacked - 1) % pb.G;
+    rows[t] = make_row(pb, b, n, i);
+    if (r >= stacked) rows[t].end_key = rows[t].first_key;
+    row_index[t] = r < stacked ? ((long long)b * pb.N + n) * pb.T + i : -1;
+    const long long index = max(row_index[t], 0LL);
+    load_lane<HEAD_DIM, DH>(q_lane[t], q + index * HEAD_DIM, lane);
+    load_lane<VALUE_DIM, DV>(dout_lane[t], dout + index * VALUE_DIM, lane);
+#pragma unroll
+    for (int u = 0; u < DH; ++u) dq_lane[t][u] = 0;
+    row_lse[t] = lse[index];
+    row_D[t] = D[index];
+    slope_grad[t] = 0;
+  }
+  long long first, end;
+  block_key_range<TILE>(rows, scratch, first, end);
+  const long long kv_base = ((long long)b * pb.KH + h) * pb.S;
+
+  for (long long tile = first; tile < end; tile += KEYS) {
+    load_rows<HEAD_DIM>(key_tile, k + kv_base * HEAD_DIM, tile, end);
+    load_rows<VALUE_DIM>(value_tile, v + kv_base * VALUE_DIM, tile, end);
+    __syncthreads();
+    for (int c = 0; c < KEYS; ++c) {
+      const long long j = tile + c;
+      scalar_t key_lane[DH], value_lane[DV];
+      tile_slice<HEAD_DIM, DH>(key_lane, key_tile, c, lane);
+      tile_slice<VALUE_DIM, DV>(value_lane, value_tile, c, lane);
+#pragma unroll
+      for (int t = 0; t < TILE; ++t) {
+        const scalar_t product = lanes_sum(lane_dot<DH>(q_lane[t], key_lane));
+        const scalar_t dp = lanes_sum(lane_dot<DV>(dout_lane[t], value_lane));
+        if (j >= end || !visible(pb, rows[t], b, j)) continue;
+        scalar_t dropped;
+        const scalar_t dr = entry_backward(pb, rows[t], j, product, dp, row_lse[t], row_D[t], dropped, slope_grad[t]);
+        lane_axpy<DH>(dq_lane[t], dr, key_lane);
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int t = 0; t < TILE; ++t) {
+    if (row_index[t] < 0) continue;
+    store_lane<HEAD_DIM, DH>(dq + row_index[t] * HEAD_DIM, dq_lane[t], lane, pb.scale);
+    if (pb.slopes && lane == 0) slope_rows[row_index[t]] = slope_grad[t];
+  }
+}
+
+// One block per ROWS * TILE keys of kv head h and batch element
+// b; the query rows that can see them pass through shared memory KEYS
+// stacked rows at a time.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    npattn_backward_dkdv(const scalar_t* __restrict__ q,     // (B, N, T, H)
+                         const scalar_t* __restrict__ k,     // (B, KH, S, H)
+                         const scalar_t* __restrict__ v,     // (B, KH, S, Hv)
+                         const scalar_t* __restrict__ dout,  // (B, N, T, Hv)
+                         const scalar_t* __restrict__ lse,   // (B, N, T)
+                         const scalar_t* __restrict__ D,     // (B, N, T)
+                         scalar_t* __restrict__ dk,          // (B, KH, S, H)
+                         scalar_t* __restrict__ dv,          // (B, KH, S, Hv)
+                         const long long* config, const scalar_t* reals, const long long* q_offsets,
+                         const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
+                         const long long* kv_segments, const scalar_t* slopes) {
+  __shared__ __align__(16) scalar_t query_tile[KEYS * HEAD_DIM];
+  __shared__ __align__(16) scalar_t dout_tile[KEYS * VALUE_DIM];
+  __shared__ Row tile_rows[KEYS];
+  __shared__ scalar_t tile_lse[KEYS], tile_D[KEYS];
+  const Problem pb = read_problem(config, reals, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
+  const int lane = threadIdx.x % LANES, group = threadIdx.x / LANES;
+  const int h = blockIdx.y, b = blockIdx.z;
+  long long key[TILE];
+  scalar_t k_lane[TILE][DH], v_lane[TILE][DV], dk_lane[TILE][DH], dv_lane[TILE][DV];
+#pragma unroll
+  for (int t = 0; t < TILE; ++t) {
+    key[t] = ((long long)blockIdx.x * TILE + t) * ROWS + group;
+    const long long index = ((long long)b * pb.KH + h) * pb.S + min(key[t], (long long)pb.S - 1);
+    load_lane<HEAD_DIM, DH>(k_lane[t], k + index * HEAD_DIM, lane);
+    load_lane<VALUE_DIM, DV>(v_lane[t], v + index * VALUE_DIM, lane);
+#pragma unroll
+    for (int u = 0; u < DH; ++u) dk_lane[t][u] = 0;
+#pragma unroll
+    for (int u = 0; u < DV; ++u) dv_lane[t][u] = 0;
+  }
+
+  const long long key_first = (long long)blockIdx.x * TILE * ROWS;
+  const long long key_last = min(key_first + TILE * ROWS, (long long)pb.S) - 1;
+  long long first, end;  // query positions i, then stacked rows i * G + g
+  query_range(pb, b, key_first, key_last, first, end);
+  const long long stacked_end = end * pb.G;
+  const long long q_base = (long long)b * pb.N * pb.T;  // row index of (b, head 0, query 0)
+  scalar_t unused_slope_grad = 0;                       // the dq kernel sums the slopes' gradient
+
+  for (long long tile = first * pb.G; tile < stacked_end; tile += KEYS) {
+    for (int e = threadIdx.x; e < KEYS * HEAD_DIM; e += THREADS) {
+      const long long r = tile + e / HEAD_DIM;
+      const long long index = q_base + (long long)(h * pb.G + r % pb.G) * pb.T + r / pb.G;
+      query_tile[e] = r < stacked_end ? q[index * HEAD_DIM + e % HEAD_DIM] : (scalar_t)0;
+    }
+    for (int e = threadIdx.x; e < KEYS * VALUE_DIM; e += THREADS) {
+      const long long r = tile + e / VALUE_DIM;
+      const long long index = q_base + (long long)(h * pb.G + r % pb.G) * pb.T + r / pb.G;
+      dout_tile[e] = r < stacked_end ? dout[index * VALUE_DIM + e % VALUE_DIM] : (scalar_t)0;
+    }
+    for (int e = threadIdx.x; e < KEYS; e += THREADS) {
+      const long long r = min(tile + e, stacked_end - 1);
+      const int i = (int)(r / pb.G), n = h * pb.G + (int)(r % pb.G);
+      tile_rows[e] = make_row(pb, b, n, i);
+      if (tile + e >= stacked_end) tile_rows[e].end_key = tile_rows[e].first_key;
+      tile_lse[e] = lse[q_base + (long long)n * pb.T + i];
+      tile_D[e] = D[q_base + (long long)n * pb.T + i];
+    }
+    __syncthreads();
+    for (int c = 0; c < KEYS; ++c) {
+      scalar_t query_lane[DH], dout_lane[DV];
+      tile_slice<HEAD_DIM, DH>(query_lane, query_tile, c, lane);
+      tile_slice<VALUE_DIM, DV>(dout_lane, dout_tile, c, lane);
+      const Row& row = tile_rows[c];
+#pragma unroll
+      for (int t = 0; t < TILE; ++t) {
+        const scalar_t product = lanes_sum(lane_dot<DH>(k_lane[t], query_lane));
+        const scalar_t dp = lanes_sum(lane_dot<DV>(v_lane[t], dout_lane));
+        if (key[t] >= pb.S || !visible(pb, row, b, key[t])) continue;
+        scalar_t dropped;
+        const scalar_t dr =
+            entry_backward(pb, row, key[t], product, dp, tile_lse[c], tile_D[c], dropped, unused_slope_grad);
+        lane_axpy<DV>(dv_lane[t], dropped, dout_lane);
+        lane_axpy<DH>(dk_lane[t], dr, query_lane);
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int t = 0; t < TILE; ++t) {
+    if (key[t] >= pb.S) continue;
+    const long long index = ((long long)b * pb.KH + h) * pb.S + key[t];
+    store_lane<HEAD_DIM, DH>(dk + index * HEAD_DIM, dk_lane[t], lane, pb.scale);
+    store_lane<VALUE_DIM, DV>(dv + index * VALUE_DIM, dv_lane[t], lane, (scalar_t)1);
+  }
+}

@@ -1,0 +1,121 @@
+// Online-softmax forward (FlashAttention-2, Algorithm 1), one block per
+// ROWS * TILE stacked query rows of one kv head and one batch element.
+//
+// The G query heads that share kv head h are stacked position-major, row
+// r = i * G + g for query i of head n = h * G + g, so that a block's rows
+// see nearly the same keys. Each thread group of LANES threads holds TILE
+// rows (rows r0 + t * ROWS + group), each thread a slice of every row's q_i
+// and accumulator, so that a key or value slice read from shared memory
+// serves TILE rows. Per tile of KEYS keys in shared memory, CHUNK keys at a
+// time:
+//
+//     s_j   = score(q_i . k_j)               (steps 1-3; -inf where hidden)
+//     m'    = max(m, max_j s_j)
+//     l     = l exp(m - m') + sum_j exp(s_j - m')
+//     acc   = acc exp(m - m') + sum_j exp(s_j - m') drop_ij v_j
+//
+// and at the end  O_i = acc / l,  lse_i = m + log l  (O_i = 0, lse_i = -inf
+// where the row sees no key). With CFG_SPLITS > 1 (flash-decoding) the keys
+// are cut into that many ranges, grid.z runs batch element * splits, and
+// each range writes its own (O, lse) into slice `split` of `out` and `lse`,
+// which npattn.fast_cupy merges through lse.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    npattn_forward(const scalar_t* __restrict__ q,  // (B, N, T, H)
+                   const scalar_t* __restrict__ k,  // (B, KH, S, H)
+                   const scalar_t* __restrict__ v,  // (B, KH, S, Hv)
+                   scalar_t* __restrict__ out,      // (splits, B, N, T, Hv)
+                   scalar_t* __restrict__ lse,      // (splits, B, N, T)
+                   const long long* config, const scalar_t* reals, const long long* q_offsets,
+                   const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
+                   const long long* kv_segments, const scalar_t* slopes) {
+  __shared__ __align__(16) scalar_t key_tile[KEYS * HEAD_DIM];
+  __shared__ __align__(16) scalar_t value_tile[KEYS * VALUE_DIM];
+  __shared__ long long scratch[2 * ROWS];
+  const Problem pb = read_problem(config, reals, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
+  const int lane = threadIdx.x % LANES, group = threadIdx.x / LANES;
+  const int splits = (int)config[CFG_SPLITS];
+  const int h = blockIdx.y, b = blockIdx.z / splits, split = blockIdx.z % splits;
+  const int stacked = pb.G * pb.T;
+  Row rows[TILE];
+  long long row_index[TILE];  // (b, n, i) flattened
+  scalar_t q_lane[TILE][DH], acc[TILE][DV], m[TILE], l[TILE];
+  const scalar_t minus_inf = negative_infinity((scalar_t)0);
+#pragma unroll
+  for (int t = 0; t < TILE; ++t) {
+    const int r = (blockIdx.x * TILE + t) * ROWS + group;
+    const int i = min(r, stacked - 1) / pb.G, n = h * pb.G + min(r, stacked - 1) % pb.G;
+    rows[t] = make_row(pb, b, n, i);
+    if (r >= stacked) rows[t].end_key = rows[t].first_key;  // past the last row: sees nothing, writes nothing
+    row_index[t] = r < stacked ? ((long long)b * pb.N + n) * pb.T + i : -1;
+    load_lane<HEAD_DIM, DH>(q_lane[t], q + max(row_index[t], 0LL) * HEAD_DIM, lane);
+#pragma unroll
+    for (int u = 0; u < DV; ++u) acc[t][u] = 0;
+    m[t] = minus_inf;
+    l[t] = 0;
+  }
+
+  // This split's keys: chunks of whole tiles, the last ones possibly empty.
+  long long first, end;
+  block_key_range<TILE>(rows, scratch, first, end);
+  const long long per_split = ((pb.S + (long long)splits * KEYS - 1) / ((long long)splits * KEYS)) * KEYS;
+  first = max(first, split * per_split);
+  end = min(end, (split + 1) * per_split);
+  const long long kv_base = ((long long)b * pb.KH + h) * pb.S;
+
+  for (long long tile = first; tile < end; tile += KEYS) {
+    load_rows<HEAD_DIM>(key_tile, k + kv_base * HEAD_DIM, tile, end);
+    load_rows<VALUE_DIM>(value_tile, v + kv_base * VALUE_DIM, tile, end);
+    __syncthreads();
+    for (int c0 = 0; c0 < KEYS; c0 += CHUNK) {
+      scalar_t s[TILE][CHUNK];
+#pragma unroll
+      for (int c = 0; c < CHUNK; ++c) {
+        scalar_t key_lane[DH];
+        tile_slice<HEAD_DIM, DH>(key_lane, key_tile, c0 + c, lane);
+#pragma unroll
+        for (int t = 0; t < TILE; ++t) s[t][c] = lanes_sum(lane_dot<DH>(q_lane[t], key_lane));
+      }
+      scalar_t weight[TILE][CHUNK];  // exp(s_j - m) drop_ij, 0 where hidden
+#pragma unroll
+      for (int t = 0; t < TILE; ++t) {
+        scalar_t chunk_max = minus_inf;
+#pragma unroll
+        for (int c = 0; c < CHUNK; ++c) {
+          const long long j = tile + c0 + c;
+          scalar_t capped_tanh;
+          s[t][c] = (j < end && visible(pb, rows[t], b, j)) ? score(pb, rows[t], j, s[t][c], capped_tanh) : minus_inf;
+          chunk_max = max(chunk_max, s[t][c]);
+        }
+        if (chunk_max > m[t]) {  // FlashAttention-2's rescale
+          const scalar_t alpha = fn_exp(m[t] - chunk_max);  // 0 while m = -inf
+          l[t] *= alpha;
+#pragma unroll
+          for (int u = 0; u < DV; ++u) acc[t][u] *= alpha;
+          m[t] = chunk_max;
+        }
+#pragma unroll
+        for (int c = 0; c < CHUNK; ++c) {
+          const scalar_t p = s[t][c] == minus_inf ? (scalar_t)0 : fn_exp(s[t][c] - m[t]);
+          l[t] += p;
+          weight[t][c] = p == 0 ? p : p * dropout_factor(pb, rows[t], tile + c0 + c);
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < CHUNK; ++c) {
+        scalar_t value_lane[DV];
+        tile_slice<VALUE_DIM, DV>(value_lane, value_tile, c0 + c, lane);
+#pragma unroll
+        for (int t = 0; t < TILE; ++t) lane_axpy<DV>(acc[t], weight[t][c], value_lane);
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int t = 0; t < TILE; ++t) {
+    if (row_index[t] < 0) continue;
+    const long long slot = (long long)split * pb.B * pb.N * pb.T + row_index[t];
+    store_lane<VALUE_DIM, DV>(out + slot * VALUE_DIM, acc[t], lane, l[t] > 0 ? 1 / l[t] : (scalar_t)0);
+    if (lane == 0) lse[slot] = l[t] > 0 ? m[t] + fn_log(l[t]) : minus_inf;
+  }
+}

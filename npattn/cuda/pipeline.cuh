@@ -1,0 +1,193 @@
+// The score pipeline of CONVENTIONS.md section 1b, for one (query row, key) pair,
+// as the CUDA kernels of npattn.fast_cupy run it. Each function is the CUDA
+// transcription of one unit of npattn/scores (named beside it), with the same
+// formulas, so that every path computes the same numbers:
+//
+//   1. s   = scale * q_i . k_j                          (the kernels' products)
+//   2. s  <- c tanh(s / c)                              softcap.py
+//   3. s  <- s - m_n |p_i - j|                          alibi.py
+//   5. hidden unless  i < q_len, j < kv_len,             visibility.py
+//                     p_i - left <= j <= p_i + right,
+//                     q_seg_i == kv_seg_j
+//   7. keep_ij = mix32(... ^ j) >= threshold            dropout.py
+//
+// Steps 4 (user score modifications) and the user's mask or bias are not
+// here: npattn.fast_cupy leaves such calls to the generic chunked path.
+// Sinks (step 6) are merged outside the kernels, as on every path.
+//
+// Compiled with scalar_t defined as float or double (the compute dtype).
+
+// ---------------------------------------------------------------- config
+// Entries of the int64 `config` array every kernel reads (npattn/fast_cupy.py
+// writes it in this order: its CONFIG_ENTRIES).
+#define CFG_B 0            // batch elements (the leading axes flattened)
+#define CFG_N 1            // query heads
+#define CFG_KH 2           // kv heads
+#define CFG_T 3            // query length
+#define CFG_S 4            // key length
+#define CFG_LEFT 5         // window's left side, -1: unbounded (clipped to T + S)
+#define CFG_RIGHT 6        // window's right side, -1: unbounded (causal: 0)
+#define CFG_Q_OFFSET 7     // position of query 0, when one offset serves every batch element
+#define CFG_DROP_THRESHOLD 8  // keep a hash >= this (npattn.dropout.keep_threshold)
+#define CFG_SEED_HASH 9    // the seed's hash (npattn.dropout._seed_hash)
+#define CFG_ROW0 10        // row index of query 0 in the dropout hash (index_origin)
+#define CFG_COL0 11        // column index of key 0 in the dropout hash
+#define CFG_SPLITS 12      // forward: key splits per (batch, kv head) (flash-decoding)
+#define CFG_DROPOUT 13     // 1 with dropout, else 0
+
+// Entries of the `reals` array (compute dtype; fast_cupy.py's REAL_ENTRIES).
+#define REAL_SCALE 0       // softmax scale
+#define REAL_SOFTCAP 1     // softcap c, 0: none
+#define REAL_KEEP_SCALE 2  // 1 / (1 - dropout_p)
+
+__device__ __forceinline__ float fn_exp(float x) { return expf(x); }
+__device__ __forceinline__ double fn_exp(double x) { return exp(x); }
+__device__ __forceinline__ float fn_log(float x) { return logf(x); }
+__device__ __forceinline__ double fn_log(double x) { return log(x); }
+__device__ __forceinline__ float fn_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double fn_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float negative_infinity(float) { return -__int_as_float(0x7f800000); }
+__device__ __forceinline__ double negative_infinity(double) { return -__longlong_as_double(0x7ff0000000000000LL); }
+
+// Sum of `x` over the LANES consecutive threads that share one row: a
+// butterfly, after which every lane holds the total (the same bits on each).
+__device__ __forceinline__ scalar_t lanes_sum(scalar_t x) {
+#pragma unroll
+  for (int offset = LANES / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// ---------------------------------------------------------------- dropout.py
+__device__ __forceinline__ unsigned int mix32(unsigned int x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+
+// ---------------------------------------------------------------- one problem
+// The whole call's options, read once per thread from `config` and `reals`.
+struct Problem {
+  int B, N, KH, G, T, S;
+  long long left, right, q_offset, row0, col0;
+  bool dropout;
+  unsigned long long drop_threshold;
+  unsigned int seed_hash;
+  scalar_t scale, softcap, keep_scale;
+  const long long* q_offsets;    // (B,) per-batch positions of query 0, or null
+  const long long* q_lengths;    // (B,) or null
+  const long long* kv_lengths;   // (B,) or null
+  const long long* q_segments;   // (B, T) or null
+  const long long* kv_segments;  // (B, S) or null
+  const scalar_t* slopes;        // ALiBi (B, N), or null
+};
+
+__device__ __forceinline__ Problem read_problem(const long long* config, const scalar_t* reals,
+                                                const long long* q_offsets, const long long* q_lengths,
+                                                const long long* kv_lengths, const long long* q_segments,
+                                                const long long* kv_segments, const scalar_t* slopes) {
+  Problem pb;
+  pb.B = (int)config[CFG_B];
+  pb.N = (int)config[CFG_N];
+  pb.KH = (int)config[CFG_KH];
+  pb.G = pb.N / pb.KH;
+  pb.T = (int)config[CFG_T];
+  pb.S = (int)config[CFG_S];
+  pb.left = config[CFG_LEFT];
+  pb.right = config[CFG_RIGHT];
+  pb.q_offset = config[CFG_Q_OFFSET];
+  pb.dropout = config[CFG_DROPOUT] != 0;
+  pb.drop_threshold = (unsigned long long)config[CFG_DROP_THRESHOLD];
+  pb.seed_hash = (unsigned int)config[CFG_SEED_HASH];
+  pb.row0 = config[CFG_ROW0];
+  pb.col0 = config[CFG_COL0];
+  pb.scale = reals[REAL_SCALE];
+  pb.softcap = reals[REAL_SOFTCAP];
+  pb.keep_scale = reals[REAL_KEEP_SCALE];
+  pb.q_offsets = q_offsets;
+  pb.q_lengths = q_lengths;
+  pb.kv_lengths = kv_lengths;
+  pb.q_segments = q_segments;
+  pb.kv_segments = kv_segments;
+  pb.slopes = slopes;
+  return pb;
+}
+
+// What one query row needs for every key: its position, its visibility
+// bounds, its segment id, ALiBi slope and dropout hash.
+struct Row {
+  bool valid;           // a real row (i < q_len); padded rows see nothing
+  long long position;   // p_i = i + q_offset
+  long long first_key;  // keys [first_key, end_key) pass the window and kv_len
+  long long end_key;
+  long long segment;
+  scalar_t slope;
+  unsigned int hash;    // dropout: mix32(mix32(mix32(b ^ seed) ^ n) ^ row)
+};
+
+__device__ __forceinline__ long long batch_offset(const Problem& pb, int b) {
+  return pb.q_offsets ? pb.q_offsets[b] : pb.q_offset;
+}
+
+__device__ __forceinline__ long long batch_kv_len(const Problem& pb, int b) {
+  return pb.kv_lengths ? pb.kv_lengths[b] : (long long)pb.S;
+}
+
+__device__ __forceinline__ long long batch_q_len(const Problem& pb, int b) {
+  return pb.q_lengths ? pb.q_lengths[b] : (long long)pb.T;
+}
+
+// Row i of query head n in batch element b (i may lie past T for the
+// threads of a partial tile: such a row is not valid).
+__device__ __forceinline__ Row make_row(const Problem& pb, int b, int n, int i) {
+  Row row;
+  row.valid = i < pb.T && i < batch_q_len(pb, b);
+  row.position = i + batch_offset(pb, b);
+  long long first = 0, end = batch_kv_len(pb, b);
+  if (pb.left >= 0) first = max(first, row.position - pb.left);
+  if (pb.right >= 0) end = min(end, row.position + pb.right + 1);
+  row.first_key = first;
+  row.end_key = row.valid ? end : first;
+  row.segment = (pb.q_segments && i < pb.T) ? pb.q_segments[(long long)b * pb.T + i] : 0;
+  row.slope = pb.slopes ? pb.slopes[(long long)b * pb.N + n] : (scalar_t)0;
+  row.hash = mix32(mix32(mix32((unsigned int)b ^ pb.seed_hash) ^ (unsigned int)n) ^ (unsigned int)(pb.row0 + i));
+  return row;
+}
+
+// Step 5: whether key j is visible to the row.
+__device__ __forceinline__ bool visible(const Problem& pb, const Row& row, int b, long long j) {
+  if (j < row.first_key || j >= row.end_key) return false;
+  return !pb.kv_segments || pb.kv_segments[(long long)b * pb.S + j] == row.segment;
+}
+
+// Steps 1-3: the score from the product q_i . k_j. `capped_tanh` keeps
+// t = tanh(s / c) for the backward (0 without a softcap).
+__device__ __forceinline__ scalar_t score(const Problem& pb, const Row& row, long long j, scalar_t product,
+                                          scalar_t& capped_tanh) {
+  scalar_t s = pb.scale * product;
+  capped_tanh = 0;
+  if (pb.softcap != 0) {
+    capped_tanh = fn_tanh(s / pb.softcap);
+    s = pb.softcap * capped_tanh;
+  }
+  if (pb.slopes) s -= row.slope * (scalar_t)llabs(row.position - j);
+  return s;
+}
+
+// Step 7: the dropout factor keep / (1 - p) of entry (row, j); 1 without dropout.
+__device__ __forceinline__ scalar_t dropout_factor(const Problem& pb, const Row& row, long long j) {
+  if (!pb.dropout) return 1;
+  unsigned int h = mix32(row.hash ^ (unsigned int)(pb.col0 + j));
+  return (unsigned long long)h >= pb.drop_threshold ? pb.keep_scale : (scalar_t)0;
+}
+
+// The backward of steps 2-3: from dS (the gradient of the final score) the
+// gradient of the raw scaled product, and the ALiBi term's share
+// -dS |p_i - j| of the slope's gradient (added to `slope_grad`).
+__device__ __forceinline__ scalar_t score_backward(const Problem& pb, const Row& row, long long j, scalar_t ds,
+                                                   scalar_t capped_tanh, scalar_t& slope_grad) {
+  if (pb.slopes) slope_grad -= ds * (scalar_t)llabs(row.position - j);
+  if (pb.softcap != 0) ds *= 1 - capped_tanh * capped_tanh;
+  return ds;
+}

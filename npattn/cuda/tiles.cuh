@@ -1,0 +1,141 @@
+// Tiles shared by the kernels of npattn.fast_cupy: which keys a block of
+// query rows can see, which query rows a block of keys is seen by, and the
+// cooperative copy of a tile of rows into shared memory.
+//
+// Compile-time constants (-D options, npattn/fast_cupy.py):
+//   HEAD_DIM, VALUE_DIM  H and Hv
+//   LANES                threads that share one row (a power of two <= 32),
+//                        each holding a slice of it (see lane_entry)
+//   ROWS                 thread groups per block (LANES * ROWS threads)
+//   TILE                 rows (or keys) each thread group holds (its register
+//                        tile): a value read from shared memory serves TILE rows
+//   KEYS                 rows of a tile in shared memory
+//   CHUNK                keys scored together before the softmax update (divides KEYS)
+
+// A lane's slice of a row: lanes take VEC consecutive entries in turn
+// (lane l holds entries [l VEC, l VEC + VEC), [(l + LANES) VEC, ...), ...),
+// so that a slice is read in aligned 16-byte pieces, and the LANES lanes of
+// a row read consecutive ones.
+#define VEC (16 / (int)sizeof(scalar_t))
+#define SLICE(WIDTH) (VEC * (((WIDTH) + LANES * VEC - 1) / (LANES * VEC)))
+#define DH SLICE(HEAD_DIM)   // entries of a query/key row per lane
+#define DV SLICE(VALUE_DIM)  // entries of a value row per lane
+#define THREADS (LANES * ROWS)
+
+struct __align__(16) Piece {
+  scalar_t x[VEC];
+};
+
+// The row entry that entry u of `lane`'s slice holds.
+__device__ __forceinline__ int lane_entry(int lane, int u) { return (u / VEC) * (LANES * VEC) + lane * VEC + u % VEC; }
+
+// Copy rows [first, first + KEYS) of a (rows, width) row-major matrix into
+// `tile`, zeros past `end` (coalesced: consecutive threads, consecutive entries).
+template <int WIDTH>
+__device__ __forceinline__ void load_rows(scalar_t* tile, const scalar_t* __restrict__ matrix, long long first,
+                                          long long end) {
+  const long long available = max(0LL, min((long long)KEYS, end - first)) * WIDTH;
+  const scalar_t* source = matrix + first * WIDTH;
+  for (int e = threadIdx.x; e < KEYS * WIDTH; e += THREADS) tile[e] = e < available ? source[e] : (scalar_t)0;
+}
+
+// This lane's slice of a row of WIDTH values (in global or shared memory),
+// zeros past the end: in 16-byte pieces where WIDTH allows (rows then start
+// on 16-byte boundaries), else entry by entry.
+template <int WIDTH, int PER_LANE>
+__device__ __forceinline__ void read_slice(scalar_t* dst, const scalar_t* row, int lane) {
+#pragma unroll
+  for (int p = 0; p < PER_LANE / VEC; ++p) {
+    const int d = p * LANES * VEC + lane * VEC;
+    if (WIDTH % VEC == 0) {
+      Piece piece;
+      if (d < WIDTH) {
+        piece = *reinterpret_cast<const Piece*>(row + d);
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) piece.x[e] = 0;
+      }
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) dst[p * VEC + e] = piece.x[e];
+    } else {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) dst[p * VEC + e] = d + e < WIDTH ? row[d + e] : (scalar_t)0;
+    }
+  }
+}
+
+// Row r of a tile in shared memory: this lane's slice.
+template <int WIDTH, int PER_LANE>
+__device__ __forceinline__ void tile_slice(scalar_t* dst, const scalar_t* tile, int r, int lane) {
+  read_slice<WIDTH, PER_LANE>(dst, tile + r * WIDTH, lane);
+}
+
+template <int WIDTH, int PER_LANE>
+__device__ __forceinline__ void load_lane(scalar_t* dst, const scalar_t* __restrict__ row, int lane) {
+  read_slice<WIDTH, PER_LANE>(dst, row, lane);
+}
+
+template <int WIDTH, int PER_LANE>
+__device__ __forceinline__ void store_lane(scalar_t* __restrict__ row, const scalar_t* src, int lane, scalar_t factor) {
+#pragma unroll
+  for (int u = 0; u < PER_LANE; ++u) {
+    const int d = lane_entry(lane, u);
+    if (d < WIDTH) row[d] = src[u] * factor;
+  }
+}
+
+// This lane's share of the dot product of two of its slices.
+template <int PER_LANE>
+__device__ __forceinline__ scalar_t lane_dot(const scalar_t* a, const scalar_t* b) {
+  scalar_t sum = 0;
+#pragma unroll
+  for (int u = 0; u < PER_LANE; ++u) sum += a[u] * b[u];
+  return sum;
+}
+
+// acc += weight * x, on this lane's slices.
+template <int PER_LANE>
+__device__ __forceinline__ void lane_axpy(scalar_t* acc, scalar_t weight, const scalar_t* x) {
+#pragma unroll
+  for (int u = 0; u < PER_LANE; ++u) acc[u] += weight * x[u];
+}
+
+// The union of the rows' key ranges [first_key, end_key) over the block:
+// every thread gets the same answer (COUNT rows per thread group).
+// `scratch` holds 2 * ROWS entries.
+template <int COUNT>
+__device__ __forceinline__ void block_key_range(const Row* rows, long long* scratch, long long& first,
+                                                long long& end) {
+  const int group = threadIdx.x / LANES;
+  if (threadIdx.x % LANES == 0) {
+    long long mine_first = (long long)1 << 62, mine_end = 0;
+    for (int t = 0; t < COUNT; ++t) {
+      if (rows[t].end_key <= rows[t].first_key) continue;
+      mine_first = min(mine_first, rows[t].first_key);
+      mine_end = max(mine_end, rows[t].end_key);
+    }
+    scratch[group] = mine_first;
+    scratch[ROWS + group] = mine_end;
+  }
+  __syncthreads();
+  first = (long long)1 << 62;
+  end = 0;
+  for (int g = 0; g < ROWS; ++g) {
+    first = min(first, scratch[g]);
+    end = max(end, scratch[ROWS + g]);
+  }
+  __syncthreads();
+}
+
+// Query rows [first, end) of batch element b that can see some key in
+// [key_first, key_last]: the window and the lengths, read backwards.
+__device__ __forceinline__ void query_range(const Problem& pb, int b, long long key_first, long long key_last,
+                                            long long& first, long long& end) {
+  const long long offset = batch_offset(pb, b);
+  first = 0;
+  end = min((long long)pb.T, batch_q_len(pb, b));
+  if (key_first >= batch_kv_len(pb, b)) end = 0;
+  if (pb.right >= 0) first = max(first, key_first - pb.right - offset);  // j <= p + right
+  if (pb.left >= 0) end = min(end, key_last + pb.left - offset + 1);      // j >= p - left
+  if (end < first) end = first;
+}

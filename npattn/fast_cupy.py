@@ -1,0 +1,444 @@
+r"""CuPy fast path of the chunked algorithm: fused CUDA kernels for the GPU.
+
+The same online-softmax forward and FlashAttention-2 backward as
+:mod:`npattn.chunked`, each a single CUDA kernel launch instead of the
+generic path's ~20 array operations per tile:
+
+- ``npattn_forward`` (``npattn/cuda/forward.cu``): one block per range of
+  stacked query rows of a kv head (the G query heads that share it,
+  position-major as in :mod:`npattn.fast_numpy`), each row held by a few
+  threads (:func:`launch_shape`), key and value tiles through shared
+  memory, the online softmax in registers; ``O`` and ``lse`` written once.
+- ``npattn_backward_dq`` and ``npattn_backward_dkdv``
+  (``npattn/cuda/backward.cu``): ``dQ`` summed per query row over the keys,
+  ``dK`` and ``dV`` per key over the query rows, each by one thread group in
+  a fixed order, so the same inputs give the same bits (no atomics).
+  ``P`` is recomputed from ``lse`` in both, FlashAttention-2's trade of
+  arithmetic for memory: nothing of size ``T x S`` is ever stored.
+- **flash-decoding**: where the call has too few query rows to fill the
+  GPU (decoding, ``T`` small against a long ``S``), the forward cuts the
+  keys into ranges, one block each, and merges their ``(O, lse)`` through
+  ``lse`` (:func:`npattn.merge.merge_stacked`).
+
+The score pipeline's units run inside the kernels, transcribed once in
+``npattn/cuda/pipeline.cuh`` from :mod:`npattn.scores`: softcap, ALiBi
+(its slopes' gradient summed per query row, then over rows), causal/window
+with either alignment, lengths, segment ids, and dropout with the hashed
+keep mask of :mod:`npattn.dropout`, bit for bit. Sinks are merged outside
+the kernels as on every path. A call with a boolean ``mask``, a ``bias``,
+score or mask modifications runs the generic chunked path instead
+(:func:`supports`), as do large float64 calls (:func:`preferred`), every
+namespace but CuPy, and CuPy with ``NPATTN_FAST_CUPY=0``. ``block_q`` and
+``block_k`` do not apply here.
+
+Arithmetic is in the compute dtype: float32 for float16 inputs (cast
+before the kernels), float32 and float64 as they are. The kernels are
+compiled at first use for each (dtype, ``H``, ``Hv``, launch shape) by
+CuPy's ``RawModule`` (NVRTC) and cached for the process (and on disk by
+CuPy).
+
+The module talks to the GPU through a small :class:`Runtime` (compile,
+launch, copy a small array to the device), so that the tests can run the
+same kernels on the CPU through a C++ emulator of CUDA's thread model
+(``tests/cuda_emulator``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Protocol
+
+import array_api_compat
+import numpy as np
+
+from .dropout import _seed_hash, keep_threshold
+from .merge import merge_stacked
+from .options import AttentionSpec
+from .scores.pipeline import param_grads_from_heads
+
+__all__ = ["supports", "preferred", "forward", "backward", "launch_shape", "kernel_source"]
+
+#: Largest ``H`` and ``Hv`` the kernels take (their rows live in registers).
+MAX_HEAD_DIM = 256
+
+#: Shared memory per tile of keys (or query rows), in bytes: the key and
+#: value tiles together stay within it (CUDA's static limit is 48 KiB).
+TILE_BYTES = 32 * 1024
+
+#: Threads per block.
+BLOCK_THREADS = 128
+
+#: Threads that share one row (its lanes), by compute dtype's itemsize, in
+#: the forward and in the backward, when there are many rows; and when
+#: there are few (decoding). Fewer lanes mean fewer shuffles per product,
+#: more lanes fewer registers per thread and so more threads per
+#: multiprocessor. The fastest of 1 to 8 on an H100 (B=1, N=8, T=S=4096,
+#: H=64; decoding T=1 against S=32768, N=32 on 8 kv heads, H=128).
+FORWARD_LANES = {4: 1, 8: 2}
+BACKWARD_LANES = {4: 2, 8: 2}
+FEW_ROWS_LANES = 8
+
+#: Stacked rows ``G * T`` of a kv head up to which a call counts as "few rows".
+FEW_ROWS = 32
+
+#: The forward splits the keys (flash-decoding) while its blocks are fewer
+#: than the multiprocessors: into enough ranges for this many blocks per
+#: multiprocessor, each of at least :data:`MIN_SPLIT_KEYS` keys.
+SPLIT_BLOCKS_PER_SM = 4
+MIN_SPLIT_KEYS = 256
+
+#: In float64 the fused kernels run on the CUDA cores while cuBLAS's
+#: products run on the float64 tensor cores: from about this many scores
+#: (``B * N * T * S``) the generic chunked path is the faster (H100, B=1,
+#: N=8, H=64, forward+backward: the fused kernels 0.48-0.56x its time at
+#: T=S=256, 1.16-1.44x at 1024, 1.82-2.26x at 2048 and 4096), and
+#: :func:`preferred` leaves such calls to it.
+FLOAT64_MAX_SCORES = 2**22
+
+_SOURCES = ("pipeline.cuh", "tiles.cuh", "forward.cu", "backward.cu")
+
+
+def supports(spec: AttentionSpec) -> bool:
+    """Whether the fused kernels run ``spec``: CuPy arrays computing in
+    float32 or float64 (float16 inputs compute in float32), ``H`` and ``Hv``
+    up to :data:`MAX_HEAD_DIM`, no boolean mask, bias, score or mask
+    modification, and ``NPATTN_FAST_CUPY`` not ``0``. Empty calls take the
+    generic path."""
+    return (
+        os.environ.get("NPATTN_FAST_CUPY", "1") != "0"
+        and array_api_compat.is_cupy_namespace(spec.xp)
+        and _kernels_take(spec)
+    )
+
+
+def preferred(spec: AttentionSpec) -> bool:
+    """Whether the chunked path runs ``spec`` on the fused kernels: where
+    they take it (:func:`supports`), except float64 calls of more than
+    :data:`FLOAT64_MAX_SCORES` scores, which the generic path runs faster."""
+    scores = spec.num_batch * spec.num_heads * spec.q_len * spec.kv_len
+    return supports(spec) and (spec.compute_dtype != np.float64 or scores <= FLOAT64_MAX_SCORES)
+
+
+def _kernels_take(spec: AttentionSpec) -> bool:
+    """The part of :func:`supports` that does not depend on the namespace."""
+    return (
+        spec.compute_dtype in (np.float32, np.float64)
+        and spec.mask is None
+        and spec.bias is None
+        and not spec.score_mods
+        and spec.mask_mod is None
+        and spec.block_mask is None
+        and 0 < spec.head_dim <= MAX_HEAD_DIM
+        and 0 < spec.value_dim <= MAX_HEAD_DIM
+        and min(spec.num_batch, spec.num_heads, spec.q_len, spec.kv_len) > 0
+    )
+
+
+# --- compiling and launching ------------------------------------------------------
+
+
+class Runtime(Protocol):
+    """What the kernels need from a GPU runtime (CuPy's, or the tests' emulator)."""
+
+    def module(self, source: str, defines: tuple[tuple[str, str], ...]) -> Any:
+        """The compiled module of ``source`` with these ``-D`` definitions."""
+
+    def launch(self, module: Any, name: str, grid: tuple[int, int, int], threads: int, args: tuple) -> None:
+        """Run kernel ``name`` of ``module``; ``args`` are arrays or None (a null pointer)."""
+
+    def to_device(self, host: np.ndarray, like: Any) -> Any:
+        """A copy of a small host array on ``like``'s device."""
+
+    def multiprocessors(self, like: Any) -> int:
+        """Multiprocessors of ``like``'s device."""
+
+
+class CupyRuntime:
+    """:class:`Runtime` on CuPy: NVRTC through ``cupy.RawModule``."""
+
+    def module(self, source: str, defines: tuple[tuple[str, str], ...]) -> Any:
+        import cupy  # the optional GPU extra: only reached with CuPy arrays
+
+        options = ("--std=c++17",) + tuple(f"-D{name}={value}" for name, value in defines)
+        return cupy.RawModule(code=source, options=options)
+
+    def launch(self, module: Any, name: str, grid: tuple[int, int, int], threads: int, args: tuple) -> None:
+        null = np.uint64(0)  # a NULL pointer (CuPy turns None into 0xffffffff)
+        with args[0].device:  # the arrays' device, whichever is current
+            module.get_function(name)(grid, (threads, 1, 1), tuple(null if a is None else a for a in args))
+
+    def to_device(self, host: np.ndarray, like: Any) -> Any:
+        import cupy
+
+        with like.device:
+            return cupy.asarray(host)
+
+    def multiprocessors(self, like: Any) -> int:
+        return int(like.device.attributes["MultiProcessorCount"])
+
+
+_CUPY_RUNTIME = CupyRuntime()
+
+
+@functools.cache
+def kernel_source() -> str:
+    """The kernels' CUDA C++ source: ``npattn/cuda``'s files, in order."""
+    folder = resources.files("npattn") / "cuda"
+    return "\n".join((folder / name).read_text(encoding="utf-8") for name in _SOURCES)
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """How a kernel's rows map onto threads: ``lanes`` threads per row,
+    ``rows`` thread groups per block, each holding ``tile`` rows (keys in
+    ``npattn_backward_dkdv``), ``keys`` rows per shared-memory tile, scored
+    ``chunk`` at a time."""
+
+    lanes: int
+    rows: int
+    tile: int
+    keys: int
+    chunk: int
+
+
+#: Values a thread may hold in registers for its rows' slices (the forward
+#: holds q_i and an accumulator per row, the backward four slices per row
+#: or key), by compute dtype's itemsize: beyond it the compiler spills.
+REGISTER_VALUES = {4: 128, 8: 64}
+
+
+def launch_shape(spec: AttentionSpec, backward: bool = False) -> LaunchShape:
+    """The launch shape of the forward's kernel or the backward's for
+    ``spec``: lanes from :data:`FORWARD_LANES` and its kin, shared-memory
+    tiles within :data:`TILE_BYTES`, register tiles within
+    :data:`REGISTER_VALUES`.
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> x = np.zeros((1, 8, 1024, 64), np.float32)
+    >>> launch_shape(make_spec(x, x, x)), launch_shape(make_spec(x, x, x), backward=True).lanes
+    (LaunchShape(lanes=1, rows=128, tile=1, keys=64, chunk=8), 2)
+    >>> launch_shape(make_spec(x[..., :1, :], x, x, causal=True, align="bottom_right")).lanes
+    8
+    """
+    few = spec.group_size * spec.q_len <= FEW_ROWS
+    itemsize = np.dtype(spec.compute_dtype).itemsize
+    lanes = FEW_ROWS_LANES if few else (BACKWARD_LANES if backward else FORWARD_LANES)[itemsize]
+    per_row = -(-spec.head_dim // lanes) + -(-spec.value_dim // lanes)  # values of a row's slices, about
+    per_row *= 2 if backward else 1
+    tile = 1 if few else max(1, min(4, REGISTER_VALUES[itemsize] // per_row))
+    keys = 64
+    while keys > 1 and keys * (spec.head_dim + spec.value_dim) * itemsize > TILE_BYTES:
+        keys //= 2
+    return LaunchShape(lanes, BLOCK_THREADS // lanes, tile, keys, min(8, keys))
+
+
+def _module(runtime: Runtime, spec: AttentionSpec, shape: LaunchShape) -> Any:
+    """The kernels compiled for ``spec``'s dtype and dims and ``shape``,
+    once per runtime and process."""
+    scalar = "double" if spec.compute_dtype == np.float64 else "float"
+    defines = (
+        ("scalar_t", scalar),
+        ("HEAD_DIM", str(spec.head_dim)),
+        ("VALUE_DIM", str(spec.value_dim)),
+        ("LANES", str(shape.lanes)),
+        ("ROWS", str(shape.rows)),
+        ("TILE", str(shape.tile)),
+        ("KEYS", str(shape.keys)),
+        ("CHUNK", str(shape.chunk)),
+    )
+    key = (id(runtime), defines)
+    if key not in _MODULES:
+        _MODULES[key] = (runtime, runtime.module(kernel_source(), defines))  # the runtime kept alive with its id
+    return _MODULES[key][1]
+
+
+_MODULES: dict[tuple[int, tuple[tuple[str, str], ...]], tuple[Runtime, Any]] = {}
+
+
+# --- one call's arguments ------------------------------------------------------------
+
+
+#: The entries of the kernels' int64 ``config`` array, in the order of
+#: ``pipeline.cuh``'s ``CFG_*`` indices (a test reads them there).
+CONFIG_ENTRIES = (
+    "B",
+    "N",
+    "KH",
+    "T",
+    "S",
+    "LEFT",
+    "RIGHT",
+    "Q_OFFSET",
+    "DROP_THRESHOLD",
+    "SEED_HASH",
+    "ROW0",
+    "COL0",
+    "SPLITS",
+    "DROPOUT",
+)
+
+#: The entries of the kernels' ``reals`` array (``REAL_*`` in ``pipeline.cuh``).
+REAL_ENTRIES = ("SCALE", "SOFTCAP", "KEEP_SCALE")
+
+
+class _Call:
+    """The kernels' shared arguments for one call: the ``config`` and
+    ``reals`` arrays of ``pipeline.cuh`` and the optional per-batch arrays,
+    each flattened over the batch axes and contiguous on the device."""
+
+    def __init__(self, spec: AttentionSpec, runtime: Runtime, like: Any, splits: int = 1):
+        xp, B = spec.xp, spec.num_batch
+        reach = spec.q_len + spec.kv_len  # a window side wider than this hides nothing
+        offset = spec.q_offset if spec.q_offset is not None else 0
+        per_batch_offset = hasattr(offset, "shape")  # bottom_right with lengths
+        config = dict(
+            B=B,
+            N=spec.num_heads,
+            KH=spec.num_kv_heads,
+            T=spec.q_len,
+            S=spec.kv_len,
+            LEFT=-1 if spec.window_left is None else min(spec.window_left, reach),
+            RIGHT=-1 if spec.window_right is None else min(spec.window_right, reach),
+            Q_OFFSET=0 if per_batch_offset else int(offset),
+            DROP_THRESHOLD=keep_threshold(spec.dropout_p) if spec.dropout_p else 0,
+            SEED_HASH=_seed_hash(spec.seed) if spec.dropout_p and spec.seed is not None else 0,
+            ROW0=spec.index_origin[0],
+            COL0=spec.index_origin[1],
+            SPLITS=splits,
+            DROPOUT=int(spec.dropout_p > 0),
+        )
+        reals = dict(SCALE=spec.scale, SOFTCAP=spec.softcap or 0.0, KEEP_SCALE=1.0 / (1.0 - spec.dropout_p))
+        self.config = runtime.to_device(np.array([config[name] for name in CONFIG_ENTRIES], dtype=np.int64), like)
+        self.reals = runtime.to_device(np.array([reals[name] for name in REAL_ENTRIES], spec.compute_dtype), like)
+
+        def flat(a: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+            return None if a is None else _contiguous(xp.reshape(xp.astype(a, dtype), shape))
+
+        segments = spec.q_segment_ids is not None
+        slopes = spec.alibi_slopes
+        if slopes is not None:
+            heads = spec.batch_shape + (spec.num_heads,)
+            slopes = xp.broadcast_to(xp.reshape(slopes, slopes.shape[:-2]), heads)  # (..., N|1, 1, 1) -> (..., N)
+        self.optional = (
+            flat(offset if per_batch_offset else None, (B,), xp.int64),
+            flat(spec.q_lengths, (B,), xp.int64),
+            flat(spec.kv_lengths, (B,), xp.int64),
+            flat(spec.q_segment_ids if segments else None, (B, spec.q_len), xp.int64),
+            flat(spec.kv_segment_ids if segments else None, (B, spec.kv_len), xp.int64),
+            flat(slopes, (B, spec.num_heads), spec.compute_dtype),
+        )
+
+    def args(self) -> tuple:
+        return (self.config, self.reals, *self.optional)
+
+
+def _contiguous(a: Any) -> Any:
+    """``a`` in C order: kernels read raw pointers and ignore strides."""
+    if array_api_compat.is_cupy_array(a):
+        import cupy
+
+        return cupy.ascontiguousarray(a)
+    return np.ascontiguousarray(a)
+
+
+def _grid_rows(spec: AttentionSpec, shape: LaunchShape) -> int:
+    """Blocks of ``shape.rows * shape.tile`` stacked rows over one kv head's ``G * T``."""
+    return -(-spec.group_size * spec.q_len // (shape.rows * shape.tile))
+
+
+def _splits(spec: AttentionSpec, shape: LaunchShape, multiprocessors: int) -> int:
+    """Key ranges for the forward (flash-decoding): 1 unless the blocks of
+    one range would leave the GPU idle."""
+    blocks = _grid_rows(spec, shape) * spec.num_kv_heads * spec.num_batch
+    if blocks >= multiprocessors:
+        return 1
+    wanted = -(-SPLIT_BLOCKS_PER_SM * multiprocessors // blocks)
+    return max(1, min(wanted, spec.kv_len // MIN_SPLIT_KEYS))
+
+
+# --- forward and backward -----------------------------------------------------------
+
+
+def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None = None) -> tuple[Any, Any]:
+    """Online-softmax forward; same contract as :func:`npattn.chunked.chunked_forward`.
+
+    ``O = softmax(S) V`` row by row in one kernel (``npattn/cuda/forward.cu``);
+    with several key ranges (:func:`_splits`), each range's ``(O_r, lse_r)``
+    merged as ``lse = logsumexp_r lse_r``, ``O = sum_r exp(lse_r - lse) O_r``.
+    """
+    runtime = runtime or _CUPY_RUNTIME
+    xp, B, N, T, Hv = spec.xp, spec.num_batch, spec.num_heads, spec.q_len, spec.value_dim
+    shape = launch_shape(spec)
+    splits = _splits(spec, shape, runtime.multiprocessors(q))
+    call = _Call(spec, runtime, q, splits)
+    qc, kc, vc = (_contiguous(x) for x in (q, k, v))
+    out = xp.empty((splits, B, N, T, Hv), dtype=spec.compute_dtype, device=spec.device)
+    lse = xp.empty((splits, B, N, T), dtype=spec.compute_dtype, device=spec.device)
+    grid = (_grid_rows(spec, shape), spec.num_kv_heads, B * splits)
+    runtime.launch(
+        _module(runtime, spec, shape), "npattn_forward", grid, BLOCK_THREADS, (qc, kc, vc, out, lse, *call.args())
+    )
+    if splits == 1:
+        out, lse = out[0], lse[0]  # (B, N, T, Hv), (B, N, T)
+    else:
+        out, lse = merge_stacked(xp, out, lse)  # (splits, B, N, T, Hv) -> (B, N, T, Hv), and lse (B, N, T)
+    bs = spec.batch_shape
+    return xp.reshape(out, bs + (N, T, Hv)), xp.reshape(lse, bs + (N, T))  # (..., N, T, Hv), (..., N, T)
+
+
+def backward(
+    spec: AttentionSpec,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    dout: Any,
+    dlse: Any | None,
+    runtime: Runtime | None = None,
+) -> tuple[Any, Any, Any, Any | None, dict[str, Any]]:
+    """FlashAttention-2 backward; same contract as :func:`npattn.chunked.chunked_backward`.
+
+    ``D = rowsum(dO * O) - dlse`` here, then ``dQ`` (and the ALiBi slopes'
+    per-row sums ``-sum_j dS_ij |p_i - j|``) in ``npattn_backward_dq`` and
+    ``dK``, ``dV`` in ``npattn_backward_dkdv`` (``npattn/cuda/backward.cu``).
+    """
+    runtime = runtime or _CUPY_RUNTIME
+    xp, B, N, K, T, S = spec.xp, spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.q_len, spec.kv_len
+    H, Hv, bs = spec.head_dim, spec.value_dim, spec.batch_shape
+    shape = launch_shape(spec, backward=True)
+    call = _Call(spec, runtime, q)
+    D = xp.sum(dout * out, axis=-1)  # (..., N, T)
+    if dlse is not None:
+        D = D - dlse
+    qc, kc, vc, doc, lsec, Dc = (_contiguous(x) for x in (q, k, v, dout, lse, D))
+    dq = xp.empty((B, N, T, H), dtype=spec.compute_dtype, device=spec.device)
+    dk = xp.empty((B, K, S, H), dtype=spec.compute_dtype, device=spec.device)
+    dv = xp.empty((B, K, S, Hv), dtype=spec.compute_dtype, device=spec.device)
+    slope_rows = None
+    if spec.alibi_slopes is not None:
+        slope_rows = xp.empty((B, N, T), dtype=spec.compute_dtype, device=spec.device)
+    module = _module(runtime, spec, shape)
+    inputs = (qc, kc, vc, doc, lsec, Dc)
+    runtime.launch(
+        module,
+        "npattn_backward_dq",
+        (_grid_rows(spec, shape), K, B),
+        BLOCK_THREADS,
+        (*inputs, dq, slope_rows, *call.args()),
+    )
+    key_blocks = -(-S // (shape.rows * shape.tile))
+    runtime.launch(module, "npattn_backward_dkdv", (key_blocks, K, B), BLOCK_THREADS, (*inputs, dk, dv, *call.args()))
+    alibi_total = None if slope_rows is None else xp.reshape(xp.sum(slope_rows, axis=-1), bs + (N,))  # (..., N)
+    params = param_grads_from_heads(spec, alibi_total)
+    return (
+        xp.reshape(dq, bs + (N, T, H)),  # (..., N, T, H)
+        xp.reshape(dk, bs + (K, S, H)),  # (..., K, S, H)
+        xp.reshape(dv, bs + (K, S, Hv)),  # (..., K, S, Hv)
+        None,
+        params,
+    )

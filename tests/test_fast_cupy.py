@@ -1,0 +1,335 @@
+"""The fused CUDA kernels of :mod:`npattn.fast_cupy`, on the CPU and on a GPU.
+
+On the CPU (every CI run, where g++ is present): the kernels' own source,
+compiled by g++ against ``tests/cuda_emulator`` (CUDA's thread model as
+fibers), run through :mod:`npattn.fast_cupy`'s own Python side with NumPy
+arrays standing in for CuPy's. So the launch geometry, the score
+pipeline's transcription, the key ranges of flash-decoding and the backward
+kernels are checked here against the generic chunked path, in float64 to
+1e-12, and by central differences directly on the kernels.
+
+On a GPU (``gpu`` marker, skipped without CuPy and a device): the same
+option matrix through the public API, the fused kernels against the generic
+chunked path on CuPy, the dropout mask against NumPy's bit for bit,
+float32/float16 within the CPU tests' tolerances, and bitwise determinism.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from importlib import resources
+
+import numpy as np
+import pytest
+from cuda_emulator import build
+
+import npattn
+from npattn import fast_cupy
+from npattn.chunked import chunked_backward, chunked_forward
+from npattn.options import make_spec
+
+# --- the emulated runtime ------------------------------------------------------------
+
+KERNEL_ARITY = {"npattn_forward": 13, "npattn_backward_dq": 16, "npattn_backward_dkdv": 16}
+
+#: One extern "C" launcher per kernel: casts the pointer array to the
+#: kernel's parameter types and runs the grid through the emulator.
+WRAPPER = r"""
+template <class... P, std::size_t... I>
+void call_with(void (*kernel)(P...), void** a, std::index_sequence<I...>) { kernel(static_cast<P>(a[I])...); }
+#define EMULATED(name, arity)                                                                        \
+  extern "C" void launch_##name(unsigned gx, unsigned gy, unsigned gz, unsigned threads, void** a) { \
+    cuda_emulator::launch(dim3(gx, gy, gz), dim3(threads),                                           \
+                          [&] { call_with(name, a, std::make_index_sequence<arity>{}); });           \
+  }
+""" + "\n".join(f"EMULATED({name}, {arity})" for name, arity in KERNEL_ARITY.items())
+
+
+class EmulatedRuntime:
+    """:class:`npattn.fast_cupy.Runtime` on the CPU: g++ and the emulator, NumPy arrays."""
+
+    def __init__(self, multiprocessors: int = 4):
+        self.count = multiprocessors
+        self.launches: list[tuple[str, tuple[int, int, int]]] = []
+
+    def module(self, source: str, defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
+        folder = resources.files("npattn") / "cuda"
+        paths = [str(folder / name) for name in fast_cupy._SOURCES]
+        assert source == fast_cupy.kernel_source(), "the emulator compiles the package's own files"
+        return build.build(paths, WRAPPER, dict(defines), "npattn_fast_cupy")
+
+    def launch(self, module, name, grid, threads, args) -> None:
+        assert len(args) == KERNEL_ARITY[name], f"{name} takes {KERNEL_ARITY[name]} arguments, got {len(args)}"
+        for a in args:
+            assert a is None or (isinstance(a, np.ndarray) and a.flags.c_contiguous), "kernels read C-order arrays"
+        pointers = (ctypes.c_void_p * len(args))(*[None if a is None else a.ctypes.data for a in args])
+        self.launches.append((name, grid))
+        getattr(module, f"launch_{name}")(*(ctypes.c_uint(x) for x in (*grid, threads)), pointers)
+
+    def to_device(self, host: np.ndarray, like) -> np.ndarray:
+        return host.copy()
+
+    def multiprocessors(self, like) -> int:
+        return self.count
+
+
+emulated = pytest.mark.skipif(not build.available(), reason="no working g++ to build the CUDA emulator")
+
+
+# --- problems ----------------------------------------------------------------------------
+
+
+def _problem(rng_seed=0, batch=(2,), N=2, K=2, T=11, S=13, H=8, Hv=6, dtype=np.float64, **options):
+    rng = np.random.default_rng(rng_seed)
+    q = rng.standard_normal((*batch, N, T, H)).astype(dtype)
+    k = rng.standard_normal((*batch, K, S, H)).astype(dtype)
+    v = rng.standard_normal((*batch, K, S, Hv)).astype(dtype)
+    return q, k, v, options
+
+
+def _segments(rng, batch, length, documents):
+    cuts = np.sort(rng.integers(0, documents, size=(*batch, length)), axis=-1)
+    return cuts.astype(np.int64)
+
+
+rng0 = np.random.default_rng(5)
+#: name -> shape keywords and attention options; every option the kernels take.
+CASES = {
+    "plain": dict(T=37, S=45),
+    "causal": dict(T=40, S=40, causal=True),
+    "gqa causal bottom_right": dict(N=4, K=2, T=20, S=33, causal=True, align="bottom_right"),
+    "window": dict(T=40, S=40, window=(5, 3)),
+    "lengths bottom_right": dict(
+        T=30, S=40, causal=True, align="bottom_right", q_lengths=np.array([30, 0]), kv_lengths=np.array([17, 40])
+    ),
+    "segments": dict(
+        T=24, S=24, q_segment_ids=_segments(rng0, (2,), 24, 3), kv_segment_ids=_segments(rng0, (2,), 24, 3)
+    ),
+    "softcap alibi sinks": dict(
+        N=4, K=2, T=21, S=21, causal=True, softcap=2.0, alibi_slopes=np.array([0.5, 0.25, 0.1, 0.0]), sinks=np.ones(4)
+    ),
+    "dropout": dict(T=19, S=23, causal=True, align="top_left", dropout_p=0.3, seed=7),
+    "mqa odd dims": dict(N=3, K=1, H=3, Hv=5, T=9, S=17, window=(None, 2), align="top_left"),
+    "many blocks window": dict(batch=(1,), N=4, K=1, T=90, S=90, H=4, Hv=4, window=(20, 0)),
+    "decode splits": dict(batch=(1,), N=4, K=2, T=1, S=700, causal=True, align="bottom_right"),
+    "scale and 3-d": dict(batch=(), T=12, S=10, scale=0.3),
+}
+
+
+def _spec(q, k, v, options):
+    return make_spec(q, k, v, impl="chunked", **{name: value for name, value in options.items() if name != "sinks"})
+
+
+def _both_paths(case: str, dtype=np.float64, dlse=True):
+    """``(fused, generic)``: (out, lse, dq, dk, dv, params) of the emulated kernels and the generic path."""
+    q, k, v, options = _problem(dtype=dtype, **CASES[case])
+    spec = _spec(q, k, v, options)
+    rng = np.random.default_rng(1)
+    dout = rng.standard_normal((*q.shape[:-1], v.shape[-1])).astype(dtype)
+    g_lse = rng.standard_normal(q.shape[:-1]).astype(dtype) if dlse else None
+    runtime = EmulatedRuntime()
+    out, lse = fast_cupy.forward(spec, q, k, v, runtime=runtime)
+    fused = (out, lse, *fast_cupy.backward(spec, q, k, v, out, lse, dout, g_lse, runtime=runtime))
+    out, lse = chunked_forward(spec, q, k, v)
+    generic = (out, lse, *chunked_backward(spec, q, k, v, out, lse, dout, g_lse))
+    return fused, generic, runtime
+
+
+NAMES = ("out", "lse", "dq", "dk", "dv", "dbias", "params")
+
+
+def _assert_close(fused, generic, rtol, atol):
+    for name, a, b in zip(NAMES, fused, generic):
+        if name == "params":
+            assert a.keys() == b.keys()
+            for key in a:
+                np.testing.assert_allclose(a[key], b[key], rtol=rtol, atol=atol, err_msg=key)
+        elif b is None:
+            assert a is None, name
+        else:
+            assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+            assert not np.isnan(a).any(), f"{name} has NaN"
+            np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=name)
+
+
+# --- on the CPU, through the emulator ------------------------------------------------------
+
+
+@emulated
+@pytest.mark.parametrize("case", list(CASES))
+def test_emulated_kernels_match_generic_float64(case):
+    fused, generic, _ = _both_paths(case)
+    _assert_close(fused, generic, rtol=1e-12, atol=1e-12)
+
+
+@emulated
+@pytest.mark.parametrize("case", ["plain", "softcap alibi sinks", "lengths bottom_right", "mqa odd dims"])
+def test_emulated_kernels_match_generic_float32(case):
+    """float32 takes other launch shapes (one lane per row in the forward)."""
+    fused, generic, _ = _both_paths(case, dtype=np.float32)
+    _assert_close(fused, generic, rtol=2e-4, atol=2e-5)
+
+
+@emulated
+def test_decoding_splits_the_keys():
+    _, _, runtime = _both_paths("decode splits")
+    (name, grid), *_ = runtime.launches
+    assert name == "npattn_forward" and grid[2] > 1, f"one key range only: grid {grid}"
+    assert fast_cupy.launch_shape(_spec(*_problem(**CASES["decode splits"])[:3], {})).lanes == fast_cupy.FEW_ROWS_LANES
+
+
+@emulated
+def test_fully_masked_rows():
+    fused, _, _ = _both_paths("lengths bottom_right")
+    out, lse, dq = fused[:3]
+    assert np.all(out[1] == 0) and np.all(lse[1] == -np.inf) and np.all(dq[1] == 0)
+
+
+@emulated
+@pytest.mark.parametrize("case", ["plain", "softcap alibi sinks", "dropout", "lengths bottom_right"])
+def test_emulated_kernels_central_differences(case):
+    """<dout, d out> + <dlse, d lse> along random directions of q, k, v (and
+    the ALiBi slopes), from the kernels' backward and from central
+    differences of their forward, float64."""
+    shape = dict(CASES[case])
+    shape.update(T=9, S=10 if "align" in shape else 9)  # T != S needs an alignment
+    if "q_lengths" in shape:
+        shape.update(q_lengths=np.array([9, 0]), kv_lengths=np.array([6, 10]))
+    q, k, v, options = _problem(rng_seed=3, **shape)
+    rng = np.random.default_rng(4)
+    dout = rng.standard_normal((*q.shape[:-1], v.shape[-1]))
+    dlse = rng.standard_normal(q.shape[:-1])
+    runtime = EmulatedRuntime()
+    slopes = options.get("alibi_slopes")
+
+    def loss(q, k, v, slopes):
+        opts = dict(options) if slopes is None else dict(options, alibi_slopes=slopes)
+        out, lse = fast_cupy.forward(_spec(q, k, v, opts), q, k, v, runtime=runtime)
+        finite = np.isfinite(lse)
+        return np.sum(out * dout) + np.sum(np.where(finite, lse, 0) * dlse)
+
+    spec = _spec(q, k, v, options)
+    out, lse = fast_cupy.forward(spec, q, k, v, runtime=runtime)
+    dlse_used = np.where(np.isfinite(lse), dlse, 0)
+    dq, dk, dv, _, params = fast_cupy.backward(spec, q, k, v, out, lse, dout, dlse_used, runtime=runtime)
+    inputs = [q, k, v] + ([slopes] if slopes is not None else [])
+    grads = [dq, dk, dv] + ([params["alibi_slopes"]] if slopes is not None else [])
+    eps = 1e-6
+    for index, (x, g) in enumerate(zip(inputs, grads)):
+        direction = rng.standard_normal(x.shape)
+        plus, minus = list(inputs), list(inputs)
+        plus[index], minus[index] = x + eps * direction, x - eps * direction
+        pad = [None] * (4 - len(inputs))
+        numeric = (loss(*plus, *pad) - loss(*minus, *pad)) / (2 * eps)
+        np.testing.assert_allclose(np.sum(g * direction), numeric, rtol=1e-6, atol=1e-8, err_msg=f"input {index}")
+
+
+def test_supports_only_cupy_and_the_kernels_options():
+    q, k, v, _ = _problem()
+    spec = make_spec(q, k, v)
+    assert not fast_cupy.supports(spec)  # NumPy: the NumPy fast path's
+    assert fast_cupy._kernels_take(spec)
+    assert fast_cupy._kernels_take(
+        make_spec(q, k, v, softcap=1.0, alibi_slopes=np.ones(2), sinks=np.ones(2), align="top_left")
+    )
+    mask = np.ones((11, 13), dtype=bool)
+    assert not fast_cupy._kernels_take(make_spec(q, k, v, mask=mask))
+    assert not fast_cupy._kernels_take(make_spec(q, k, v, bias=np.zeros((11, 13))))
+    mod = npattn.ScoreMod(lambda s, idx, p: s, lambda ds, s, idx, p: (ds, {}))
+    assert not fast_cupy._kernels_take(make_spec(q, k, v, score_mods=[mod], align="top_left"))
+
+
+def test_preferred_leaves_large_float64_calls_to_the_generic_path(monkeypatch):
+    monkeypatch.setattr(fast_cupy, "supports", lambda spec: True)  # as if on CuPy
+    small, large = (_problem(T=T, S=T, N=1, K=1, batch=(1,)) for T in (64, 4096))
+    assert fast_cupy.preferred(make_spec(*small[:3]))
+    assert not fast_cupy.preferred(make_spec(*large[:3]))
+    assert fast_cupy.preferred(make_spec(*(x.astype(np.float32) for x in large[:3])))
+
+
+def test_config_entries_follow_the_kernels_indices():
+    """The Python side writes ``config`` and ``reals`` in the order of ``pipeline.cuh``'s indices."""
+    import re
+
+    source = (resources.files("npattn") / "cuda" / "pipeline.cuh").read_text()
+    for prefix, names in (("CFG", fast_cupy.CONFIG_ENTRIES), ("REAL", fast_cupy.REAL_ENTRIES)):
+        indices = {name: int(i) for name, i in re.findall(rf"#define {prefix}_(\w+) (\d+)", source)}
+        assert indices == {name: i for i, name in enumerate(names)}, prefix
+
+
+def test_launch_shape_fits_static_shared_memory():
+    for H, dtype in [(64, np.float32), (256, np.float64), (3, np.float64)]:
+        q, k, v, _ = _problem(H=H, Hv=H, dtype=dtype)
+        shape = fast_cupy.launch_shape(make_spec(q, k, v))
+        assert shape.keys * 2 * H * np.dtype(dtype).itemsize <= fast_cupy.TILE_BYTES
+        assert shape.lanes * shape.rows == fast_cupy.BLOCK_THREADS and shape.keys % shape.chunk == 0
+
+
+# --- on a GPU ------------------------------------------------------------------------------------
+
+
+def _on(backend, options):
+    return {key: backend.asarray(val) if isinstance(val, np.ndarray) else val for key, val in options.items()}
+
+
+def _public(q, k, v, options, dout, generic=False):
+    if generic:
+        os.environ["NPATTN_FAST_CUPY"] = "0"
+    try:
+        out, res = npattn.attention_forward(q, k, v, impl="chunked", **options)
+        grads = npattn.attention_backward(dout, res)
+    finally:
+        os.environ.pop("NPATTN_FAST_CUPY", None)
+    return res.kernel, [out, res.lse, grads.dq, grads.dk, grads.dv, grads.dsinks, grads.dalibi_slopes]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cupy"], indirect=True)
+@pytest.mark.parametrize("case", list(CASES))
+def test_gpu_fused_matches_generic_and_numpy(backend, case):
+    q, k, v, options = _problem(**CASES[case])
+    dout = np.random.default_rng(1).standard_normal((*q.shape[:-1], v.shape[-1]))
+    kernel, fused = _public(*map(backend.asarray, (q, k, v)), _on(backend, options), backend.asarray(dout))
+    assert kernel == "cupy"
+    generic_kernel, generic = _public(
+        *map(backend.asarray, (q, k, v)), _on(backend, options), backend.asarray(dout), generic=True
+    )
+    assert generic_kernel == "generic"
+    _, host = _public(q, k, v, options, dout)  # NumPy: the dropout mask of the CPU, bit for bit
+    for a, b, c in zip(fused, generic, host):
+        if c is None:
+            assert a is None and b is None
+            continue
+        np.testing.assert_allclose(backend.to_numpy(a), backend.to_numpy(b), rtol=1e-11, atol=1e-11)
+        np.testing.assert_allclose(backend.to_numpy(a), c, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cupy"], indirect=True)
+@pytest.mark.parametrize("dtype, tol", [(np.float32, 2e-5), (np.float16, 2e-3)])
+def test_gpu_low_precision_within_tolerance(backend, dtype, tol):
+    q, k, v, options = _problem(N=4, K=2, T=300, S=300, H=64, Hv=64, causal=True)
+    dout = np.random.default_rng(1).standard_normal((*q.shape[:-1], 64))
+    _, want = _public(q, k, v, options, dout)
+    out, res = npattn.attention_forward(
+        *(backend.asarray(x.astype(dtype)) for x in (q, k, v)), impl="chunked", **options
+    )
+    assert res.kernel == "cupy" and out.dtype == dtype
+    grads = npattn.attention_backward(backend.asarray(dout.astype(dtype)), res)
+    for a, b in zip([out, grads.dq, grads.dk, grads.dv], [want[0], want[2], want[3], want[4]]):
+        scale = np.max(np.abs(b))
+        np.testing.assert_allclose(backend.to_numpy(a).astype(np.float64), b, rtol=0, atol=tol * 10 * scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cupy"], indirect=True)
+def test_gpu_fused_is_deterministic(backend):
+    q, k, v, options = _problem(N=8, K=2, T=500, S=700, H=64, Hv=64, causal=True, align="bottom_right")
+    dout = np.random.default_rng(1).standard_normal((*q.shape[:-1], 64))
+    args = [backend.asarray(x.astype(np.float32)) for x in (q, k, v, dout)]
+    first = _public(*args[:3], options, args[3])[1]
+    second = _public(*args[:3], options, args[3])[1]
+    for a, b in zip(first, second):
+        if a is not None:
+            assert np.array_equal(backend.to_numpy(a), backend.to_numpy(b))
