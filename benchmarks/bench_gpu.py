@@ -2,6 +2,16 @@
 
     python benchmarks/bench_gpu.py            # B=1, N=8, H=64, T=S in {1024, 4096, 8192, 16384}
     python benchmarks/bench_gpu.py --quick    # small shapes, a smoke run (seconds)
+    python benchmarks/bench_gpu.py --targets  # issue 18's table: the fused CuPy path against torch
+
+``--targets`` prints, for each workload of the fused path's targets, torch
+SDPA, the fused CuPy kernels (``npattn.fast_cupy``, what ``impl="chunked"``
+runs on CuPy) and, at T=S=4096, the generic chunked path
+(``NPATTN_FAST_CUPY=0``): float16 and float32 at B=1, N=8, H=64, T=S in
+{4096, 16384}, full and causal, forward+backward; float64 at T=S=4096;
+decoding T=1 against S=32768 with N=32 query heads on 8 kv heads, H=128,
+float16 (torch with ``enable_gqa=True``, forward only); and the peak
+memory of forward+backward at T=S=16384.
 
 Prints one table. For each dtype (float32, float16; bfloat16 is reported as
 skipped because CuPy has no bfloat16), each length and each mask (non-causal,
@@ -10,8 +20,10 @@ causal), one row per implementation measured in the same process:
 - ``torch sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on
   CUDA (when torch with CUDA is importable; ``--no-torch`` leaves it out);
 - ``dense``: ``npattn.attention_forward(..., impl="dense")`` on CuPy;
-- ``chunked BQxBK (default)``: ``impl="chunked"`` on CuPy (the generic Array
-  API path) with no block sizes, so the tiles are the library's accelerator
+- ``fused (fast_cupy)``: ``impl="chunked"`` on CuPy, which runs the fused
+  CUDA kernels of ``npattn.fast_cupy``;
+- ``chunked BQxBK (default)``: the generic Array API chunked path
+  (``NPATTN_FAST_CUPY=0``) with no block sizes, so the tiles are the library's accelerator
   default, ``npattn.chunked.default_blocks`` (2048x2048 at B*N = 8: one score
   tile over all heads holds ``ACCELERATOR_TILE_SCORES`` = 2**25 entries);
 - ``chunked BQxBK``: the same with explicit square tiles, for each size of
@@ -123,11 +135,18 @@ class _Case:
     # -- npattn on CuPy --
 
     def npattn_forward(self, options):
+        options = dict(options)
+        if options.pop("generic", False):  # the generic chunked path: the fused kernels switched off
+            os.environ["NPATTN_FAST_CUPY"] = "0"
+            try:
+                return attention_forward(self.q, self.k, self.v, causal=self.causal, **options)
+            finally:
+                del os.environ["NPATTN_FAST_CUPY"]
         return attention_forward(self.q, self.k, self.v, causal=self.causal, **options)
 
     def npattn_forward_backward(self, options):
         out, res = self.npattn_forward(options)
-        return out, attention_backward(self.dout, res)
+        return out, attention_backward(self.dout, res)  # the backward follows the forward's kernel
 
     # -- torch SDPA --
 
@@ -220,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         help="skip a chunked row whose fwd+bwd is extrapolated past this many seconds",
     )
     parser.add_argument("--no-torch", action="store_true", help="leave out torch SDPA")
+    parser.add_argument("--targets", action="store_true", help="issue 18's table: fused CuPy path vs torch")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -235,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: CuPy with a CUDA device is not available ({why_not})")
         return 0
     torch, why_no_torch = (None, "--no-torch") if args.no_torch else _torch_cuda()
+    if args.targets:
+        return targets(cp, torch, why_no_torch, args.repeats)
 
     B, N, H = 1, 8, 64
     lengths = args.lengths or ([256, 512] if args.quick else [1024, 4096, 8192, 16384])
@@ -285,10 +307,11 @@ def main(argv: list[str] | None = None) -> int:
                 bq, bk = default_blocks(make_spec(case.q, case.k, case.v, causal=causal, impl="chunked"))
                 impls = [
                     ("dense", "dense", dict(impl="dense")),  # (key for extrapolation, label, options)
-                    ("default", f"chunked {bq}x{bk} (default)", dict(impl="chunked")),
+                    ("fused", "fused (fast_cupy)", dict(impl="chunked")),
+                    ("default", f"chunked {bq}x{bk} (default)", dict(impl="chunked", generic=True)),
                 ]
                 impls += [
-                    (f"{b}x{b}", f"chunked {b}x{b}", dict(impl="chunked", block_q=b, block_k=b))
+                    (f"{b}x{b}", f"chunked {b}x{b}", dict(impl="chunked", block_q=b, block_k=b, generic=True))
                     for b in blocks
                     if (b, b) != (bq, bk)
                 ]
@@ -346,6 +369,116 @@ def main(argv: list[str] | None = None) -> int:
                 + ")"
             )
     return 1 if failures else 0
+
+
+# --- issue 18's targets -------------------------------------------------------------
+
+#: Repeats of the decode rows, whose calls take tens of microseconds.
+DECODE_REPEATS = 50
+
+
+class _Problem:
+    """q (B, N, T, H), k and v (B, K, S, H), dout like q, on CuPy and on torch."""
+
+    def __init__(self, cp, torch, dtype, B, N, K, T, S, H, causal, seed=0):
+        rng = np.random.default_rng(seed)
+        shapes = [(B, N, T, H), (B, K, S, H), (B, K, S, H), (B, N, T, H)]
+        host = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
+        self.cp, self.torch, self.causal, self.gqa = cp, torch, causal, N != K
+        self.arrays = [cp.asarray(a).astype(getattr(cp, dtype)) for a in host]
+        self.tensors = None
+        if torch is not None:
+            self.tensors = [torch.tensor(a, device="cuda").to(getattr(torch, dtype)) for a in host]
+        self.options = dict(causal=causal, align="bottom_right" if causal and T != S else None)
+
+    def npattn(self, backward: bool, generic: bool = False):
+        q, k, v, dout = self.arrays
+        if generic:
+            os.environ["NPATTN_FAST_CUPY"] = "0"
+        try:
+            out, res = attention_forward(q, k, v, impl="chunked", **self.options)
+            if backward:
+                attention_backward(dout, res)
+        finally:
+            os.environ.pop("NPATTN_FAST_CUPY", None)
+        return out
+
+    def sdpa(self, backward: bool):
+        torch = self.torch
+        q, k, v = (x.detach().requires_grad_(backward) for x in self.tensors[:3])
+        kwargs = dict(enable_gqa=True) if self.gqa else {}
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal, **kwargs)
+        if backward:
+            out.backward(self.tensors[3])
+        return out
+
+
+def _peak(cp, torch, fn, on_torch: bool):
+    """Peak device bytes of ``fn()`` beyond what was allocated before it."""
+    _free_pools(cp, torch)
+    if not on_torch:
+        return cupy_peak_bytes(cp, fn)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def _target_rows():
+    """``(label, problem arguments, backward, with the generic row)`` of each workload."""
+    for dtype in ("float16", "float32", "float64"):
+        for T in (4096,) if dtype == "float64" else (4096, 16384):
+            for causal in (False, True):
+                mask = "causal" if causal else "full"
+                yield f"{dtype} T=S={T} {mask} fwd+bwd", (dtype, 1, 8, 8, T, T, 64, causal), True, T == 4096
+    yield "float16 decode T=1 S=32768 N=32 K=8 H=128 fwd", ("float16", 1, 32, 8, 1, 32768, 128, False), False, True
+
+
+def _target_row(cp, torch, label, arguments, backward, with_generic, repeats) -> None:
+    problem = _Problem(cp, torch, *arguments)
+    csync, tsync = cp.cuda.runtime.deviceSynchronize, torch.cuda.synchronize
+    ours = problem.npattn(backward).astype(cp.float32)
+    theirs = cp.from_dlpack(problem.sdpa(backward).detach().float().contiguous())
+    diff = float(cp.max(cp.abs(ours - theirs)))
+    del ours, theirs
+    t_torch = _best_ms(lambda: problem.sdpa(backward), tsync, repeats)
+    t_fused = _best_ms(lambda: problem.npattn(backward), csync, repeats)
+    t_torch = min(t_torch, _best_ms(lambda: problem.sdpa(backward), tsync, repeats))  # torch, fused, torch
+    generic = f"{'-':>10}"
+    if with_generic:
+        problem.npattn(backward, generic=True)  # warm-up: the generic path's kernels compile on first use
+        generic = f"{_best_ms(lambda: problem.npattn(backward, generic=True), csync, 2) / t_torch:10.2f}"
+    print(f"{label:<46} {t_torch:9.3f} {t_fused:9.3f} {t_fused / t_torch:8.2f} {generic} {diff:10.1e}", flush=True)
+    if label.startswith("float16 T=S=16384 causal"):
+        fused = _peak(cp, torch, lambda: problem.npattn(True), False)
+        ref = _peak(cp, torch, lambda: problem.sdpa(True), True)
+        if fused is not None:
+            row = f"{'peak MiB, that fwd+bwd':<46} {ref / 2**20:9.1f} {fused / 2**20:9.1f} {fused / ref:8.2f}"
+            print(row, flush=True)
+
+
+def targets(cp, torch, why_no_torch, repeats: int) -> int:
+    """Print issue 18's table: each workload's times as a multiple of torch's.
+    The fused rows run the fused kernels in float64 too, where ``impl="chunked"``
+    would leave calls of more than ``FLOAT64_MAX_SCORES`` scores to the
+    generic path (the "generic x" column)."""
+    from npattn import fast_cupy
+
+    fast_cupy.FLOAT64_MAX_SCORES = float("inf")
+    if torch is None:
+        print(f"skipped: the targets compare with torch SDPA on CUDA ({why_no_torch})")
+        return 0
+    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+    print(f"npattn fused CuPy path vs torch {torch.__version__} SDPA on {name!s}")
+    print(f"best of {repeats} (decode: {DECODE_REPEATS}), interleaved torch, fused, torch; generic: best of 2")
+    print(f"{'workload':<46} {'torch ms':>9} {'fused ms':>9} {'x torch':>8} {'generic x':>10} {'max|diff|':>10}")
+    for label, arguments, backward, with_generic in _target_rows():
+        reps = repeats if backward else DECODE_REPEATS
+        _target_row(cp, torch, label, arguments, backward, with_generic, reps)
+        _free_pools(cp, torch)
+    return 0
 
 
 if __name__ == "__main__":
