@@ -336,13 +336,21 @@ class _Call:
         return (self.config, self.reals, *self.optional)
 
 
+#: Alignment of the arrays the kernels read, in bytes: they read rows in
+#: 16-byte pieces (``read_slice`` in ``tiles.cuh``).
+ALIGNMENT = 16
+
+
 def _contiguous(a: Any) -> Any:
-    """``a`` in C order: kernels read raw pointers and ignore strides."""
+    """``a`` in C order, starting on an :data:`ALIGNMENT` boundary (a copy
+    where it is not): kernels read raw pointers and ignore strides."""
     if array_api_compat.is_cupy_array(a):
         import cupy
 
-        return cupy.ascontiguousarray(a)
-    return np.ascontiguousarray(a)
+        a = cupy.ascontiguousarray(a)
+        return a if a.data.ptr % ALIGNMENT == 0 else a.copy()
+    a = np.ascontiguousarray(a)
+    return a if a.ctypes.data % ALIGNMENT == 0 else a.copy()
 
 
 def _grid_rows(spec: AttentionSpec, shape: LaunchShape) -> int:
