@@ -71,6 +71,10 @@ TILE_BYTES = 32 * 1024
 #: Threads per block.
 BLOCK_THREADS = 128
 
+#: CUDA's limit on a grid's y and z sizes: kv heads run on y, batch
+#: elements (times key ranges) on z.
+MAX_GRID_YZ = 65535
+
 #: Threads that share one row (its lanes), by compute dtype's itemsize, in
 #: the forward and in the backward, when there are many rows; and when
 #: there are few (decoding). Fewer lanes mean fewer shuffles per product,
@@ -105,8 +109,8 @@ def supports(spec: AttentionSpec) -> bool:
     """Whether the fused kernels run ``spec``: CuPy arrays computing in
     float32 or float64 (float16 inputs compute in float32), ``H`` and ``Hv``
     up to :data:`MAX_HEAD_DIM`, no boolean mask, bias, score or mask
-    modification, and ``NPATTN_FAST_CUPY`` not ``0``. Empty calls take the
-    generic path."""
+    modification, at most :data:`MAX_GRID_YZ` batch elements and kv heads,
+    and ``NPATTN_FAST_CUPY`` not ``0``. Empty calls take the generic path."""
     return (
         os.environ.get("NPATTN_FAST_CUPY", "1") != "0"
         and array_api_compat.is_cupy_namespace(spec.xp)
@@ -134,6 +138,7 @@ def _kernels_take(spec: AttentionSpec) -> bool:
         and 0 < spec.head_dim <= MAX_HEAD_DIM
         and 0 < spec.value_dim <= MAX_HEAD_DIM
         and min(spec.num_batch, spec.num_heads, spec.q_len, spec.kv_len) > 0
+        and max(spec.num_batch, spec.num_kv_heads) <= MAX_GRID_YZ
     )
 
 
@@ -365,7 +370,7 @@ def _splits(spec: AttentionSpec, shape: LaunchShape, multiprocessors: int) -> in
     if blocks >= multiprocessors:
         return 1
     wanted = -(-SPLIT_BLOCKS_PER_SM * multiprocessors // blocks)
-    return max(1, min(wanted, spec.kv_len // MIN_SPLIT_KEYS))
+    return max(1, min(wanted, spec.kv_len // MIN_SPLIT_KEYS, MAX_GRID_YZ // spec.num_batch))
 
 
 # --- forward and backward -----------------------------------------------------------

@@ -292,6 +292,8 @@ def test_supports_only_cupy_and_the_kernels_options():
     mask = np.ones((11, 13), dtype=bool)
     assert not fast_cupy._kernels_take(make_spec(q, k, v, mask=mask))
     assert not fast_cupy._kernels_take(make_spec(q, k, v, bias=np.zeros((11, 13))))
+    many = np.broadcast_to(np.zeros(()), (fast_cupy.MAX_GRID_YZ + 1, 1, 2, 4))  # batch elements past the grid's z
+    assert not fast_cupy._kernels_take(make_spec(many, many, many))
     mod = npattn.ScoreMod(lambda s, idx, p: s, lambda ds, s, idx, p: (ds, {}))
     assert not fast_cupy._kernels_take(make_spec(q, k, v, score_mods=[mod], align="top_left"))
 
@@ -312,6 +314,14 @@ def test_config_entries_follow_the_kernels_indices():
     for prefix, names in (("CFG", fast_cupy.CONFIG_ENTRIES), ("REAL", fast_cupy.REAL_ENTRIES)):
         indices = {name: int(i) for name, i in re.findall(rf"#define {prefix}_(\w+) (\d+)", source)}
         assert indices == {name: i for i, name in enumerate(names)}, prefix
+
+
+def test_splits_stay_within_the_grid():
+    q, k, v, _ = _problem(batch=(6000,), N=1, K=1, T=1, S=4096, H=2, Hv=2)
+    spec = make_spec(q, k, v)
+    shape = fast_cupy.launch_shape(spec)
+    assert spec.num_batch * fast_cupy._splits(spec, shape, multiprocessors=10**6) <= fast_cupy.MAX_GRID_YZ
+    assert fast_cupy._splits(make_spec(q[:1], k[:1], v[:1]), shape, multiprocessors=132) > 1
 
 
 def test_launch_shape_fits_static_shared_memory():
