@@ -515,8 +515,7 @@ def choose_impl(spec: AttentionSpec) -> AttentionSpec:
 
     Chunked once the dense score tensor ``(..., N, T, S)`` would hold more
     than :data:`~npattn.options.AUTO_CHUNKED_MIN_SCORES` entries, or where the
-    NumPy fast path (or the CuPy one, :mod:`npattn.fast_cupy`) takes the
-    inputs and they reach
+    NumPy fast path takes the inputs and they reach
     :data:`~npattn.options.AUTO_FAST_MIN_SCORES` (or
     :data:`~npattn.options.AUTO_FAST_VARIANT_MIN_SCORES` with a softcap,
     ALiBi or dropout, :data:`~npattn.options.AUTO_FAST_SINGLE_HEAD_MIN_SCORES`
@@ -533,7 +532,7 @@ def choose_impl(spec: AttentionSpec) -> AttentionSpec:
         return spec
     scores = _scores(spec)
     large = scores > AUTO_CHUNKED_MIN_SCORES
-    fast = scores >= _fast_min_scores(spec) and (fast_numpy.supports(spec) or fast_cupy.preferred(spec))
+    fast = scores >= _fast_min_scores(spec) and fast_numpy.supports(spec)
     return spec.replace(impl="chunked" if large or fast else "dense")
 
 
