@@ -8,6 +8,7 @@ import ast
 import pathlib
 
 import numpy as np
+import pytest
 
 import npattn
 from npattn.attention import choose_impl
@@ -140,3 +141,18 @@ def test_functions_outside_the_kernels_read_at_once():
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _code_lines(node) > MAX_FUNCTION_LINES
     }
     assert not long, f"functions over {MAX_FUNCTION_LINES} code lines outside the kernels: {long}"
+
+
+def test_every_package_ships_in_the_wheel():
+    """pyproject's package list finds every package under npattn/ (a wheel
+    built with ``packages = ["npattn"]`` alone left out its subpackages)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    setuptools = pytest.importorskip("setuptools")
+    root = PACKAGE.parent
+    if not (root / "pyproject.toml").exists():
+        pytest.skip("npattn is not imported from its checkout")
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    shipped = set(setuptools.find_packages(where=str(root), include=config["packages"]["find"]["include"]))
+    on_disk = {".".join(p.parent.relative_to(root).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert on_disk <= shipped, f"packages left out of the wheel: {sorted(on_disk - shipped)}"
+    assert "cuda/*.cu" in config["package-data"]["npattn"], "the fused CuPy kernels' sources ship as package data"
