@@ -58,6 +58,7 @@ from .dropout import _seed_hash, keep_threshold
 from .merge import merge_stacked
 from .options import AttentionSpec
 from .scores.pipeline import param_grads_from_heads
+from .scores.visibility import window_reach
 
 __all__ = ["supports", "preferred", "forward", "backward", "launch_shape", "kernel_source"]
 
@@ -164,6 +165,9 @@ class Runtime(Protocol):
 class CupyRuntime:
     """:class:`Runtime` on CuPy: NVRTC through ``cupy.RawModule``."""
 
+    def __init__(self) -> None:
+        self._multiprocessors: dict[int, int] = {}
+
     def module(self, source: str, defines: tuple[tuple[str, str], ...]) -> Any:
         import cupy  # the optional GPU extra: only reached with CuPy arrays
 
@@ -182,7 +186,10 @@ class CupyRuntime:
             return cupy.asarray(host)
 
     def multiprocessors(self, like: Any) -> int:
-        return int(like.device.attributes["MultiProcessorCount"])
+        device = like.device.id
+        if device not in self._multiprocessors:  # Device.attributes reads every attribute: once per device
+            self._multiprocessors[device] = int(like.device.attributes["MultiProcessorCount"])
+        return self._multiprocessors[device]
 
 
 _CUPY_RUNTIME = CupyRuntime()
@@ -297,7 +304,7 @@ class _Call:
 
     def __init__(self, spec: AttentionSpec, runtime: Runtime, like: Any, splits: int = 1):
         xp, B = spec.xp, spec.num_batch
-        reach = spec.q_len + spec.kv_len  # a window side wider than this hides nothing
+        reach = window_reach(spec)  # a window side wider than this hides nothing
         offset = spec.q_offset if spec.q_offset is not None else 0
         per_batch_offset = hasattr(offset, "shape")  # bottom_right with lengths
         config = dict(

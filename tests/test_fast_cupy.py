@@ -17,6 +17,7 @@ float32/float16 within the CPU tests' tolerances, and bitwise determinism.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 from importlib import resources
 
@@ -68,6 +69,7 @@ class EmulatedRuntime:
         assert len(args) == KERNEL_ARITY[name], f"{name} takes {KERNEL_ARITY[name]} arguments, got {len(args)}"
         for a in args:
             assert a is None or (isinstance(a, np.ndarray) and a.flags.c_contiguous), "kernels read C-order arrays"
+            assert a is None or a.ctypes.data % fast_cupy.ALIGNMENT == 0, "a GPU faults on misaligned 16-byte reads"
         pointers = (ctypes.c_void_p * len(args))(*[None if a is None else a.ctypes.data for a in args])
         self.launches.append((name, grid))
         getattr(module, f"launch_{name}")(*(ctypes.c_uint(x) for x in (*grid, threads)), pointers)
@@ -281,6 +283,33 @@ def test_misaligned_inputs_are_copied_not_misread():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("window", [(25, None), (40, 0), (None, 12)])
+def test_windows_wider_than_t_plus_s_with_a_far_offset(window):
+    """A ring shard's queries can sit far from its keys (``q_offset`` beyond
+    ``T + S``): a window side wider than ``T + S`` must still hide exactly
+    what it hides. Generic path, dense path and the emulated kernels against
+    the rule itself."""
+    from npattn.dense import dense_forward
+
+    q, k, v, _ = _problem(batch=(1,), N=1, K=1, T=10, S=10, H=4, Hv=4)
+    spec = make_spec(q, k, v, window=window, align="top_left", impl="chunked").replace(
+        q_offset=30, offset_bounds=(30, 30)
+    )
+    left, right = window
+    p = np.arange(10)[:, None] + 30  # query positions
+    j = np.arange(10)[None, :]
+    visible = ((left is None) | (j >= p - (left or 0))) & ((right is None) | (j <= p + (right or 0)))
+    s = np.where(visible, q[0, 0] @ k[0, 0].T / 2.0, -np.inf)  # scale 1/sqrt(4)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lse = np.log(np.sum(np.exp(s), axis=-1))
+    assert visible.any()  # (25, None) also hides some rows entirely
+    paths = {"generic": chunked_forward(spec, q, k, v), "dense": dense_forward(spec, q, k, v)[:2]}
+    if build.available():
+        paths["fused"] = fast_cupy.forward(spec, q, k, v, runtime=EmulatedRuntime())
+    for name, (_, got) in paths.items():
+        np.testing.assert_allclose(got[0, 0], lse, rtol=1e-12, err_msg=name)
+
+
 def test_supports_only_cupy_and_the_kernels_options():
     q, k, v, _ = _problem()
     spec = make_spec(q, k, v)
@@ -324,12 +353,26 @@ def test_splits_stay_within_the_grid():
     assert fast_cupy._splits(make_spec(q[:1], k[:1], v[:1]), shape, multiprocessors=132) > 1
 
 
+#: Bytes of ``pipeline.cuh``'s ``Row`` at most (float64: a bool, four int64,
+#: a double and a uint32, padded to 8 bytes).
+ROW_BYTES = 56
+
+
 def test_launch_shape_fits_static_shared_memory():
-    for H, dtype in [(64, np.float32), (256, np.float64), (3, np.float64)]:
-        q, k, v, _ = _problem(H=H, Hv=H, dtype=dtype)
-        shape = fast_cupy.launch_shape(make_spec(q, k, v))
-        assert shape.keys * 2 * H * np.dtype(dtype).itemsize <= fast_cupy.TILE_BYTES
-        assert shape.lanes * shape.rows == fast_cupy.BLOCK_THREADS and shape.keys % shape.chunk == 0
+    """Every kernel's static shared memory, for every launch shape the rule
+    can give, stays within CUDA's 48 KiB: the key and value (or query and
+    dO) tiles, the forward's and dQ's 2 * ROWS int64 scratch, dK/dV's
+    per-row ``Row``, lse and D."""
+    for H, Hv, dtype, T in itertools.product([1, 3, 64, 100, 256], [1, 64, 256], [np.float32, np.float64], [1, 500]):
+        q, k, v, _ = _problem(batch=(1,), N=1, K=1, T=T, S=8, H=H, Hv=Hv, dtype=dtype)
+        spec = make_spec(q, k, v)
+        item = np.dtype(dtype).itemsize
+        for backward in (False, True):
+            shape = fast_cupy.launch_shape(spec, backward=backward)
+            tiles = shape.keys * (H + Hv) * item
+            rows_part = shape.keys * (ROW_BYTES + 2 * item) if backward else 2 * shape.rows * 8
+            assert tiles + rows_part <= 48 * 1024, (H, Hv, dtype, T, backward, shape)
+            assert shape.lanes * shape.rows == fast_cupy.BLOCK_THREADS and shape.keys % shape.chunk == 0
 
 
 # --- on a GPU ------------------------------------------------------------------------------------

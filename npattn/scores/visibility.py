@@ -25,9 +25,25 @@ from ..options import AttentionSpec
 from .mods import mask_mod_tile, tile_index
 from .tiles import key_positions, per_batch, query_positions, row_indices, select_item, slice_tile
 
-__all__ = ["visible_tile", "classify_tile", "segments_hide_nothing", "NONE", "ALL", "SOME"]
+__all__ = ["visible_tile", "classify_tile", "segments_hide_nothing", "window_reach", "NONE", "ALL", "SOME"]
 
 NONE, ALL, SOME = "none", "all", "some"
+
+
+def window_reach(spec: AttentionSpec) -> int:
+    """A window side at least this wide hides nothing: every ``|p_i - j|``
+    is smaller. Query positions ``i + q_offset`` lie within ``T`` of the
+    offsets' bounds and keys in ``[0, S)``; the offset may exceed ``T + S``
+    (a ring shard's queries far from its keys), so it counts too.
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> x = np.zeros((1, 4, 2))
+    >>> window_reach(make_spec(x, x[:, :3], x[:, :3], causal=True, align="bottom_right"))
+    8
+    """
+    omin, omax = spec.offset_bounds
+    return spec.q_len + spec.kv_len + max(abs(omin), abs(omax))
 
 
 def visible_tile(
@@ -55,9 +71,7 @@ def visible_tile(
         cols = key_positions(spec, k0, k1)  # (1, tk)
         if spec.window_left is not None or spec.window_right is not None:
             position = query_positions(spec, q0, q1, batch)  # (tq, 1) or (..., 1, tq, 1)
-            # Positions lie in [-T, T + S) and keys in [0, S), so a side wider
-            # than T + S hides nothing: clip it there to stay within int64.
-            reach = spec.q_len + spec.kv_len
+            reach = window_reach(spec)  # a wider side hides nothing: clipped to stay within int64
             if spec.window_left is not None:
                 parts.append(cols >= position - min(spec.window_left, reach))
             if spec.window_right is not None:
