@@ -66,6 +66,9 @@ CASES = {
     ),
     "mqa-window": dict(lengths="unequal", shape=(1, 3, 1, 2, 3), window=(2, 1)),
     "window-left-only": dict(lengths="unequal", window=(3, None)),
+    # wider than a shard pair's T + S (at P = 4, rank 3 against shard 0: 2 + 3 keys,
+    # queries 9 positions on), yet hiding some keys
+    "window-wider-than-a-pair": dict(lengths="unequal", window=(8, 0)),
     "causal-bottom-right-T>S": dict(
         lengths={"q": {1: [4], 2: [4, 3], 4: [3, 2, 1, 3]}, "kv": {1: [2], 2: [2, 3], 4: [1, 2, 2, 1]}},
         causal=True,
