@@ -222,11 +222,32 @@ class LaunchShape:
 REGISTER_VALUES = {4: 128, 8: 64}
 
 
+#: 32-bit registers a thread may give to one row's slices of ``q`` (or
+#: ``k``) and of the accumulator (or ``v``): with more, ptxas spills. Lanes
+#: double until a row fits, for wide heads: at H=Hv=128 in float32 the
+#: forward spilled 1232 bytes with one lane, none with two; at H=Hv=256,
+#: 4880 bytes with one lane, none with four; float64 at H=Hv=128, 1144
+#: bytes with two lanes, none with four (``nvcc -Xptxas -v``, sm_90). The
+#: lanes measured at H=64 all fit.
+SLICE_REGISTERS = 128
+
+
+def _slice_values(spec: AttentionSpec, lanes: int) -> int:
+    """Values of one row's ``q`` and ``v`` slices that a thread holds, with
+    ``lanes`` threads to a row (each slice in whole 16-byte pieces)."""
+    piece = 16 // np.dtype(spec.compute_dtype).itemsize
+
+    def per_lane(width: int) -> int:
+        return piece * -(-width // (lanes * piece))
+
+    return per_lane(spec.head_dim) + per_lane(spec.value_dim)
+
+
 def launch_shape(spec: AttentionSpec, backward: bool = False) -> LaunchShape:
     """The launch shape of the forward's kernel or the backward's for
-    ``spec``: lanes from :data:`FORWARD_LANES` and its kin, shared-memory
-    tiles within :data:`TILE_BYTES`, register tiles within
-    :data:`REGISTER_VALUES`.
+    ``spec``: lanes from :data:`FORWARD_LANES` and its kin (more for wide
+    heads, :data:`SLICE_REGISTERS`), shared-memory tiles within
+    :data:`TILE_BYTES`, register tiles within :data:`REGISTER_VALUES`.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
@@ -235,12 +256,16 @@ def launch_shape(spec: AttentionSpec, backward: bool = False) -> LaunchShape:
     (LaunchShape(lanes=1, rows=128, tile=1, keys=64, chunk=8), 2)
     >>> launch_shape(make_spec(x[..., :1, :], x, x, causal=True, align="bottom_right")).lanes
     8
+    >>> wide = np.zeros((1, 8, 1024, 256), np.float32)
+    >>> launch_shape(make_spec(wide, wide, wide)).lanes
+    4
     """
     few = spec.group_size * spec.q_len <= FEW_ROWS
     itemsize = np.dtype(spec.compute_dtype).itemsize
     lanes = FEW_ROWS_LANES if few else (BACKWARD_LANES if backward else FORWARD_LANES)[itemsize]
-    per_row = -(-spec.head_dim // lanes) + -(-spec.value_dim // lanes)  # values of a row's slices, about
-    per_row *= 2 if backward else 1
+    while lanes < 32 and _slice_values(spec, lanes) * itemsize // 4 > SLICE_REGISTERS:
+        lanes *= 2  # wide heads: more lanes, so that a thread's slices stay in registers
+    per_row = _slice_values(spec, lanes) * (2 if backward else 1)
     tile = 1 if few else max(1, min(4, REGISTER_VALUES[itemsize] // per_row))
     keys = 64
     while keys > 1 and keys * (spec.head_dim + spec.value_dim) * itemsize > TILE_BYTES:

@@ -118,6 +118,7 @@ CASES = {
     ),
     "dropout": dict(T=19, S=23, causal=True, align="top_left", dropout_p=0.3, seed=7),
     "mqa odd dims": dict(N=3, K=1, H=3, Hv=5, T=9, S=17, window=(None, 2), align="top_left"),
+    "wide heads": dict(batch=(1,), N=2, K=1, T=40, S=33, H=72, Hv=80, causal=True, align="bottom_right"),
     "many blocks window": dict(batch=(1,), N=4, K=1, T=90, S=90, H=4, Hv=4, window=(20, 0)),
     "decode splits": dict(batch=(1,), N=4, K=2, T=1, S=700, causal=True, align="bottom_right"),
     "scale and 3-d": dict(batch=(), T=12, S=10, scale=0.3),
