@@ -383,12 +383,12 @@ def _on(backend, options):
     return {key: backend.asarray(val) if isinstance(val, np.ndarray) else val for key, val in options.items()}
 
 
-def _public(q, k, v, options, dout, generic=False):
+def _public(q, k, v, options, dout, generic=False, dlse=None):
     if generic:
         os.environ["NPATTN_FAST_CUPY"] = "0"
     try:
         out, res = npattn.attention_forward(q, k, v, impl="chunked", **options)
-        grads = npattn.attention_backward(dout, res)
+        grads = npattn.attention_backward(dout, res, dlse=dlse)
     finally:
         os.environ.pop("NPATTN_FAST_CUPY", None)
     return res.kernel, [out, res.lse, grads.dq, grads.dk, grads.dv, grads.dsinks, grads.dalibi_slopes]
@@ -399,20 +399,44 @@ def _public(q, k, v, options, dout, generic=False):
 @pytest.mark.parametrize("case", list(CASES))
 def test_gpu_fused_matches_generic_and_numpy(backend, case):
     q, k, v, options = _problem(**CASES[case])
-    dout = np.random.default_rng(1).standard_normal((*q.shape[:-1], v.shape[-1]))
-    kernel, fused = _public(*map(backend.asarray, (q, k, v)), _on(backend, options), backend.asarray(dout))
+    rng = np.random.default_rng(1)
+    dout = rng.standard_normal((*q.shape[:-1], v.shape[-1]))
+    dlse = rng.standard_normal(q.shape[:-1])
+    device = [backend.asarray(x) for x in (q, k, v, dout, dlse)]
+    kernel, fused = _public(*device[:3], _on(backend, options), device[3], dlse=device[4])
     assert kernel == "cupy"
-    generic_kernel, generic = _public(
-        *map(backend.asarray, (q, k, v)), _on(backend, options), backend.asarray(dout), generic=True
-    )
+    generic_kernel, generic = _public(*device[:3], _on(backend, options), device[3], generic=True, dlse=device[4])
     assert generic_kernel == "generic"
-    _, host = _public(q, k, v, options, dout)  # NumPy: the dropout mask of the CPU, bit for bit
+    _, host = _public(q, k, v, options, dout, dlse=dlse)  # NumPy: the dropout mask of the CPU, bit for bit
     for a, b, c in zip(fused, generic, host):
         if c is None:
             assert a is None and b is None
             continue
         np.testing.assert_allclose(backend.to_numpy(a), backend.to_numpy(b), rtol=1e-11, atol=1e-11)
         np.testing.assert_allclose(backend.to_numpy(a), c, rtol=1e-11, atol=1e-11)
+
+
+class _HostBackend:
+    """The test backend's interface on NumPy arrays (as conftest's ``Backend``)."""
+
+    asarray = staticmethod(np.asarray)
+    to_numpy = staticmethod(np.asarray)
+
+
+@emulated
+@pytest.mark.parametrize("case", ["softcap alibi sinks", "dropout", "decode splits"])
+def test_public_api_dispatches_to_the_fused_kernels(monkeypatch, case):
+    """The GPU test above on the CPU: NumPy arrays routed to the fused
+    kernels (as CuPy arrays are) and run by the emulator, through
+    attention_forward/backward: the dispatch, ``residuals.kernel`` and the
+    backward following it, ``dlse``, sinks and ALiBi gradients."""
+    import npattn.fast_numpy
+
+    monkeypatch.setattr(npattn.fast_numpy, "supports", lambda spec: False)
+    take = fast_cupy._kernels_take
+    monkeypatch.setattr(fast_cupy, "supports", lambda spec: os.environ.get("NPATTN_FAST_CUPY") != "0" and take(spec))
+    monkeypatch.setattr(fast_cupy, "_CUPY_RUNTIME", EmulatedRuntime())
+    test_gpu_fused_matches_generic_and_numpy(_HostBackend(), case)
 
 
 @pytest.mark.gpu
