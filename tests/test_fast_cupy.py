@@ -100,7 +100,7 @@ def _segments(rng, batch, length, documents):
     return cuts.astype(np.int64)
 
 
-rng0 = np.random.default_rng(5)
+_SEGMENT_RNG = np.random.default_rng(5)
 #: name -> shape keywords and attention options; every option the kernels take.
 CASES = {
     "plain": dict(T=37, S=45),
@@ -111,7 +111,10 @@ CASES = {
         T=30, S=40, causal=True, align="bottom_right", q_lengths=np.array([30, 0]), kv_lengths=np.array([17, 40])
     ),
     "segments": dict(
-        T=24, S=24, q_segment_ids=_segments(rng0, (2,), 24, 3), kv_segment_ids=_segments(rng0, (2,), 24, 3)
+        T=24,
+        S=24,
+        q_segment_ids=_segments(_SEGMENT_RNG, (2,), 24, 3),
+        kv_segment_ids=_segments(_SEGMENT_RNG, (2,), 24, 3),
     ),
     "softcap alibi sinks": dict(
         N=4, K=2, T=21, S=21, causal=True, softcap=2.0, alibi_slopes=np.array([0.5, 0.25, 0.1, 0.0]), sinks=np.ones(4)
@@ -130,7 +133,9 @@ def _spec(q, k, v, options):
 
 
 def _both_paths(case: str, dtype=np.float64, dlse=True):
-    """``(fused, generic)``: (out, lse, dq, dk, dv, params) of the emulated kernels and the generic path."""
+    """``(fused, generic, runtime)``: (out, lse, dq, dk, dv, dbias, params) of
+    the emulated kernels and of the generic path, and the emulated runtime
+    (its launches)."""
     q, k, v, options = _problem(dtype=dtype, **CASES[case])
     spec = _spec(q, k, v, options)
     rng = np.random.default_rng(1)
