@@ -56,13 +56,11 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 #pragma unroll
   for (int t = 0; t < TILE; ++t) {
     const int r = (blockIdx.x * TILE + t) * ROWS + group;
-    const int i = min(r, stacked - 1) / pb.G, n = h * pb.G + min(r, stacked - 1) % pb.G;
-    rows[t] = make_row(pb, b, n, i);
-    if (r >= stacked) rows[t].end_key = rows[t].first_key;
-    row_index[t] = r < stacked ? ((long long)b * pb.N + n) * pb.T + i : -1;
-    const long long index = max(row_index[t], 0LL);
-    load_lane<HEAD_DIM, DH>(q_lane[t], q + index * HEAD_DIM, lane);
-    load_lane<VALUE_DIM, DV>(dout_lane[t], dout + index * VALUE_DIM, lane);
+    long long index;
+    rows[t] = stacked_row(pb, b, h, r, stacked, index);
+    row_index[t] = r < stacked ? index : -1;
+    read_slice<HEAD_DIM, DH>(q_lane[t], q + index * HEAD_DIM, lane);
+    read_slice<VALUE_DIM, DV>(dout_lane[t], dout + index * VALUE_DIM, lane);
 #pragma unroll
     for (int u = 0; u < DH; ++u) dq_lane[t][u] = 0;
     row_lse[t] = lse[index];
@@ -80,8 +78,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     for (int c = 0; c < KEYS; ++c) {
       const long long j = tile + c;
       scalar_t key_lane[DH], value_lane[DV];
-      tile_slice<HEAD_DIM, DH>(key_lane, key_tile, c, lane);
-      tile_slice<VALUE_DIM, DV>(value_lane, value_tile, c, lane);
+      read_slice<HEAD_DIM, DH>(key_lane, key_tile + c * HEAD_DIM, lane);
+      read_slice<VALUE_DIM, DV>(value_lane, value_tile + c * VALUE_DIM, lane);
 #pragma unroll
       for (int t = 0; t < TILE; ++t) {
         const scalar_t product = lanes_sum(lane_dot<DH>(q_lane[t], key_lane));
@@ -131,8 +129,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   for (int t = 0; t < TILE; ++t) {
     key[t] = ((long long)blockIdx.x * TILE + t) * ROWS + group;
     const long long index = ((long long)b * pb.KH + h) * pb.S + min(key[t], (long long)pb.S - 1);
-    load_lane<HEAD_DIM, DH>(k_lane[t], k + index * HEAD_DIM, lane);
-    load_lane<VALUE_DIM, DV>(v_lane[t], v + index * VALUE_DIM, lane);
+    read_slice<HEAD_DIM, DH>(k_lane[t], k + index * HEAD_DIM, lane);
+    read_slice<VALUE_DIM, DV>(v_lane[t], v + index * VALUE_DIM, lane);
 #pragma unroll
     for (int u = 0; u < DH; ++u) dk_lane[t][u] = 0;
 #pragma unroll
@@ -144,33 +142,28 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   long long first, end;  // query positions i, then stacked rows i * G + g
   query_range(pb, b, key_first, key_last, first, end);
   const long long stacked_end = end * pb.G;
-  const long long q_base = (long long)b * pb.N * pb.T;  // row index of (b, head 0, query 0)
-  scalar_t unused_slope_grad = 0;                       // the dq kernel sums the slopes' gradient
+  scalar_t unused_slope_grad = 0;  // the dq kernel sums the slopes' gradient
 
   for (long long tile = first * pb.G; tile < stacked_end; tile += KEYS) {
     for (int e = threadIdx.x; e < KEYS * HEAD_DIM; e += THREADS) {
       const long long r = tile + e / HEAD_DIM;
-      const long long index = q_base + (long long)(h * pb.G + r % pb.G) * pb.T + r / pb.G;
-      query_tile[e] = r < stacked_end ? q[index * HEAD_DIM + e % HEAD_DIM] : (scalar_t)0;
+      query_tile[e] = r < stacked_end ? q[stacked_index(pb, b, h, r) * HEAD_DIM + e % HEAD_DIM] : (scalar_t)0;
     }
     for (int e = threadIdx.x; e < KEYS * VALUE_DIM; e += THREADS) {
       const long long r = tile + e / VALUE_DIM;
-      const long long index = q_base + (long long)(h * pb.G + r % pb.G) * pb.T + r / pb.G;
-      dout_tile[e] = r < stacked_end ? dout[index * VALUE_DIM + e % VALUE_DIM] : (scalar_t)0;
+      dout_tile[e] = r < stacked_end ? dout[stacked_index(pb, b, h, r) * VALUE_DIM + e % VALUE_DIM] : (scalar_t)0;
     }
     for (int e = threadIdx.x; e < KEYS; e += THREADS) {
-      const long long r = min(tile + e, stacked_end - 1);
-      const int i = (int)(r / pb.G), n = h * pb.G + (int)(r % pb.G);
-      tile_rows[e] = make_row(pb, b, n, i);
-      if (tile + e >= stacked_end) tile_rows[e].end_key = tile_rows[e].first_key;
-      tile_lse[e] = lse[q_base + (long long)n * pb.T + i];
-      tile_D[e] = D[q_base + (long long)n * pb.T + i];
+      long long index;
+      tile_rows[e] = stacked_row(pb, b, h, tile + e, stacked_end, index);
+      tile_lse[e] = lse[index];
+      tile_D[e] = D[index];
     }
     __syncthreads();
     for (int c = 0; c < KEYS; ++c) {
       scalar_t query_lane[DH], dout_lane[DV];
-      tile_slice<HEAD_DIM, DH>(query_lane, query_tile, c, lane);
-      tile_slice<VALUE_DIM, DV>(dout_lane, dout_tile, c, lane);
+      read_slice<HEAD_DIM, DH>(query_lane, query_tile + c * HEAD_DIM, lane);
+      read_slice<VALUE_DIM, DV>(dout_lane, dout_tile + c * VALUE_DIM, lane);
       const Row& row = tile_rows[c];
 #pragma unroll
       for (int t = 0; t < TILE; ++t) {

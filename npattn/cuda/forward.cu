@@ -43,11 +43,10 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 #pragma unroll
   for (int t = 0; t < TILE; ++t) {
     const int r = (blockIdx.x * TILE + t) * ROWS + group;
-    const int i = min(r, stacked - 1) / pb.G, n = h * pb.G + min(r, stacked - 1) % pb.G;
-    rows[t] = make_row(pb, b, n, i);
-    if (r >= stacked) rows[t].end_key = rows[t].first_key;  // past the last row: sees nothing, writes nothing
-    row_index[t] = r < stacked ? ((long long)b * pb.N + n) * pb.T + i : -1;
-    load_lane<HEAD_DIM, DH>(q_lane[t], q + max(row_index[t], 0LL) * HEAD_DIM, lane);
+    long long index;
+    rows[t] = stacked_row(pb, b, h, r, stacked, index);
+    row_index[t] = r < stacked ? index : -1;  // past the last row: sees nothing, writes nothing
+    read_slice<HEAD_DIM, DH>(q_lane[t], q + index * HEAD_DIM, lane);
 #pragma unroll
     for (int u = 0; u < DV; ++u) acc[t][u] = 0;
     m[t] = minus_inf;
@@ -71,7 +70,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 #pragma unroll
       for (int c = 0; c < CHUNK; ++c) {
         scalar_t key_lane[DH];
-        tile_slice<HEAD_DIM, DH>(key_lane, key_tile, c0 + c, lane);
+        read_slice<HEAD_DIM, DH>(key_lane, key_tile + (c0 + c) * HEAD_DIM, lane);
 #pragma unroll
         for (int t = 0; t < TILE; ++t) s[t][c] = lanes_sum(lane_dot<DH>(q_lane[t], key_lane));
       }
@@ -103,7 +102,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 #pragma unroll
       for (int c = 0; c < CHUNK; ++c) {
         scalar_t value_lane[DV];
-        tile_slice<VALUE_DIM, DV>(value_lane, value_tile, c0 + c, lane);
+        read_slice<VALUE_DIM, DV>(value_lane, value_tile + (c0 + c) * VALUE_DIM, lane);
 #pragma unroll
         for (int t = 0; t < TILE; ++t) lane_axpy<DV>(acc[t], weight[t][c], value_lane);
       }

@@ -117,7 +117,6 @@ __device__ __forceinline__ Problem read_problem(const long long* config, const s
 // What one query row needs for every key: its position, its visibility
 // bounds, its segment id, ALiBi slope and dropout hash.
 struct Row {
-  bool valid;           // a real row (i < q_len); padded rows see nothing
   long long position;   // p_i = i + q_offset
   long long first_key;  // keys [first_key, end_key) pass the window and kv_len
   long long end_key;
@@ -138,17 +137,17 @@ __device__ __forceinline__ long long batch_q_len(const Problem& pb, int b) {
   return pb.q_lengths ? pb.q_lengths[b] : (long long)pb.T;
 }
 
-// Row i of query head n in batch element b (i may lie past T for the
-// threads of a partial tile: such a row is not valid).
+// Row i of query head n in batch element b; a padded row (i >= q_len)
+// sees no key.
 __device__ __forceinline__ Row make_row(const Problem& pb, int b, int n, int i) {
   Row row;
-  row.valid = i < pb.T && i < batch_q_len(pb, b);
   row.position = i + batch_offset(pb, b);
   long long first = 0, end = batch_kv_len(pb, b);
   if (pb.left >= 0) first = max(first, row.position - pb.left);
   if (pb.right >= 0) end = min(end, row.position + pb.right + 1);
   row.first_key = first;
-  row.end_key = row.valid ? end : first;
+  const bool padded = i >= pb.T || i >= batch_q_len(pb, b);  // padded rows see nothing
+  row.end_key = padded ? first : end;
   row.segment = (pb.q_segments && i < pb.T) ? pb.q_segments[(long long)b * pb.T + i] : 0;
   row.slope = pb.slopes ? pb.slopes[(long long)b * pb.N + n] : (scalar_t)0;
   row.hash = mix32(mix32(mix32((unsigned int)b ^ pb.seed_hash) ^ (unsigned int)n) ^ (unsigned int)(pb.row0 + i));

@@ -64,17 +64,6 @@ __device__ __forceinline__ void read_slice(scalar_t* dst, const scalar_t* row, i
   }
 }
 
-// Row r of a tile in shared memory: this lane's slice.
-template <int WIDTH, int PER_LANE>
-__device__ __forceinline__ void tile_slice(scalar_t* dst, const scalar_t* tile, int r, int lane) {
-  read_slice<WIDTH, PER_LANE>(dst, tile + r * WIDTH, lane);
-}
-
-template <int WIDTH, int PER_LANE>
-__device__ __forceinline__ void load_lane(scalar_t* dst, const scalar_t* __restrict__ row, int lane) {
-  read_slice<WIDTH, PER_LANE>(dst, row, lane);
-}
-
 template <int WIDTH, int PER_LANE>
 __device__ __forceinline__ void store_lane(scalar_t* __restrict__ row, const scalar_t* src, int lane, scalar_t factor) {
 #pragma unroll
@@ -98,6 +87,24 @@ template <int PER_LANE>
 __device__ __forceinline__ void lane_axpy(scalar_t* acc, scalar_t weight, const scalar_t* x) {
 #pragma unroll
   for (int u = 0; u < PER_LANE; ++u) acc[u] += weight * x[u];
+}
+
+// Index into (B, N, T) arrays of stacked row r of kv head h in batch
+// element b: row r = i * G + g is query i of head n = h * G + g.
+__device__ __forceinline__ long long stacked_index(const Problem& pb, int b, int h, long long r) {
+  return ((long long)b * pb.N + h * pb.G + r % pb.G) * pb.T + r / pb.G;
+}
+
+// Stacked row r (as stacked_index) and its index. A row at or past `end`
+// (a thread of a partial tile) takes the last real row's index, so that
+// its reads stay in bounds, and sees no key.
+__device__ __forceinline__ Row stacked_row(const Problem& pb, int b, int h, long long r, long long end,
+                                           long long& index) {
+  const long long real = min(r, end - 1);
+  index = stacked_index(pb, b, h, real);
+  Row row = make_row(pb, b, h * pb.G + (int)(real % pb.G), (int)(real / pb.G));
+  if (r >= end) row.end_key = row.first_key;
+  return row;
 }
 
 // The union of the rows' key ranges [first_key, end_key) over the block:
