@@ -216,19 +216,16 @@ class LaunchShape:
     chunk: int
 
 
-#: Values a thread may hold in registers for its rows' slices (the forward
-#: holds q_i and an accumulator per row, the backward four slices per row
-#: or key), by compute dtype's itemsize: beyond it the compiler spills.
-REGISTER_VALUES = {4: 128, 8: 64}
-
-
-#: 32-bit registers a thread may give to one row's slices of ``q`` (or
-#: ``k``) and of the accumulator (or ``v``): with more, ptxas spills. Lanes
-#: double until a row fits, for wide heads: at H=Hv=128 in float32 the
-#: forward spilled 1232 bytes with one lane, none with two; at H=Hv=256,
-#: 4880 bytes with one lane, none with four; float64 at H=Hv=128, 1144
-#: bytes with two lanes, none with four (``nvcc -Xptxas -v``, sm_90). The
-#: lanes measured at H=64 all fit.
+#: 32-bit registers a thread may give to its rows' slices: ``q`` (or
+#: ``k``) and the accumulator (or ``v``) in the forward, twice that many
+#: slices per row in the backward. Lanes double until one row's forward
+#: slices fit, for wide heads: at H=Hv=128 in float32 the forward spilled
+#: 1232 bytes with one lane, none with two; at H=Hv=256, 4880 bytes with
+#: one lane, none with four; float64 at H=Hv=128, 1144 bytes with two
+#: lanes, none with four (``nvcc -Xptxas -v``, sm_90). Then a thread takes
+#: as many rows as fit (its register tile, up to 4). The backward at H=64
+#: in float64 still spills about 780 bytes with two lanes, which measured faster
+#: than four (forward+backward 29.2 against 32.4-32.7 ms, T=S=4096).
 SLICE_REGISTERS = 128
 
 
@@ -246,8 +243,8 @@ def _slice_values(spec: AttentionSpec, lanes: int) -> int:
 def launch_shape(spec: AttentionSpec, backward: bool = False) -> LaunchShape:
     """The launch shape of the forward's kernel or the backward's for
     ``spec``: lanes from :data:`FORWARD_LANES` and its kin (more for wide
-    heads, :data:`SLICE_REGISTERS`), shared-memory tiles within
-    :data:`TILE_BYTES`, register tiles within :data:`REGISTER_VALUES`.
+    heads), register tiles within :data:`SLICE_REGISTERS`, shared-memory
+    tiles within :data:`TILE_BYTES`.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
@@ -263,10 +260,11 @@ def launch_shape(spec: AttentionSpec, backward: bool = False) -> LaunchShape:
     few = spec.group_size * spec.q_len <= FEW_ROWS
     itemsize = np.dtype(spec.compute_dtype).itemsize
     lanes = FEW_ROWS_LANES if few else (BACKWARD_LANES if backward else FORWARD_LANES)[itemsize]
-    while lanes < 32 and _slice_values(spec, lanes) * itemsize // 4 > SLICE_REGISTERS:
+    budget = SLICE_REGISTERS * 4 // itemsize  # values of the compute dtype
+    while lanes < 32 and _slice_values(spec, lanes) > budget:
         lanes *= 2  # wide heads: more lanes, so that a thread's slices stay in registers
     per_row = _slice_values(spec, lanes) * (2 if backward else 1)
-    tile = 1 if few else max(1, min(4, REGISTER_VALUES[itemsize] // per_row))
+    tile = 1 if few else max(1, min(4, budget // per_row))
     keys = 64
     while keys > 1 and keys * (spec.head_dim + spec.value_dim) * itemsize > TILE_BYTES:
         keys //= 2
@@ -287,13 +285,13 @@ def _module(runtime: Runtime, spec: AttentionSpec, shape: LaunchShape) -> Any:
         ("KEYS", str(shape.keys)),
         ("CHUNK", str(shape.chunk)),
     )
-    key = (id(runtime), defines)
+    key = (runtime, defines)
     if key not in _MODULES:
-        _MODULES[key] = (runtime, runtime.module(kernel_source(), defines))  # the runtime kept alive with its id
-    return _MODULES[key][1]
+        _MODULES[key] = runtime.module(kernel_source(), defines)
+    return _MODULES[key]
 
 
-_MODULES: dict[tuple[int, tuple[tuple[str, str], ...]], tuple[Runtime, Any]] = {}
+_MODULES: dict[tuple[Runtime, tuple[tuple[str, str], ...]], Any] = {}
 
 
 # --- one call's arguments ------------------------------------------------------------
