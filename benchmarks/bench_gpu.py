@@ -54,6 +54,7 @@ bad arguments exit with 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -104,6 +105,20 @@ def _torch_cuda():
     return torch, None
 
 
+@contextlib.contextmanager
+def _generic_path(generic: bool):
+    """With ``generic``, CuPy's chunked path runs the generic Array API path
+    (``NPATTN_FAST_CUPY=0``) instead of the fused kernels."""
+    if not generic:
+        yield
+        return
+    os.environ["NPATTN_FAST_CUPY"] = "0"
+    try:
+        yield
+    finally:
+        del os.environ["NPATTN_FAST_CUPY"]
+
+
 def _best_ms(fn, sync, repeats: int) -> float:
     """Best wall time of ``fn()`` in ms, the device synchronized around each run."""
     best = float("inf")
@@ -136,13 +151,8 @@ class _Case:
 
     def npattn_forward(self, options):
         options = dict(options)
-        if options.pop("generic", False):  # the generic chunked path: the fused kernels switched off
-            os.environ["NPATTN_FAST_CUPY"] = "0"
-            try:
-                return attention_forward(self.q, self.k, self.v, causal=self.causal, **options)
-            finally:
-                del os.environ["NPATTN_FAST_CUPY"]
-        return attention_forward(self.q, self.k, self.v, causal=self.causal, **options)
+        with _generic_path(options.pop("generic", False)):
+            return attention_forward(self.q, self.k, self.v, causal=self.causal, **options)
 
     def npattn_forward_backward(self, options):
         out, res = self.npattn_forward(options)
@@ -393,14 +403,10 @@ class _Problem:
 
     def npattn(self, backward: bool, generic: bool = False):
         q, k, v, dout = self.arrays
-        if generic:
-            os.environ["NPATTN_FAST_CUPY"] = "0"
-        try:
+        with _generic_path(generic):
             out, res = attention_forward(q, k, v, impl="chunked", **self.options)
             if backward:
                 attention_backward(dout, res)
-        finally:
-            os.environ.pop("NPATTN_FAST_CUPY", None)
         return out
 
     def sdpa(self, backward: bool):

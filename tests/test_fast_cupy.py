@@ -359,9 +359,9 @@ def test_splits_stay_within_the_grid():
     assert fast_cupy._splits(make_spec(q[:1], k[:1], v[:1]), shape, multiprocessors=132) > 1
 
 
-#: Bytes of ``pipeline.cuh``'s ``Row`` at most (float64: a bool, four int64,
-#: a double and a uint32, padded to 8 bytes).
-ROW_BYTES = 56
+#: Bytes of ``pipeline.cuh``'s ``Row`` at most (float64: four int64, a
+#: double and a uint32, padded to 8 bytes).
+ROW_BYTES = 48
 
 
 def test_launch_shape_fits_static_shared_memory():
