@@ -361,20 +361,26 @@ def test_queries_taken_as_contiguous_columns_keep_the_general_paths_bits(T, S, G
 
 
 @settings(max_examples=60, deadline=None)
-@given(case=attention_cases(features=("mask", "causal", "window", "lengths", "segments", "sinks", "masked_row")))
-def test_raw_scores_with_hidden_keys_take_the_numpy_lane_with_the_general_paths_bits(case):
+@given(
+    case=attention_cases(features=("mask", "causal", "window", "lengths", "segments", "sinks", "masked_row")),
+    repeats=st.sampled_from([1, 10**9]),
+)
+def test_raw_scores_with_hidden_keys_take_the_numpy_lane_with_the_general_paths_bits(case, repeats):
     """Options that only hide keys (mask, causal/window, lengths, segment
     ids) or merge after the kernel (sinks) keep the scores raw
     (``scores_are_raw``): the dense path runs the NumPy kernels of
     :mod:`npattn.dense_numpy` with the pipeline's visibility, and gives the
     general dense code's bits, forward and backward, fully masked rows
-    included."""
+    included, whether the hidden keys are hidden through the float limit
+    (``repeats`` 1) or the boolean mask (``dense_numpy.HIDING_REPEATS``)."""
+    from npattn import dense_numpy
     from npattn.options import AttentionSpec
 
     for dtype in (np.float64, np.float32):
         q, k, v = (a.astype(dtype) for a in case.arrays)
         options = {**case.options, "impl": "dense"}
-        out, res = npattn.attention_forward(q, k, v, **options)
+        with mock.patch.object(dense_numpy, "HIDING_REPEATS", repeats):
+            out, res = npattn.attention_forward(q, k, v, **options)
         assert res.spec.scores_are_raw
         rng = np.random.default_rng(0)
         dout = rng.standard_normal(out.shape).astype(dtype)
