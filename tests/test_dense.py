@@ -275,6 +275,29 @@ def test_backend_matrix_forward_backward_and_no_mutation(backend):
         np.testing.assert_array_equal(backend.to_numpy(arr), orig)
 
 
+def _softmax_in(base: int):
+    """The plain lane's softmax: base 2 from a zero reference (its default
+    where the scores fit), or ``base`` e, the general code's (the zero
+    reference's bound set below every score)."""
+    from npattn import dense_numpy
+
+    bounds = dense_numpy.ZERO_REFERENCE_BOUND
+    return mock.patch.dict(bounds, {} if base == 2 else {dtype: -1.0 for dtype in bounds})
+
+
+def _assert_general(base: int, got, want, dtype, err_msg: str = "") -> None:
+    """The plain lane against the general dense code, both computing in
+    ``dtype``: the same bits with the general code's softmax; in base 2, its
+    numbers to the last bits of ``dtype``, -inf where it has them."""
+    got, want = np.asarray(got), np.asarray(want)
+    if base != 2:
+        np.testing.assert_array_equal(got, want, err_msg=err_msg)
+        return
+    tol = 1e-5 if dtype == np.float32 else 1e-13
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=err_msg)
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want), err_msg=err_msg)
+
+
 @settings(max_examples=60)
 @given(
     shape=st.tuples(
@@ -284,13 +307,17 @@ def test_backend_matrix_forward_backward_and_no_mutation(backend):
     dims=st.tuples(st.integers(0, 4), st.integers(0, 4)),
     dtype=st.sampled_from([np.float32, np.float64]),
     with_lse=st.booleans(),
+    base=st.sampled_from([2, "e"]),
 )
-def test_a_call_without_options_takes_the_plain_lane_with_the_general_paths_bits(shape, S, dims, dtype, with_lse):
+def test_a_call_without_options_takes_the_plain_lane_with_the_general_paths_numbers(
+    shape, S, dims, dtype, with_lse, base
+):
     """No option given: ``plain_spec`` builds the spec :func:`make_spec`
     would, and the dense path's NumPy plain kernels
     (:func:`npattn.dense_numpy.plain_forward` / ``plain_backward``) give the
-    general dense code's bits (which runs when ``scores_are_raw`` is False),
-    forward and backward, GQA and empty sizes included."""
+    general dense code's numbers (which runs when ``scores_are_raw`` is
+    False), forward and backward, GQA and empty sizes included: its bits
+    with its softmax, its last bits with the base-2 one (:func:`_assert_general`)."""
     from npattn.attention import plain_call_spec
     from npattn.options import AttentionSpec, make_spec, plain_spec
     from npattn.scores.visibility import visible_tile
@@ -307,7 +334,8 @@ def test_a_call_without_options_takes_the_plain_lane_with_the_general_paths_bits
     assert plain.__dict__.keys() == general.__dict__.keys()
     for name, value in general.__dict__.items():
         assert getattr(plain, name) == value or getattr(plain, name) is value, name
-    out, res = npattn.attention_forward(q, k, v)
+    with _softmax_in(base):
+        out, res = npattn.attention_forward(q, k, v)
     dout = rng.standard_normal(out.shape).astype(dtype)
     dlse = rng.standard_normal(res.lse.shape).astype(dtype) if with_lse else None
     grads = npattn.attention_backward(dout, res, dlse=dlse)
@@ -317,9 +345,9 @@ def test_a_call_without_options_takes_the_plain_lane_with_the_general_paths_bits
         ref, ref_res = npattn.attention_forward(q, k, v, impl="dense")
         ref_grads = npattn.attention_backward(dout, ref_res, dlse=dlse)
     for a, b in ((out, ref), (res.lse, ref_res.lse), (res.probs, ref_res.probs)):
-        np.testing.assert_array_equal(a, b)
+        _assert_general(base, a, b, dtype)
     for name in ("dq", "dk", "dv"):
-        np.testing.assert_array_equal(getattr(grads, name), getattr(ref_grads, name), err_msg=name)
+        _assert_general(base, getattr(grads, name), getattr(ref_grads, name), dtype, err_msg=name)
 
 
 @pytest.mark.parametrize(
@@ -338,7 +366,8 @@ def test_queries_taken_as_contiguous_columns_keep_the_general_paths_bits(T, S, G
     """Where :func:`npattn.dense_numpy.contiguous_columns` takes the scaled
     queries' transpose as a contiguous block (decoding's few columns, short
     square heads) and where not, the plain lane and the general dense code
-    multiply the same layout and give the same bits, forward and backward."""
+    multiply the same layout and give the same bits, forward and backward
+    (the lane with the general code's softmax)."""
     from npattn import dense_numpy
     from npattn.options import AttentionSpec
 
@@ -350,7 +379,8 @@ def test_queries_taken_as_contiguous_columns_keep_the_general_paths_bits(T, S, G
     assert q_t.flags.c_contiguous is contiguous and np.array_equal(
         q_t, np.swapaxes(0.25 * q.reshape(2, 2, G * T, 16), -1, -2)
     )
-    out, res = npattn.attention_forward(q, k, v, impl="dense")
+    with _softmax_in("e"):
+        out, res = npattn.attention_forward(q, k, v, impl="dense")
     dout = rng.standard_normal(out.shape).astype(dtype)
     grads = npattn.attention_backward(dout, res)
     with mock.patch.object(AttentionSpec, "scores_are_raw", property(lambda spec: False)):  # the general code
@@ -364,22 +394,24 @@ def test_queries_taken_as_contiguous_columns_keep_the_general_paths_bits(T, S, G
 @given(
     case=attention_cases(features=("mask", "causal", "window", "lengths", "segments", "sinks", "masked_row")),
     repeats=st.sampled_from([1, 10**9]),
+    base=st.sampled_from([2, "e"]),
 )
-def test_raw_scores_with_hidden_keys_take_the_numpy_lane_with_the_general_paths_bits(case, repeats):
+def test_raw_scores_with_hidden_keys_take_the_numpy_lane_with_the_general_paths_numbers(case, repeats, base):
     """Options that only hide keys (mask, causal/window, lengths, segment
     ids) or merge after the kernel (sinks) keep the scores raw
     (``scores_are_raw``): the dense path runs the NumPy kernels of
     :mod:`npattn.dense_numpy` with the pipeline's visibility, and gives the
-    general dense code's bits, forward and backward, fully masked rows
-    included, whether the hidden keys are hidden through the float limit
-    (``repeats`` 1) or the boolean mask (``dense_numpy.HIDING_REPEATS``)."""
+    general dense code's numbers (:func:`_assert_general`), forward and
+    backward, fully masked rows included, whether the hidden keys are hidden
+    through a float limit (``repeats`` 1) or the boolean mask
+    (``dense_numpy.HIDING_REPEATS``)."""
     from npattn import dense_numpy
     from npattn.options import AttentionSpec
 
     for dtype in (np.float64, np.float32):
         q, k, v = (a.astype(dtype) for a in case.arrays)
         options = {**case.options, "impl": "dense"}
-        with mock.patch.object(dense_numpy, "HIDING_REPEATS", repeats):
+        with mock.patch.object(dense_numpy, "HIDING_REPEATS", repeats), _softmax_in(base):
             out, res = npattn.attention_forward(q, k, v, **options)
         assert res.spec.scores_are_raw
         rng = np.random.default_rng(0)
@@ -390,9 +422,74 @@ def test_raw_scores_with_hidden_keys_take_the_numpy_lane_with_the_general_paths_
             ref, ref_res = npattn.attention_forward(q, k, v, **options)
             ref_grads = npattn.attention_backward(dout, ref_res, dlse=dlse)
         for a, b in ((out, ref), (res.lse, ref_res.lse), (res.probs, ref_res.probs)):
-            np.testing.assert_array_equal(a, b)
+            _assert_general(base, a, b, dtype)
         for name in ("dq", "dk", "dv", "dsinks"):
-            np.testing.assert_array_equal(getattr(grads, name), getattr(ref_grads, name), err_msg=name)
+            if getattr(ref_grads, name) is None:
+                assert getattr(grads, name) is None
+                continue
+            _assert_general(base, getattr(grads, name), getattr(ref_grads, name), dtype, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_plain_lane_takes_base_2_where_the_scores_fit_and_the_general_softmax_where_not(dtype):
+    """The zero reference needs every base-2 score within
+    ``ZERO_REFERENCE_BOUND``: queries scaled past it, a NaN or an inf send
+    the call to the general code's softmax, whose bits it then gives; scores
+    within it take :func:`~npattn.dense_numpy.zero_reference_softmax`."""
+    from npattn import dense_numpy
+    from npattn.options import AttentionSpec
+
+    bound = dense_numpy.ZERO_REFERENCE_BOUND[np.dtype(dtype)]
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((2, 4, 6, 8)).astype(dtype) for _ in range(3))
+    large = q * dtype(2 * bound)  # scores of about 2 bound * |q| |k| / sqrt(8): far past the bound
+    nan = q.copy()
+    nan[1, 2, 3, 4] = np.nan
+    inf = k.copy()
+    inf[0, 1, 5, 0] = np.inf  # a key hidden by causal from rows 0 to 4, seen by row 5
+    taken: list[str] = []
+    real = dense_numpy.zero_reference_softmax, dense_numpy.masked_softmax
+
+    def noting(name, fn):
+        return lambda *a, **kw: taken.append(name) or fn(*a, **kw)
+
+    with (
+        mock.patch.object(dense_numpy, "zero_reference_softmax", noting("base 2", real[0])),
+        mock.patch.object(dense_numpy, "masked_softmax", noting("general", real[1])),
+    ):
+        for qq, kk, want in ((q, k, "base 2"), (large, k, "general"), (nan, k, "general"), (q, inf, "general")):
+            taken.clear()
+            with np.errstate(invalid="ignore"):
+                out, res = npattn.attention_forward(qq, kk, v, causal=True, impl="dense")
+            assert taken == [want]
+            with (
+                mock.patch.object(AttentionSpec, "scores_are_raw", property(lambda spec: False)),
+                np.errstate(invalid="ignore"),
+            ):
+                ref, ref_res = npattn.attention_forward(qq, kk, v, causal=True, impl="dense")
+            for a, b in ((out, ref), (res.lse, ref_res.lse), (res.probs, ref_res.probs)):
+                _assert_general(2 if want == "base 2" else "e", a, b, dtype)
+    assert np.isnan(out[0, 1, 5]).all() and not np.isnan(out[0, 1, :5]).any()  # the inf key: only the row that sees it
+
+
+def test_zero_reference_softmax_hides_after_exp2_and_empties_rows():
+    """``P = 2**s2 / l`` over the visible keys, ``lse = ln l``: the softmax of
+    ``s2 ln 2``; a row without a visible key gets P = 0 and lse = -inf, whether
+    the mask is boolean or a ``hidden=0`` limit, and ``s2`` becomes P."""
+    from npattn.dense_numpy import hiding_limit, masked_softmax, zero_reference_softmax
+
+    rng = np.random.default_rng(1)
+    s2 = rng.standard_normal((3, 4, 5)) * 8
+    visible = rng.random((1, 4, 5)) < 0.6
+    visible[0, 2] = False  # an empty row
+    p_ref, lse_ref = masked_softmax(s2 * np.log(2.0), np.broadcast_to(visible, s2.shape))
+    for mask in (visible, hiding_limit(visible, s2.dtype, transposed=False, hidden=0)):
+        x = s2.copy()
+        p, lse = zero_reference_softmax(x, mask)
+        assert p is x
+        np.testing.assert_allclose(p, p_ref, rtol=1e-13, atol=1e-15)
+        np.testing.assert_allclose(lse, lse_ref, rtol=1e-13)
+        assert (p[:, 2] == 0).all() and (lse[:, 2] == -np.inf).all()
 
 
 def _raw_lane(q, k, v, dout, dlse, options, *, split_from, threads):
@@ -513,7 +610,8 @@ def test_chunks_split_batch_elements_else_kv_heads(monkeypatch, batch, K, G, opt
 
 def test_a_mask_modification_and_a_block_mask_keep_the_raw_score_lane_bit_for_bit():
     """A user's ``mask_mod`` (and the block mask built from it) only hides
-    keys: the raw-score lane gives the general code's bits with them too."""
+    keys: the raw-score lane gives the general code's bits with them too
+    (with the general code's softmax)."""
     from npattn.options import AttentionSpec
 
     def striped(idx):
@@ -523,7 +621,8 @@ def test_a_mask_modification_and_a_block_mask_keep_the_raw_score_lane_bit_for_bi
     q, k, v = (rng.standard_normal((2, 2, 5, 3)) for _ in range(3))
     blocks = npattn.block_mask(striped, 5, 5, block_q=2, block_k=2, batch_shape=(2,), num_heads=2, align="top_left")
     for options in (dict(mask_mod=striped, align="top_left"), dict(block_mask=blocks, align="top_left")):
-        out, res = npattn.attention_forward(q, k, v, impl="dense", **options)
+        with _softmax_in("e"):
+            out, res = npattn.attention_forward(q, k, v, impl="dense", **options)
         assert res.spec.scores_are_raw
         grads = npattn.attention_backward(out, res)
         with mock.patch.object(AttentionSpec, "scores_are_raw", property(lambda spec: False)):
