@@ -34,6 +34,7 @@ import numpy as np
 
 from . import blas_numpy
 from .options import AUTO_FAST_MIN_SCORES
+from .scores.visibility import NONE, classify_tile
 from .threads import run_items
 
 #: ``log2(e)``: base-2 scores are ``s log2(e)``.
@@ -342,27 +343,62 @@ def plain_forward(
     rows = (N // K) * T if K else 0  # G*T
     q_g = q.reshape((*lead, K, rows, H)) if grouped else q  # (..., K, G*T, H)
     base2 = scaled_transpose(q_g, spec.scale * LOG2_E, S)  # (..., K, H, G*T): base-2 scores, log2(e) in the scale
-    products = _products(k, base2, products)  # (..., K, S, G*T)
+    corner = None if grouped or visible is None else _hidden_corner(spec, T, S)
+    products = _products(k, base2, products, corner)  # (..., K, S, G*T)
     s = _scores_of(products, lead, N, T)  # (..., N, T, S), a view
     if fits_zero_reference(products):
         p, lse = zero_reference_softmax(s, visible if zero_limit is None else zero_limit)  # (..., N, T, S), (..., N, T)
     else:  # a score past the bound, NaN or inf: the general code's scale and softmax, with its bits
+        corner = None
         products = _products(k, scaled_transpose(q_g, spec.scale, S), products)
         p, lse = masked_softmax(_scores_of(products, lead, N, T), visible, overwrite=True)
     p_g = p.reshape((*lead, K, rows, S)) if grouped else p  # (..., K, G*T, S)
-    if out is None:  # (..., K, G*T, S) @ (..., K, S, Hv) -> (..., K, G*T, Hv)
+    if out is None and corner is None:  # (..., K, G*T, S) @ (..., K, S, Hv) -> (..., K, G*T, Hv)
         out = p_g @ v
         return (out.reshape((*lead, N, T, Hv)) if grouped else out), lse, p
-    blas_numpy.matmul(p_g, v, out=out.reshape((*lead, K, rows, Hv)) if grouped else out)  # into the chunk's rows
+    if out is None:
+        out = np.empty((*lead, N, T, Hv), dtype=q.dtype)
+    out_g = out.reshape((*lead, K, rows, Hv)) if grouped else out  # the chunk's rows, or the call's
+    if corner is None:
+        blas_numpy.matmul(p_g, v, out=out_g)
+    else:  # the first rows see none of the keys from the corner on
+        blas_numpy.matmul(p_g[..., :corner, :corner], v[..., :corner, :], out=out_g[..., :corner, :])
+        blas_numpy.matmul(p_g[..., corner:, :], v, out=out_g[..., corner:, :])
     return out, lse, p
 
 
-def _products(k: np.ndarray, qs_t: np.ndarray, products: np.ndarray | None) -> np.ndarray:
+#: The plain lane skips the hidden corner of a banded square
+#: (:func:`_hidden_corner`) from this many query rows.
+CORNER_MIN_ROWS = 128
+
+
+def _hidden_corner(spec: Any, T: int, S: int) -> int | None:
+    """``c = T // 2`` where the queries ``[0, c)`` see none of the keys ``[c,
+    S)`` for every batch element and head (a causal square's upper right
+    quarter: the pipeline's :func:`~npattn.scores.visibility.classify_tile`
+    says so), from :data:`CORNER_MIN_ROWS` rows; else None."""
+    corner = T // 2
+    if T < CORNER_MIN_ROWS or corner >= S or classify_tile(spec, 0, corner, corner, S) != NONE:
+        return None
+    return corner
+
+
+def _products(k: np.ndarray, qs_t: np.ndarray, products: np.ndarray | None, corner: int | None = None) -> np.ndarray:
     """``K Q^T``: ``(..., K, S, H) @ (..., K, H, G*T) -> (..., K, S, G*T)``, into
     ``products`` where given (a chunk's, on one BLAS thread: through
     :func:`npattn.blas_numpy.matmul`, the same bits), else fresh (the
-    operator: a small call's floor)."""
-    return k @ qs_t if products is None else blas_numpy.matmul(k, qs_t, out=products)
+    operator: a small call's floor). With a hidden ``corner``
+    (:func:`_hidden_corner`, one query head per kv head), the keys from it
+    on are not multiplied by the queries before it: 0 there."""
+    if corner is None:
+        return k @ qs_t if products is None else blas_numpy.matmul(k, qs_t, out=products)
+    if products is None:
+        products = np.empty(k.shape[:-1] + qs_t.shape[-1:], dtype=k.dtype)
+    c = corner
+    products[..., c:, :c] = 0  # (..., K, S - c, c): keys c.. against queries ..c, hidden
+    blas_numpy.matmul(k[..., :c, :], qs_t[..., :c], out=products[..., :c, :c])  # (..., K, c, H) @ (..., K, H, c)
+    blas_numpy.matmul(k, qs_t[..., c:], out=products[..., c:])  # (..., K, S, H) @ (..., K, H, G*T - c)
+    return products
 
 
 def _scores_of(products: np.ndarray, lead: list[int], N: int, T: int) -> np.ndarray:

@@ -472,6 +472,73 @@ def test_the_plain_lane_takes_base_2_where_the_scores_fit_and_the_general_softma
     assert np.isnan(out[0, 1, 5]).all() and not np.isnan(out[0, 1, :5]).any()  # the inf key: only the row that sees it
 
 
+@pytest.mark.parametrize(
+    "T, S, options, corner",
+    [
+        (128, 128, dict(causal=True), 64),
+        (129, 129, dict(causal=True, q_lengths=np.array([129, 90])), 64),
+        (256, 200, dict(causal=True, align="top_left"), 128),
+        (130, 130, dict(window=(20, 0), kv_lengths=np.array([130, 7])), 65),
+        (200, 300, dict(causal=True, align="bottom_right"), None),  # every row sees past the corner
+        (128, 128, dict(window=(0, 5)), None),  # the lower left is hidden, not the upper right
+        (127, 127, dict(causal=True), None),  # below CORNER_MIN_ROWS
+        (128, 128, dict(), None),
+    ],
+)
+def test_the_plain_lane_skips_the_hidden_corner_of_a_banded_square(T, S, options, corner):
+    """Where the queries before ``T // 2`` see none of the keys from there on
+    (the pipeline's tile classification), the base-2 lane neither multiplies
+    them nor weighs their values: the same numbers as the whole products, P
+    0 in the corner, forward and backward; not with GQA, whose stacked heads
+    interleave the rows."""
+    from npattn import dense_numpy
+    from npattn.options import make_spec
+
+    rng = np.random.default_rng(T + S)
+    q = rng.standard_normal((2, 4, T, 16))
+    k, v = (rng.standard_normal((2, 4, S, 16)) for _ in range(2))
+    assert dense_numpy._hidden_corner(make_spec(q, k, v, **options), T, S) == corner
+    assert dense_numpy._hidden_corner(make_spec(q, k[:, :2], v[:, :2], **options), T, S) == corner  # the rule...
+    taken: list = []
+    real = dense_numpy._products
+
+    def noting(k, qs_t, products, corner=None):  # the corner each product skipped
+        taken.append(corner)
+        return real(k, qs_t, products, corner)
+
+    with mock.patch.object(dense_numpy, "_products", noting):
+        out, res = npattn.attention_forward(q, k, v, impl="dense", **options)
+    assert taken and set(taken) == {corner}  # in each chunk
+    dout = rng.standard_normal(out.shape)
+    grads = npattn.attention_backward(dout, res)
+    with mock.patch.object(dense_numpy, "CORNER_MIN_ROWS", 10**9):
+        ref, ref_res = npattn.attention_forward(q, k, v, impl="dense", **options)
+        ref_grads = npattn.attention_backward(dout, ref_res)
+    for a, b in ((out, ref), (res.lse, ref_res.lse), (res.probs, ref_res.probs), *zip(grads[:3], ref_grads[:3])):
+        np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-14)
+    if corner is not None:
+        assert not res.probs[..., :corner, corner:].any()
+    taken.clear()
+    with mock.patch.object(dense_numpy, "_products", noting):
+        npattn.attention_forward(q, k[:, :2], v[:, :2], impl="dense", **options)  # ... but GQA multiplies them
+    assert taken and set(taken) == {None}
+
+
+def test_scores_past_the_zero_reference_with_a_hidden_corner_take_the_whole_general_products():
+    """A causal square whose scores do not fit the zero reference: the lane
+    takes the products again, whole (the corner's zeros overwritten), at
+    the general code's scale, and gives the general code's bits."""
+    from npattn.options import AttentionSpec
+
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 2, 128, 16)) * s for s in (300.0, 1.0, 1.0))
+    out, res = npattn.attention_forward(q, k, v, causal=True, impl="dense")
+    with mock.patch.object(AttentionSpec, "scores_are_raw", property(lambda spec: False)):
+        ref, ref_res = npattn.attention_forward(q, k, v, causal=True, impl="dense")
+    for a, b in ((out, ref), (res.lse, ref_res.lse), (res.probs, ref_res.probs)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_zero_reference_softmax_hides_after_exp2_and_empties_rows():
     """``P = 2**s2 / l`` over the visible keys, ``lse = ln l``: the softmax of
     ``s2 ln 2``; a row without a visible key gets P = 0 and lse = -inf, whether
