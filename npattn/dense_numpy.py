@@ -37,10 +37,20 @@ from .options import AUTO_FAST_MIN_SCORES
 from .scores.visibility import NONE, classify_tile
 from .threads import run_items
 
+__all__ = [
+    "handles",
+    "masked_softmax",
+    "hiding_limit",
+    "fits_zero_reference",
+    "zero_reference_softmax",
+    "softmax_backward",
+    "plain_forward",
+    "plain_backward",
+    "narrow_columns",
+]
+
 #: ``log2(e)``: base-2 scores are ``s log2(e)``.
 LOG2_E = 1.0 / math.log(2.0)
-
-__all__ = ["handles", "masked_softmax", "softmax_backward", "plain_forward", "plain_backward", "narrow_columns"]
 
 
 def handles(xp: Any, dtype: Any) -> bool:
@@ -57,8 +67,9 @@ def masked_softmax(
     (``out=``) rather than a new temporary per step, and with the per-row
     fix-ups done on the ``(..., T, 1)`` vectors only. That buffer is ``s``
     itself with ``overwrite`` (the caller's fresh scores, which become P),
-    else a fresh one and ``s`` is not modified. ``visible`` is a boolean
-    array broadcasting to ``s``, or its :func:`hiding_limit`."""
+    else a fresh one and ``s`` is not modified. ``visible``: a boolean array
+    broadcasting to ``s``, hidden through its :func:`hiding_limit` where
+    ``s`` repeats it :data:`HIDING_REPEATS` times or more."""
     e: np.ndarray | None = None
     if visible is not None and visible.dtype == bool and s.size >= HIDING_REPEATS * visible.size:
         visible = hiding_limit(visible, s.dtype, transposed=s.ndim >= 2 and s.strides[-1] > s.strides[-2])
@@ -397,7 +408,7 @@ def _products(k: np.ndarray, qs_t: np.ndarray, products: np.ndarray | None, corn
     c = corner
     products[..., c:, :c] = 0  # (..., K, S - c, c): keys c.. against queries ..c, hidden
     blas_numpy.matmul(k[..., :c, :], qs_t[..., :c], out=products[..., :c, :c])  # (..., K, c, H) @ (..., K, H, c)
-    blas_numpy.matmul(k, qs_t[..., c:], out=products[..., c:])  # (..., K, S, H) @ (..., K, H, G*T - c)
+    blas_numpy.matmul(k, qs_t[..., c:], out=products[..., c:])  # (..., K, S, H) @ (..., K, H, T - c)
     return products
 
 
