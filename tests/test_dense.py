@@ -275,7 +275,7 @@ def test_backend_matrix_forward_backward_and_no_mutation(backend):
         np.testing.assert_array_equal(backend.to_numpy(arr), orig)
 
 
-def _softmax_in(base: int):
+def _softmax_in(base: int | str):
     """The plain lane's softmax: base 2 from a zero reference (its default
     where the scores fit), or ``base`` e, the general code's (the zero
     reference's bound set below every score)."""
@@ -285,7 +285,7 @@ def _softmax_in(base: int):
     return mock.patch.dict(bounds, {} if base == 2 else {dtype: -1.0 for dtype in bounds})
 
 
-def _assert_general(base: int, got, want, dtype, err_msg: str = "") -> None:
+def _assert_general(base: int | str, got, want, dtype, err_msg: str = "") -> None:
     """The plain lane against the general dense code, both computing in
     ``dtype``: the same bits with the general code's softmax; in base 2, its
     numbers to the last bits of ``dtype``, -inf where it has them."""
