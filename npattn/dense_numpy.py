@@ -33,6 +33,7 @@ import array_api_compat
 import numpy as np
 
 from . import blas_numpy
+from .fast_numpy import LOG2E, ZERO_REFERENCE_BOUND
 from .options import AUTO_FAST_MIN_SCORES
 from .scores.visibility import NONE, classify_tile
 from .threads import run_items
@@ -48,9 +49,6 @@ __all__ = [
     "plain_backward",
     "narrow_columns",
 ]
-
-#: ``log2(e)``: base-2 scores are ``s log2(e)``.
-LOG2_E = 1.0 / math.log(2.0)
 
 
 def handles(xp: Any, dtype: Any) -> bool:
@@ -170,22 +168,16 @@ def _has_empty_row(m: np.ndarray, empty: float = -math.inf) -> bool:
     return bool(np.fmin.reduce(m, axis=None, initial=np.inf) == empty)
 
 
-#: The plain lane's softmax runs in base 2 from a zero reference where every
-#: score ``s log2(e)`` of the call lies within +-this many binades (see
-#: :func:`zero_reference_softmax`): then ``2**s`` is a normal number and a
-#: row's sum of up to ``2**bound S`` stays far below the dtype's largest.
-#: Past it (or with a NaN or inf score) the lane takes the general code's
-#: softmax, with its bits.
-ZERO_REFERENCE_BOUND = {np.dtype(np.float32): 64.0, np.dtype(np.float64): 512.0}
-
-
 def fits_zero_reference(s2: np.ndarray) -> bool:
     """Whether every base-2 score of ``s2`` (hidden ones included: they are
-    exponentiated before they are hidden) lies within
-    :data:`ZERO_REFERENCE_BOUND`; False for a NaN or inf. Two reductions over
-    the whole array, order-free, so they run at memory speed.
+    exponentiated before they are hidden) lies within the NumPy fast path's
+    zero-reference bound, :data:`npattn.fast_numpy.ZERO_REFERENCE_BOUND`
+    (80 for float32, 900 for float64): ``2**s2`` is then a normal number and
+    a row's sum of up to ``2**bound S`` stays far below the dtype's largest.
+    False for a NaN or inf. Two reductions over the whole array, order-free,
+    so they run at memory speed.
 
-    >>> fits_zero_reference(np.array([[-60.0, 3.0]], np.float32)), fits_zero_reference(np.array([[70.0]], np.float32))
+    >>> fits_zero_reference(np.array([[-70.0, 3.0]], np.float32)), fits_zero_reference(np.array([[90.0]], np.float32))
     (True, False)
     """
     bound = ZERO_REFERENCE_BOUND[s2.dtype]
@@ -353,7 +345,7 @@ def plain_forward(
     grouped = N != K  # G > 1 query heads per kv head, stacked as G*T rows (reshapes that are no-ops else)
     rows = (N // K) * T if K else 0  # G*T
     q_g = q.reshape((*lead, K, rows, H)) if grouped else q  # (..., K, G*T, H)
-    base2 = scaled_transpose(q_g, spec.scale * LOG2_E, S)  # (..., K, H, G*T): base-2 scores, log2(e) in the scale
+    base2 = scaled_transpose(q_g, spec.scale * LOG2E, S)  # (..., K, H, G*T): base-2 scores, log2(e) in the scale
     corner = None if grouped or visible is None else _hidden_corner(spec, T, S)
     products = _products(k, base2, products, corner)  # (..., K, S, G*T)
     s = _scores_of(products, lead, N, T)  # (..., N, T, S), a view

@@ -281,7 +281,7 @@ def _softmax_in(base: int | str):
     reference's bound set below every score)."""
     from npattn import dense_numpy
 
-    bounds = dense_numpy.ZERO_REFERENCE_BOUND
+    bounds = dense_numpy.ZERO_REFERENCE_BOUND  # the fast path's, shared: patched only around dense calls
     return mock.patch.dict(bounds, {} if base == 2 else {dtype: -1.0 for dtype in bounds})
 
 
