@@ -1301,6 +1301,80 @@ def test_variants_with_default_tiles_and_spans_equal_the_generic_path(case):
     _assert_kernels_agree((out, lse, grads), (out_g, lse_g, grads_g))
 
 
+def _random_real_size_call(seed):
+    """A call drawn from ``seed`` at the shipped tile sizes (T and S from 1 to
+    1100: 512-tiles, 128-row spans, diagonal blocks, groups of kv heads, GQA
+    stacks and backward head parts), with any mix of causal or window (both
+    alignments), lengths, segment ids, a mask, a bias, sinks, softcap, ALiBi,
+    dropout and dlse; queries scaled by up to 40, past the zero reference's
+    bound. ``(q, k, v, dout, dlse, options)`` in float64."""
+    rng = np.random.default_rng(seed)
+    B, K, G = int(rng.integers(1, 3)), int(rng.integers(1, 4)), int(rng.choice([1, 2, 3, 8]))
+    N, T = K * G, int(rng.choice([1, 129, 384, 513, 700, 1100]))
+    S = T if rng.random() < 0.6 else int(rng.choice([50, 300, 512, 600, 1100]))
+    H, Hv = int(rng.choice([8, 16])), int(rng.choice([8, 4]))
+    options: dict = {}
+    if rng.random() < 0.4:
+        options["causal"] = True
+    elif rng.random() < 0.3:
+        options["window"] = (int(rng.integers(0, 300)), int(rng.choice([0, 3, 100])))
+    if rng.random() < 0.3:
+        options["alibi_slopes"] = npattn.alibi_slopes(N) * float(rng.choice([1, -1, 10]))
+    if T != S and options:
+        options["align"] = str(rng.choice(["top_left", "bottom_right"]))
+    if rng.random() < 0.3:
+        options["kv_lengths"] = rng.integers(0, S + 1, size=B)
+    if rng.random() < 0.2:
+        options["q_lengths"] = rng.integers(0, T + 1, size=B)
+    if T == S and rng.random() < 0.3:
+        ids = np.sort(rng.integers(0, int(rng.integers(1, 6)), size=(B, T)), axis=1)
+        options["q_segment_ids"] = options["kv_segment_ids"] = ids
+    if rng.random() < 0.15:
+        options["mask"] = rng.random((B, 1, T, S)) < 0.8
+    if rng.random() < 0.15:
+        options["bias"] = rng.standard_normal((1, N, T, S)) if rng.random() < 0.5 else rng.standard_normal((T, S))
+    if rng.random() < 0.3:
+        options["sinks"] = rng.standard_normal(N) * float(rng.choice([1, 10]))
+    if rng.random() < 0.3:
+        options["softcap"] = float(rng.choice([0.5, 5.0, 30.0]))
+    if rng.random() < 0.15:
+        options.update(dropout_p=0.3, seed=int(rng.integers(0, 100)))
+    q = rng.standard_normal((B, N, T, H)) * float(rng.choice([1.0, 4.0, 40.0]))
+    k, v = rng.standard_normal((B, K, S, H)), rng.standard_normal((B, K, S, Hv))
+    dout = rng.standard_normal((B, N, T, Hv))
+    dlse = rng.standard_normal((B, N, T)) if rng.random() < 0.3 else None
+    return q, k, v, dout, dlse, options
+
+
+@pytest.mark.parametrize("seed", range(32))
+def test_random_real_size_calls_equal_the_generic_path(seed):
+    """Calls drawn at the shipped tile sizes with every option and variant
+    (:func:`_random_real_size_call`), through the public API: the fast path
+    against ``NPATTN_FAST_NUMPY=0`` in float64, the same fully masked rows,
+    and out, lse and every field of AttentionGrads to 1e-10 of their
+    largest entry."""
+    q, k, v, dout, dlse, options = _random_real_size_call(seed)
+    results = {}
+    with pytest.MonkeyPatch.context() as patch:
+        for switch in ("1", "0"):
+            patch.setenv("NPATTN_FAST_NUMPY", switch)
+            out, res = npattn.attention_forward(q, k, v, impl="chunked", **options)
+            results[switch] = res.kernel, out, res.lse, npattn.attention_backward(dout, res, dlse=dlse)
+    (kernel, *fast), (kernel_g, *generic) = results["1"], results["0"]
+    assert (kernel, kernel_g) == ("numpy", "generic")
+    np.testing.assert_array_equal(np.isneginf(fast[1]), np.isneginf(generic[1]))
+    pairs = [("out", fast[0], generic[0]), ("lse", fast[1], generic[1])]
+    pairs += [(f, getattr(fast[2], f), getattr(generic[2], f)) for f in fast[2]._fields]
+    for name, a, b in pairs:
+        if b is None:
+            assert a is None, name
+            continue
+        finite = np.isfinite(b)
+        assert not np.isnan(a).any(), name
+        scale = max(1.0, float(np.abs(b[finite]).max(initial=0.0)))
+        np.testing.assert_allclose(a[finite], b[finite], atol=1e-10 * scale, rtol=0, err_msg=name)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("variant", ["softcap", "alibi", "both"])
 def test_variants_in_the_compute_dtype_match_float64(dtype, variant):
