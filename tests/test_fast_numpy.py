@@ -1229,6 +1229,17 @@ def test_variants_on_the_fast_path_equal_the_generic_path(data, block_q, block_k
     _assert_kernels_agree(fast, generic)
 
 
+def _assert_grads_agree(got, want, atol):
+    """Every array field of two AttentionGrads: None on both sides, or equal
+    to ``atol`` times the larger of 1 and ``want``'s largest magnitude."""
+    for field in ("dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes"):
+        a, b = getattr(got, field), getattr(want, field)
+        if b is None:
+            assert a is None, field
+        else:
+            np.testing.assert_allclose(a, b, atol=atol * max(1.0, float(np.abs(b).max())), rtol=0, err_msg=field)
+
+
 def _public(case, options, dout_seed=1):
     """out, lse and every gradient of the public API (``impl="chunked"``)."""
     out, res = npattn.attention_forward(*case.arrays, impl="chunked", **case.options, **options)
@@ -1254,12 +1265,7 @@ def test_every_variant_through_the_public_api_equals_the_generic_path(data):
     assert (fast[0], generic[0]) == ("numpy", "generic")
     for name, a, b in zip(("out", "lse"), fast[1:3], generic[1:3]):
         np.testing.assert_allclose(a, b, atol=1e-12, rtol=0, err_msg=name)
-    for field in ("dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes"):
-        a, b = getattr(fast[3], field), getattr(generic[3], field)
-        if b is None:
-            assert a is None, field
-        else:
-            np.testing.assert_allclose(a, b, atol=1e-11 * max(1.0, float(np.abs(b).max())), rtol=0, err_msg=field)
+    _assert_grads_agree(fast[3], generic[3], 1e-11)
 
 
 VARIANT_SIZE_CASES = {
@@ -1363,16 +1369,13 @@ def test_random_real_size_calls_equal_the_generic_path(seed):
     (kernel, *fast), (kernel_g, *generic) = results["1"], results["0"]
     assert (kernel, kernel_g) == ("numpy", "generic")
     np.testing.assert_array_equal(np.isneginf(fast[1]), np.isneginf(generic[1]))
-    pairs = [("out", fast[0], generic[0]), ("lse", fast[1], generic[1])]
-    pairs += [(f, getattr(fast[2], f), getattr(generic[2], f)) for f in fast[2]._fields]
-    for name, a, b in pairs:
-        if b is None:
-            assert a is None, name
-            continue
+    for name, a, b in (("out", fast[0], generic[0]), ("lse", fast[1], generic[1])):
         finite = np.isfinite(b)
         assert not np.isnan(a).any(), name
         scale = max(1.0, float(np.abs(b[finite]).max(initial=0.0)))
         np.testing.assert_allclose(a[finite], b[finite], atol=1e-10 * scale, rtol=0, err_msg=name)
+    assert fast[2].dmods is None and generic[2].dmods is None  # no score modifications drawn
+    _assert_grads_agree(fast[2], generic[2], 1e-10)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
