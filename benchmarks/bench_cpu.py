@@ -19,8 +19,11 @@ after ``SETTLE_S`` of the same side's untimed calls.
 A second table times the variants of the score pipeline at the same shape
 (``--no-variants`` skips it), each beside plain attention of that shape in
 npattn and beside torch, all interleaved in one process: npattn ms, torch
-ms, their ratio and npattn's time ÷ its plain attention ("÷ plain"). Torch
-has no softcap or sinks in SDPA, so the torch side is:
+ms, their ratio, npattn's time ÷ its plain attention ("÷ plain"), and
+torch's time ÷ torch's plain attention ("torch ÷ plain": SDPA of the plain
+side's arrays, causal where that side is), so that each library's own price
+of a variant shows beside the other's. Torch has no softcap or sinks in
+SDPA, so the torch side is:
 
 - softcap (c = 50, Gemma 2's): explicit math, ``c tanh(s / c)`` on
   ``scale q k^T``, softmax, ``@ v`` (autograd through every step);
@@ -34,7 +37,9 @@ has no softcap or sinks in SDPA, so the torch side is:
 - the same documents apart ("docs apart"): the 4 documents as batch
   elements of length T/4, causal, on both sides. Its "÷ plain" is also
   against causal attention over T, so the two rows show whether packing
-  costs what the documents would cost separately (issue 14's criterion).
+  costs what the documents would cost separately (issue 14's criterion),
+  and its "torch ÷ plain" is what torch's own flash kernel takes for those
+  documents against its causal attention over T.
 
 The other three compare with full (non-causal) attention.
 
@@ -309,7 +314,7 @@ def _variants(torch, q, k, v):
 
 
 def variant_table(torch, arrays, repeats: int) -> None:
-    """One row per variant and pass: npattn, torch, ratio, npattn ÷ plain."""
+    """One row per variant and pass: npattn, torch, ratio, npattn ÷ plain, torch ÷ plain."""
     q, k, v = arrays[:3]
     B, N, T, H = q.shape
     print()
@@ -321,8 +326,10 @@ def _variant_rows(torch, arrays, variants: dict, repeats: int) -> None:
     """Time ``{name: (npattn options, plain npattn options, torch forward or
     None, layout or None)}`` side by side and print one row per variant and
     pass; a row's layout maps ``arrays`` to its own (npattn's and torch's),
-    while its plain side keeps ``arrays``."""
-    header = f"{'variant':<12} {'pass':<8} {'npattn ms':>10} {'torch ms':>9} {'ratio':>6} {'÷ plain':>8}"
+    while its plain side keeps ``arrays`` (torch's plain side is SDPA,
+    causal where npattn's plain options are)."""
+    columns = f"{'npattn ms':>10} {'torch ms':>9} {'ratio':>6} {'÷ plain':>8} {'torch ÷ plain':>14}"
+    header = f"{'variant':<12} {'pass':<8} {columns}"
     print(header)
     print("-" * len(header))
     for name, (ours, plain, torch_fn, layout) in variants.items():
@@ -338,24 +345,38 @@ def _variant_rows(torch, arrays, variants: dict, repeats: int) -> None:
 
             fns.update({f"{label}forward": fwd, f"{label}fwd+bwd": fwd_bwd})
         if torch_fn is not None:
-            tq, tk, tv = (torch.from_numpy(a.copy()).requires_grad_() for a in own[:3])
-            tdout = torch.from_numpy(own[3])
+            t_plain = _torch_plain(torch, causal=bool(plain.get("causal")))
+            for label, fn, (q, k, v, dout) in (("", torch_fn, own), ("plain ", t_plain, arrays)):
+                tq, tk, tv = (torch.from_numpy(a.copy()).requires_grad_() for a in (q, k, v))
+                tdout = torch.from_numpy(dout)
 
-            def t_fwd(tq=tq, tk=tk, tv=tv, torch_fn=torch_fn):
-                with torch.no_grad():
-                    return torch_fn(tq, tk, tv)
+                def t_fwd(tq=tq, tk=tk, tv=tv, fn=fn):
+                    with torch.no_grad():
+                        return fn(tq, tk, tv)
 
-            def t_fwd_bwd(tq=tq, tk=tk, tv=tv, tdout=tdout, torch_fn=torch_fn):
-                torch_fn(tq, tk, tv).backward(tdout)
+                def t_fwd_bwd(tq=tq, tk=tk, tv=tv, tdout=tdout, fn=fn):
+                    fn(tq, tk, tv).backward(tdout)
 
-            fns.update({"torch forward": t_fwd, "torch fwd+bwd": t_fwd_bwd})
+                fns.update({f"torch {label}forward": t_fwd, f"torch {label}fwd+bwd": t_fwd_bwd})
         best = _best_side_by_side(fns, repeats)
         for pass_name in ("forward", "fwd+bwd"):
             ms, plain_ms = best[pass_name] * 1e3, best[f"plain {pass_name}"] * 1e3
             t_ms = best.get(f"torch {pass_name}")
             torch_col = f"{t_ms * 1e3:9.1f}" if t_ms else f"{'-':>9}"
             ratio = f"{best[pass_name] / t_ms:6.2f}" if t_ms else f"{'-':>6}"
-            print(f"{name:<12} {pass_name:<8} {ms:10.1f} {torch_col} {ratio} {ms / plain_ms:7.2f}x")
+            t_plain_ms = best.get(f"torch plain {pass_name}")
+            torch_plain = f"{t_ms / t_plain_ms:.2f}x" if t_ms else "-"
+            print(f"{name:<12} {pass_name:<8} {ms:10.1f} {torch_col} {ratio} {ms / plain_ms:7.2f}x {torch_plain:>14}")
+
+
+def _torch_plain(torch, causal: bool):
+    """torch's plain attention, the variant rows' "torch ÷ plain" baseline:
+    SDPA without a mask, causal or not."""
+
+    def t_plain(tq, tk, tv):
+        return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+
+    return t_plain
 
 
 RELATIVE_BIAS = {"num_buckets": 32, "max_distance": 128, "bidirectional": True}  # the issue's T5 variant

@@ -33,8 +33,9 @@ def test_cpu_benchmark_quick_prints_its_table(capsys):
     assert out.count("chunked") == 4  # forward and fwd+bwd, full and causal
     for variant in ("softcap", "sinks", "ALiBi", "packed docs", "docs apart", "T5 rel. bias"):  # issue 14, 15 rows
         rows = [line for line in out.splitlines() if line.startswith(variant + " ")]
-        assert [row.split()[-5] for row in rows] == ["forward", "fwd+bwd"], rows  # pass, ms, torch, ratio, ÷ plain
-        assert all(row.endswith("x") for row in rows)
+        # pass, ms, torch, ratio, ÷ plain, torch ÷ plain ("-" without torch)
+        assert [row.split()[-6] for row in rows] == ["forward", "fwd+bwd"], rows
+        assert all(row.split()[-2].endswith("x") and row.endswith(" -") for row in rows), rows
     assert "T=S=256, full" in out  # --quick shortens the score-modification table too
 
 
@@ -53,6 +54,7 @@ def test_cpu_benchmark_score_mod_table_names_torch_side_and_agrees(capsys):
     rows = [line.split() for line in lines if line.startswith("T5 rel. bias ")]
     assert [row[3] for row in rows] == ["forward", "fwd+bwd"]
     assert all(float(row[5]) > 0 and float(row[6]) > 0 for row in rows), rows  # torch ms and ratio
+    assert all(float(row[8].rstrip("x")) > 0 for row in rows), rows  # torch ÷ its plain attention
 
 
 def test_lever_benchmark_quick_prints_every_lever(capsys):
