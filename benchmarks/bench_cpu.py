@@ -9,7 +9,13 @@ the fast path of :mod:`npattn.fast_numpy`) and of
 ``torch.nn.functional.scaled_dot_product_attention`` (when torch is
 installed, limited to the same number of threads), their ratio, the attained
 GFLOP/s and its share of this machine's large-SGEMM GFLOP/s measured in the
-same run, and npattn's peak traced memory.
+same run, and npattn's peak traced memory. A line below it gives a floor
+under full attention's forward+backward: its seven products alone at
+NumPy's one-thread GFLOP/s on the fast path's tile shapes, measured in the
+same run, and the four passes over the scores it cannot skip (``exp2``
+twice, ``dP - D``, ``P (dP - D)``) at NumPy's one-thread speed, spread over
+the threads with no other work (:func:`fwd_bwd_floor`), against torch's
+time and npattn's.
 
 FLOPs are counted as the issue fixes them: forward ``4 B N T S H`` (halved
 for causal, whose hidden half is skipped), backward 2.5x the forward.
@@ -121,11 +127,52 @@ def sgemm_gflops(n: int = 4096, repeats: int = 3) -> float:
     return 2 * n**3 / _best(lambda: a @ a, repeats) / 1e9
 
 
-def tile_gemm_gflops(matmul, make, rows: int = 512, cols: int = 512, depth: int = 64) -> float:
-    """Single-threaded GFLOP/s of one ``(rows, depth) @ (depth, cols)`` tile
-    product, the shape the chunked path multiplies most."""
-    a, b, out = make((rows, depth)), make((depth, cols)), make((rows, cols))
+def tile_gemm_gflops(
+    matmul, make, rows: int = 512, cols: int = 512, depth: int = 64, *, transposed_left: bool = False
+) -> float:
+    """GFLOP/s of one ``(rows, depth) @ (depth, cols)`` tile product (by
+    default the shape the chunked path multiplies most), on the threads the
+    caller allows; with ``transposed_left`` the left operand is the
+    transposed view of a ``(depth, rows)`` array, as in ``P^T dO``."""
+    a = make((depth, rows)).T if transposed_left else make((rows, depth))
+    b, out = make((depth, cols)), make((rows, cols))
     return 2 * rows * cols * depth / _best(lambda: [matmul(a, b, out=out) for _ in range(50)], 3) * 50 / 1e9
+
+
+def fwd_bwd_floor(B: int, N: int, T: int, H: int, threads: int, make) -> dict:
+    """A floor under full attention's forward+backward on the fast path: the
+    work it cannot skip, at NumPy's one-thread speeds on its tile shapes
+    (best of three loops each), spread over ``threads`` threads with nothing
+    else to do. Returns seconds for ``"products"`` and ``"passes"``, and the
+    products' GFLOP/s as ``"rates"``.
+
+    - The seven products, each ``2 B N T^2 H`` FLOPs: ``Q K^T`` (forward and
+      backward) and ``dO V^T`` are ``(L, H) @ (H, L)``, ``P V`` and ``dS K``
+      ``(L, L) @ (L, H)``, ``P^T dO`` and ``dS^T Q`` the same with the left
+      operand transposed, for tiles of ``L = min(512, T)``.
+    - Four passes over the ``B N T^2`` scores: ``exp2`` in the forward and
+      again in the backward, ``dP - D`` (a row broadcast) and ``P (dP - D)``.
+    """
+    from threadpoolctl import threadpool_limits
+
+    L = min(512, T)
+    scores_count = B * N * T * T
+    s, p, r, d = make((L, L)), make((L, L)), make((L, L)), make((L, 1))  # s the output: no input changes
+    with threadpool_limits(limits=1, user_api="blas"):
+        rates = (
+            tile_gemm_gflops(np.matmul, make, L, L, H),  # (L, H) @ (H, L)
+            tile_gemm_gflops(np.matmul, make, L, H, L),  # (L, L) @ (L, H)
+            tile_gemm_gflops(np.matmul, make, L, H, L, transposed_left=True),  # (L, L)^T @ (L, H)
+        )
+    per_score = [  # seconds per score of each pass, on one thread
+        _best(lambda: [np.exp2(p, out=s) for _ in range(50)], 3) / (50 * L * L),
+        _best(lambda: [np.subtract(p, d, out=s) for _ in range(50)], 3) / (50 * L * L),
+        _best(lambda: [np.multiply(p, r, out=s) for _ in range(50)], 3) / (50 * L * L),
+    ]
+    gflop = 2 * scores_count * H / 1e9  # one product
+    products = gflop * (3 / rates[0] + 2 / rates[1] + 2 / rates[2]) / threads
+    passes = scores_count * (2 * per_score[0] + per_score[1] + per_score[2]) / threads
+    return {"products": products, "passes": passes, "rates": rates}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{label:<26} {name:<8} {'chunked':<8} {ms:10.1f} {torch_col} {ratio} "
                 f"{gflops:8.1f} {100 * gflops / sgemm:7.1f}% {peaks[name]:9.1f}"
             )
+        if not causal:
+            full_fwd_bwd = times["fwd+bwd"], torch_times.get("fwd+bwd")
+    _print_floor((B, N, T, H), threads, rng, *full_fwd_bwd)
     if not args.no_variants:
         variant_table(torch, (q, k, v, dout), args.repeats)
     if not args.no_score_mod:
@@ -367,6 +417,20 @@ def _variant_rows(torch, arrays, variants: dict, repeats: int) -> None:
             t_plain_ms = best.get(f"torch plain {pass_name}")
             torch_plain = f"{t_ms / t_plain_ms:.2f}x" if t_ms else "-"
             print(f"{name:<12} {pass_name:<8} {ms:10.1f} {torch_col} {ratio} {ms / plain_ms:7.2f}x {torch_plain:>14}")
+
+
+def _print_floor(shape: tuple, threads: int, rng, ours: float, torch_time: float | None) -> None:
+    """One line: :func:`fwd_bwd_floor` for full attention, against npattn's
+    forward+backward time and torch's (when timed) from the table above."""
+    floor = fwd_bwd_floor(*shape, threads, lambda shape: rng.standard_normal(shape, dtype=np.float32))
+    total = floor["products"] + floor["passes"]
+    against = f"{total / torch_time:.2f}x torch's, " if torch_time else ""
+    rates = ", ".join(f"{rate:.0f}" for rate in floor["rates"])
+    print(
+        f"full fwd+bwd floor on {threads} threads at NumPy's 1-thread speeds on the tiles: "
+        f"7 products ({rates} GFLOP/s) {floor['products'] * 1e3:.1f} ms + 4 passes over the scores "
+        f"{floor['passes'] * 1e3:.1f} ms = {total * 1e3:.1f} ms, {against}{total / ours:.2f}x npattn's"
+    )
 
 
 def _torch_plain(torch, causal: bool):

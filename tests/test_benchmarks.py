@@ -31,6 +31,13 @@ def test_cpu_benchmark_quick_prints_its_table(capsys):
     out = capsys.readouterr().out
     assert "large SGEMM" in out and "% SGEMM" in out
     assert out.count("chunked") == 4  # forward and fwd+bwd, full and causal
+    (floor,) = [line for line in out.splitlines() if line.startswith("full fwd+bwd floor on ")]
+    parts = re.search(
+        r" (\d+\.\d) ms \+ 4 passes over the scores (\d+\.\d) ms = (\d+\.\d) ms, \d+\.\d\dx npattn's$", floor
+    )
+    assert parts, floor  # no torch: no ratio to it
+    products, passes, total = (float(x) for x in parts.groups())
+    assert products > 0 and passes > 0 and abs(products + passes - total) <= 0.11, floor
     for variant in ("softcap", "sinks", "ALiBi", "packed docs", "docs apart", "T5 rel. bias"):  # issue 14, 15 rows
         rows = [line for line in out.splitlines() if line.startswith(variant + " ")]
         # pass, ms, torch, ratio, ÷ plain, torch ÷ plain ("-" without torch)
