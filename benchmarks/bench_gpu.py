@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import os
 import sys
@@ -106,17 +107,26 @@ def _torch_cuda():
 
 
 @contextlib.contextmanager
-def _generic_path(generic: bool):
-    """With ``generic``, CuPy's chunked path runs the generic Array API path
-    (``NPATTN_FAST_CUPY=0``) instead of the fused kernels."""
-    if not generic:
-        yield
-        return
-    os.environ["NPATTN_FAST_CUPY"] = "0"
+def _environment(settings: dict[str, str]):
+    """``settings`` in ``os.environ`` for the duration: ``NPATTN_FAST_CUPY=0``
+    runs CuPy's chunked path on the generic Array API path instead of the fused
+    kernels, ``NPATTN_CUPY_TENSOR_CORES=0`` the fused kernels on the CUDA cores."""
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     try:
         yield
     finally:
-        del os.environ["NPATTN_FAST_CUPY"]
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
+#: The environment of each of the CuPy rows of ``--targets`` beside the fused
+#: kernels' default (the tensor cores where they apply).
+GENERIC = {"NPATTN_FAST_CUPY": "0"}
+CUDA_CORES = {"NPATTN_CUPY_TENSOR_CORES": "0"}
 
 
 def _best_ms(fn, sync, repeats: int) -> float:
@@ -151,7 +161,7 @@ class _Case:
 
     def npattn_forward(self, options):
         options = dict(options)
-        with _generic_path(options.pop("generic", False)):
+        with _environment(GENERIC if options.pop("generic", False) else {}):
             return attention_forward(self.q, self.k, self.v, causal=self.causal, **options)
 
     def npattn_forward_backward(self, options):
@@ -401,9 +411,9 @@ class _Problem:
             self.tensors = [torch.tensor(a, device="cuda").to(getattr(torch, dtype)) for a in host]
         self.options = dict(causal=causal, align="bottom_right" if causal and T != S else None)
 
-    def npattn(self, backward: bool, generic: bool = False):
+    def npattn(self, backward: bool, settings: dict[str, str] | None = None):
         q, k, v, dout = self.arrays
-        with _generic_path(generic):
+        with _environment(settings or {}):
             out, res = attention_forward(q, k, v, impl="chunked", **self.options)
             if backward:
                 attention_backward(dout, res)
@@ -452,11 +462,16 @@ def _target_row(cp, torch, label, arguments, backward, with_generic, repeats) ->
     t_torch = _best_ms(lambda: problem.sdpa(backward), tsync, repeats)
     t_fused = _best_ms(lambda: problem.npattn(backward), csync, repeats)
     t_torch = min(t_torch, _best_ms(lambda: problem.sdpa(backward), tsync, repeats))  # torch, fused, torch
-    generic = f"{'-':>10}"
-    if with_generic:
-        problem.npattn(backward, generic=True)  # warm-up: the generic path's kernels compile on first use
-        generic = f"{_best_ms(lambda: problem.npattn(backward, generic=True), csync, 2) / t_torch:10.2f}"
-    print(f"{label:<46} {t_torch:9.3f} {t_fused:9.3f} {t_fused / t_torch:8.2f} {generic} {diff:10.1e}", flush=True)
+    others = []
+    for settings in (CUDA_CORES, GENERIC):
+        if not with_generic:
+            others.append(f"{'-':>10}")
+            continue
+        run = functools.partial(problem.npattn, backward, settings)
+        run()  # warm-up: kernels compile on first use
+        others.append(f"{_best_ms(run, csync, 2) / t_torch:10.2f}")
+    times = f"{t_torch:9.3f} {t_fused:9.3f} {t_fused / t_torch:8.2f}"
+    print(f"{label:<46} {times} {' '.join(others)} {diff:10.1e}", flush=True)
     if label.startswith("float16 T=S=16384 causal"):
         fused = _peak(cp, torch, lambda: problem.npattn(True), False)
         ref = _peak(cp, torch, lambda: problem.sdpa(True), True)
@@ -478,8 +493,12 @@ def targets(cp, torch, why_no_torch, repeats: int) -> int:
         return 0
     name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
     print(f"npattn fused CuPy path vs torch {torch.__version__} SDPA on {name!s}")
-    print(f"best of {repeats} (decode: {DECODE_REPEATS}), interleaved torch, fused, torch; generic: best of 2")
-    print(f"{'workload':<46} {'torch ms':>9} {'fused ms':>9} {'x torch':>8} {'generic x':>10} {'max|diff|':>10}")
+    print(
+        f"best of {repeats} (decode: {DECODE_REPEATS}), interleaved torch, fused, torch; "
+        "CUDA cores (NPATTN_CUPY_TENSOR_CORES=0) and generic (NPATTN_FAST_CUPY=0): best of 2"
+    )
+    header = f"{'workload':<46} {'torch ms':>9} {'fused ms':>9} {'x torch':>8} {'cores x':>10} {'generic x':>10}"
+    print(f"{header} {'max|diff|':>10}")
     for label, arguments, backward, with_generic in _target_rows():
         reps = repeats if backward else DECODE_REPEATS
         _target_row(cp, torch, label, arguments, backward, with_generic, reps)

@@ -103,7 +103,22 @@ MIN_SPLIT_KEYS = 256
 #: :func:`preferred` leaves such calls to it.
 FLOAT64_MAX_SCORES = 2**22
 
-_SOURCES = ("pipeline.cuh", "tiles.cuh", "forward.cu", "backward.cu")
+#: The kernels' source files (``npattn/cuda``), in order, by kind: the
+#: CUDA-core kernels (every dtype and head size) and the tensor-core kernels
+#: (:func:`tensor_precision`).
+SOURCES = {
+    "cuda_cores": ("pipeline.cuh", "rows.cuh", "tiles.cuh", "forward.cu", "backward.cu"),
+    "tensor_cores": ("pipeline.cuh", "rows.cuh", "mma.cuh", "operands.cuh", "tensor_forward.cu", "tensor_backward.cu"),
+}
+
+#: Largest ``H`` and ``Hv`` the tensor-core kernels take (their operands
+#: and accumulators live in registers).
+TENSOR_MAX_HEAD_DIM = 128
+
+#: Threads per block of the tensor-core kernels (4 warps of 16 rows or keys:
+#: ``TC_ROWS`` in ``tensor_forward.cu``).
+TENSOR_THREADS = 128
+TENSOR_ROWS = 64
 
 
 def supports(spec: AttentionSpec) -> bool:
@@ -196,10 +211,11 @@ _CUPY_RUNTIME = CupyRuntime()
 
 
 @functools.cache
-def kernel_source() -> str:
-    """The kernels' CUDA C++ source: ``npattn/cuda``'s files, in order."""
+def kernel_source(kind: str = "cuda_cores") -> str:
+    """The CUDA C++ source of one kind of kernels (:data:`SOURCES`):
+    ``npattn/cuda``'s files, in order."""
     folder = resources.files("npattn") / "cuda"
-    return "\n".join((folder / name).read_text(encoding="utf-8") for name in _SOURCES)
+    return "\n".join((folder / name).read_text(encoding="utf-8") for name in SOURCES[kind])
 
 
 @dataclass(frozen=True)
@@ -285,13 +301,80 @@ def _module(runtime: Runtime, spec: AttentionSpec, shape: LaunchShape) -> Any:
         ("KEYS", str(shape.keys)),
         ("CHUNK", str(shape.chunk)),
     )
-    key = (runtime, defines)
+    return _compiled(runtime, "cuda_cores", defines)
+
+
+def _compiled(runtime: Runtime, kind: str, defines: tuple[tuple[str, str], ...]) -> Any:
+    """``kind``'s kernels compiled with ``defines``, once per runtime and process."""
+    key = (runtime, kind, defines)
     if key not in _MODULES:
-        _MODULES[key] = runtime.module(kernel_source(), defines)
+        _MODULES[key] = runtime.module(kernel_source(kind), defines)
     return _MODULES[key]
 
 
-_MODULES: dict[tuple[Runtime, tuple[tuple[str, str], ...]], Any] = {}
+_MODULES: dict[tuple[Runtime, str, tuple[tuple[str, str], ...]], Any] = {}
+
+
+# --- the tensor-core kernels ------------------------------------------------------------
+
+
+def tensor_precision(spec: AttentionSpec) -> str | None:
+    r"""The tensor cores' precision for ``spec`` (``mma.cuh``), or None where
+    the CUDA-core kernels run it.
+
+    - ``"f16"``: float16 inputs, their products exact on the tensor cores
+      and summed in float32; ``P`` and ``dS`` rounded to float16 before the
+      second product, as in FlashAttention-2. ``H`` and ``Hv`` multiples of 16.
+    - ``"tf32x3"``: float32 inputs, each product in three TensorFloat-32
+      passes (big and small halves of each operand: float32's accuracy to
+      about 2\ :sup:`-21`). ``H`` and ``Hv`` multiples of 8.
+
+    Both up to :data:`TENSOR_MAX_HEAD_DIM`, with more than :data:`FEW_ROWS`
+    stacked rows per kv head (a decode step keeps the CUDA-core kernels'
+    flash-decoding), and not with ``NPATTN_CUPY_TENSOR_CORES=0``.
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> x = np.zeros((1, 8, 1024, 64), np.float16)
+    >>> tensor_precision(make_spec(x, x, x)), tensor_precision(make_spec(x.astype(np.float64), x, x))
+    ('f16', None)
+    """
+    if os.environ.get("NPATTN_CUPY_TENSOR_CORES", "1") == "0" or spec.compute_dtype != np.float32:
+        return None
+    if spec.group_size * spec.q_len <= FEW_ROWS or max(spec.head_dim, spec.value_dim) > TENSOR_MAX_HEAD_DIM:
+        return None
+    step = {np.dtype(np.float16): 16, np.dtype(np.float32): 8}.get(np.dtype(spec.dtype))
+    if step is None or spec.head_dim % step or spec.value_dim % step:
+        return None
+    return "f16" if step == 16 else "tf32x3"
+
+
+def _tensor_module(runtime: Runtime, spec: AttentionSpec, precision: str, tile: int) -> Any:
+    """The tensor-core kernels for ``spec``'s dims, ``precision`` and ``tile``
+    keys (or query rows) per shared-memory tile."""
+    defines = (
+        ("scalar_t", "float"),
+        ("PRECISION", "PRECISION_F16" if precision == "f16" else "PRECISION_TF32X3"),
+        ("HEAD_DIM", str(spec.head_dim)),
+        ("VALUE_DIM", str(spec.value_dim)),
+        ("TC_KEYS", str(tile)),
+    )
+    return _compiled(runtime, "tensor_cores", defines)
+
+
+def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> int:
+    """Keys per shared-memory tile of the tensor-core forward (query rows in
+    the backward's dK/dV kernel): 64, or 32 in float32 where a thread's
+    operands would not fit its registers (the backward, and heads over 64).
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> x = np.zeros((1, 8, 1024, 64), np.float32)
+    >>> tensor_tile(make_spec(x, x, x), "tf32x3"), tensor_tile(make_spec(x, x, x), "tf32x3", backward=True)
+    (64, 32)
+    """
+    wide = max(spec.head_dim, spec.value_dim) > 64
+    return 32 if precision == "tf32x3" and (backward or wide) else 64
 
 
 # --- one call's arguments ------------------------------------------------------------
@@ -393,10 +476,10 @@ def _grid_rows(spec: AttentionSpec, shape: LaunchShape) -> int:
     return -(-spec.group_size * spec.q_len // (shape.rows * shape.tile))
 
 
-def _splits(spec: AttentionSpec, shape: LaunchShape, multiprocessors: int) -> int:
+def _splits(spec: AttentionSpec, row_blocks: int, multiprocessors: int) -> int:
     """Key ranges for the forward (flash-decoding): 1 unless the blocks of
-    one range would leave the GPU idle."""
-    blocks = _grid_rows(spec, shape) * spec.num_kv_heads * spec.num_batch
+    one range (``row_blocks`` per kv head) would leave the GPU idle."""
+    blocks = row_blocks * spec.num_kv_heads * spec.num_batch
     if blocks >= multiprocessors:
         return 1
     wanted = -(-SPLIT_BLOCKS_PER_SM * multiprocessors // blocks)
@@ -415,16 +498,25 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None
     """
     runtime = runtime or _CUPY_RUNTIME
     xp, B, N, T, Hv = spec.xp, spec.num_batch, spec.num_heads, spec.q_len, spec.value_dim
-    shape = launch_shape(spec)
-    splits = _splits(spec, shape, runtime.multiprocessors(q))
+    precision = tensor_precision(spec)
+    if precision is None:
+        shape = launch_shape(spec)
+        module, name, threads, row_blocks = (
+            _module(runtime, spec, shape),
+            "npattn_forward",
+            BLOCK_THREADS,
+            _grid_rows(spec, shape),
+        )
+    else:
+        module = _tensor_module(runtime, spec, precision, tensor_tile(spec, precision))
+        name, threads, row_blocks = "npattn_forward_tc", TENSOR_THREADS, -(-spec.group_size * T // TENSOR_ROWS)
+    splits = _splits(spec, row_blocks, runtime.multiprocessors(q))
     call = _Call(spec, runtime, q, splits)
     qc, kc, vc = (_contiguous(x) for x in (q, k, v))
     out = xp.empty((splits, B, N, T, Hv), dtype=spec.compute_dtype, device=spec.device)
     lse = xp.empty((splits, B, N, T), dtype=spec.compute_dtype, device=spec.device)
-    grid = (_grid_rows(spec, shape), spec.num_kv_heads, B * splits)
-    runtime.launch(
-        _module(runtime, spec, shape), "npattn_forward", grid, BLOCK_THREADS, (qc, kc, vc, out, lse, *call.args())
-    )
+    grid = (row_blocks, spec.num_kv_heads, B * splits)
+    runtime.launch(module, name, grid, threads, (qc, kc, vc, out, lse, *call.args()))
     if splits == 1:
         out, lse = out[0], lse[0]  # (B, N, T, Hv), (B, N, T)
     else:
@@ -453,7 +545,6 @@ def backward(
     runtime = runtime or _CUPY_RUNTIME
     xp, B, N, K, T, S = spec.xp, spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.q_len, spec.kv_len
     H, Hv, bs = spec.head_dim, spec.value_dim, spec.batch_shape
-    shape = launch_shape(spec, backward=True)
     call = _Call(spec, runtime, q)
     D = xp.sum(dout * out, axis=-1)  # (..., N, T)
     if dlse is not None:
@@ -465,17 +556,22 @@ def backward(
     slope_rows = None
     if spec.alibi_slopes is not None:
         slope_rows = xp.empty((B, N, T), dtype=spec.compute_dtype, device=spec.device)
-    module = _module(runtime, spec, shape)
+    precision = tensor_precision(spec)
+    if precision is None:
+        shape = launch_shape(spec, backward=True)
+        module, threads, suffix = _module(runtime, spec, shape), BLOCK_THREADS, ""
+        row_blocks, key_blocks = _grid_rows(spec, shape), -(-S // (shape.rows * shape.tile))
+    else:
+        module = _tensor_module(runtime, spec, precision, tensor_tile(spec, precision, backward=True))
+        threads, suffix = TENSOR_THREADS, "_tc"
+        row_blocks, key_blocks = -(-spec.group_size * T // TENSOR_ROWS), -(-S // TENSOR_ROWS)
     inputs = (qc, kc, vc, doc, lsec, Dc)
     runtime.launch(
-        module,
-        "npattn_backward_dq",
-        (_grid_rows(spec, shape), K, B),
-        BLOCK_THREADS,
-        (*inputs, dq, slope_rows, *call.args()),
+        module, "npattn_backward_dq" + suffix, (row_blocks, K, B), threads, (*inputs, dq, slope_rows, *call.args())
     )
-    key_blocks = -(-S // (shape.rows * shape.tile))
-    runtime.launch(module, "npattn_backward_dkdv", (key_blocks, K, B), BLOCK_THREADS, (*inputs, dk, dv, *call.args()))
+    runtime.launch(
+        module, "npattn_backward_dkdv" + suffix, (key_blocks, K, B), threads, (*inputs, dk, dv, *call.args())
+    )
     alibi_total = None if slope_rows is None else xp.reshape(xp.sum(slope_rows, axis=-1), bs + (N,))  # (..., N)
     params = param_grads_from_heads(spec, alibi_total)
     return (

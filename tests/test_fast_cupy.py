@@ -37,7 +37,19 @@ from npattn.scores.sinks import apply_sinks, sinks_grad
 
 # --- the emulated runtime ------------------------------------------------------------
 
-KERNEL_ARITY = {"npattn_forward": 13, "npattn_backward_dq": 16, "npattn_backward_dkdv": 16}
+KERNEL_ARITY = {
+    "npattn_forward": 13,
+    "npattn_backward_dq": 16,
+    "npattn_backward_dkdv": 16,
+    "npattn_forward_tc": 13,
+    "npattn_backward_dq_tc": 16,
+    "npattn_backward_dkdv_tc": 16,
+}
+#: The kernels of each kind of source (npattn.fast_cupy.SOURCES).
+KIND_KERNELS = {"cuda_cores": ("npattn_forward", "npattn_backward_dq", "npattn_backward_dkdv")}
+KIND_KERNELS["tensor_cores"] = tuple(name + "_tc" for name in KIND_KERNELS["cuda_cores"])
+#: The emulator's stand-in for the tensor cores' PTX (npattn/cuda/mma.cuh).
+EMULATED_MMA = os.path.join(os.path.dirname(build.__file__), "mma.h")
 
 #: One extern "C" launcher per kernel: casts the pointer array to the
 #: kernel's parameter types and runs the grid through the emulator.
@@ -49,7 +61,11 @@ void call_with(void (*kernel)(P...), void** a, std::index_sequence<I...>) { kern
     cuda_emulator::launch(dim3(gx, gy, gz), dim3(threads),                                           \
                           [&] { call_with(name, a, std::make_index_sequence<arity>{}); });           \
   }
-""" + "\n".join(f"EMULATED({name}, {arity})" for name, arity in KERNEL_ARITY.items())
+"""
+
+
+def _wrapper(kind: str) -> str:
+    return WRAPPER + "\n".join(f"EMULATED({name}, {KERNEL_ARITY[name]})" for name in KIND_KERNELS[kind])
 
 
 class EmulatedRuntime:
@@ -61,9 +77,10 @@ class EmulatedRuntime:
 
     def module(self, source: str, defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
         folder = resources.files("npattn") / "cuda"
-        paths = [str(folder / name) for name in fast_cupy._SOURCES]
-        assert source == fast_cupy.kernel_source(), "the emulator compiles the package's own files"
-        return build.build(paths, WRAPPER, dict(defines), "npattn_fast_cupy")
+        kinds = [kind for kind in fast_cupy.SOURCES if source == fast_cupy.kernel_source(kind)]
+        assert len(kinds) == 1, "the emulator compiles the package's own files"
+        paths = [EMULATED_MMA if name == "mma.cuh" else str(folder / name) for name in fast_cupy.SOURCES[kinds[0]]]
+        return build.build(paths, _wrapper(kinds[0]), dict(defines), f"npattn_{kinds[0]}")
 
     def launch(self, module, name, grid, threads, args) -> None:
         assert len(args) == KERNEL_ARITY[name], f"{name} takes {KERNEL_ARITY[name]} arguments, got {len(args)}"
@@ -182,6 +199,86 @@ def test_emulated_kernels_match_generic_float32(case):
     """float32 takes other launch shapes (one lane per row in the forward)."""
     fused, generic, _ = _both_paths(case, dtype=np.float32)
     _assert_close(fused, generic, rtol=2e-4, atol=2e-5)
+
+
+#: The cases of CASES on the tensor-core kernels: ``H`` and ``Hv`` multiples
+#: of 16 and more than FEW_ROWS stacked rows per kv head.
+TENSOR_CASES = {
+    name: {**CASES[name], "H": 16, "Hv": 32, **extra}
+    for name, extra in {
+        "plain": {},
+        "causal": {},
+        "gqa causal bottom_right": {},
+        "window": {},
+        "lengths bottom_right": dict(N=2, K=1),
+        "segments": dict(N=4, K=2),
+        "softcap alibi sinks": {},
+        "dropout": dict(N=4, K=2),
+        "wide heads": dict(H=80, Hv=48),
+        "many blocks window": dict(H=16, Hv=16),
+    }.items()
+}
+
+#: Largest error of each tensor-core precision against float64, as a
+#: fraction of the largest entry: float16 rounds the inputs, P and dS to 11
+#: bits; 3xTF32 keeps about 21.
+TENSOR_TOLERANCE = {"f16": 3e-3, "tf32x3": 5e-6}
+
+
+def _tensor_paths(case: str, dtype):
+    """The tensor-core kernels (emulated) on ``dtype`` inputs, and the generic
+    path in float64 on the same values: (out, lse, dq, dk, dv) each, and the
+    launched kernels' names."""
+    q, k, v, options = _problem(dtype=dtype, **TENSOR_CASES[case])
+    spec = _spec(q, k, v, options)
+    rng = np.random.default_rng(1)
+    dout = rng.standard_normal((*q.shape[:-1], v.shape[-1]))
+    g_lse = rng.standard_normal(q.shape[:-1])
+    runtime = EmulatedRuntime()
+    q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))  # the compute dtype, as forward_from_spec passes them
+    out, lse = fast_cupy.forward(spec, q32, k32, v32, runtime=runtime)
+    dout32, g_lse32 = dout.astype(np.float32), g_lse.astype(np.float32)
+    fused = (out, lse, *fast_cupy.backward(spec, q32, k32, v32, out, lse, dout32, g_lse32, runtime=runtime)[:3])
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    spec64 = _spec(q64, k64, v64, options)
+    out, lse = chunked_forward(spec64, q64, k64, v64)
+    exact = (out, lse, *chunked_backward(spec64, q64, k64, v64, out, lse, dout, g_lse)[:3])
+    return fused, exact, [name for name, _ in runtime.launches], fast_cupy.tensor_precision(spec)
+
+
+def _assert_within(fused, exact, tolerance):
+    for name, a, b in zip(NAMES, fused, exact):
+        seen = np.isfinite(b)
+        assert np.array_equal(np.isfinite(a), seen), f"{name}: -inf (a row that sees no key) in other places"
+        scale = max(1.0, float(np.max(np.abs(b[seen]), initial=0.0)))
+        np.testing.assert_allclose(a[seen], b[seen], rtol=0, atol=tolerance * scale, err_msg=name)
+
+
+@emulated
+@pytest.mark.parametrize("dtype, precision", [(np.float16, "f16"), (np.float32, "tf32x3")])
+@pytest.mark.parametrize("case", list(TENSOR_CASES))
+def test_emulated_tensor_cores_match_float64(case, dtype, precision):
+    """The tensor-core kernels' operand layouts, key order and score
+    pipeline, through the emulated mma.sync, against the generic path in
+    float64: every option the kernels take, in both precisions."""
+    fused, exact, launched, chosen = _tensor_paths(case, dtype)
+    assert chosen == precision
+    assert launched == ["npattn_forward_tc", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"]
+    _assert_within(fused, exact, TENSOR_TOLERANCE[precision])
+
+
+def test_tensor_precision_by_dtype_dims_and_rows(monkeypatch):
+    def precision(dtype, T=64, H=64, Hv=64, N=1):
+        q, k, v, _ = _problem(batch=(1,), N=N, K=1, T=T, S=8, H=H, Hv=Hv, dtype=dtype)
+        return fast_cupy.tensor_precision(make_spec(q, k, v))
+
+    assert precision(np.float16) == "f16" and precision(np.float32) == "tf32x3"
+    assert precision(np.float64) is None  # the CUDA cores compute float64
+    assert precision(np.float16, H=24) is None and precision(np.float32, H=24) == "tf32x3"
+    assert precision(np.float32, Hv=12) is None and precision(np.float16, H=144, Hv=144) is None
+    assert precision(np.float16, T=32) is None and precision(np.float16, T=4, N=8) is None  # decoding: few rows
+    monkeypatch.setenv("NPATTN_CUPY_TENSOR_CORES", "0")
+    assert precision(np.float16) is None
 
 
 @emulated
@@ -354,9 +451,9 @@ def test_config_entries_follow_the_kernels_indices():
 def test_splits_stay_within_the_grid():
     q, k, v, _ = _problem(batch=(6000,), N=1, K=1, T=1, S=4096, H=2, Hv=2)
     spec = make_spec(q, k, v)
-    shape = fast_cupy.launch_shape(spec)
-    assert spec.num_batch * fast_cupy._splits(spec, shape, multiprocessors=10**6) <= fast_cupy.MAX_GRID_YZ
-    assert fast_cupy._splits(make_spec(q[:1], k[:1], v[:1]), shape, multiprocessors=132) > 1
+    row_blocks = fast_cupy._grid_rows(spec, fast_cupy.launch_shape(spec))
+    assert spec.num_batch * fast_cupy._splits(spec, row_blocks, multiprocessors=10**6) <= fast_cupy.MAX_GRID_YZ
+    assert fast_cupy._splits(make_spec(q[:1], k[:1], v[:1]), row_blocks, multiprocessors=132) > 1
 
 
 #: Bytes of ``pipeline.cuh``'s ``Row`` at most (float64: four int64, a
@@ -459,6 +556,27 @@ def test_gpu_low_precision_within_tolerance(backend, dtype, tol):
     for a, b in zip([out, grads.dq, grads.dk, grads.dv], [want[0], want[2], want[3], want[4]]):
         scale = np.max(np.abs(b))
         np.testing.assert_allclose(backend.to_numpy(a).astype(np.float64), b, rtol=0, atol=tol * 10 * scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cupy"], indirect=True)
+@pytest.mark.parametrize("dtype, precision", [(np.float16, "f16"), (np.float32, "tf32x3")])
+@pytest.mark.parametrize("case", list(TENSOR_CASES))
+def test_gpu_tensor_cores_match_float64(backend, case, dtype, precision):
+    """The tensor-core kernels on the GPU, through the public API, against
+    NumPy in float64 on the same values (dropout's keep mask included)."""
+    q, k, v, options = _problem(dtype=dtype, **TENSOR_CASES[case])
+    rng = np.random.default_rng(1)
+    dout = rng.standard_normal((*q.shape[:-1], v.shape[-1])).astype(dtype)
+    out, res = npattn.attention_forward(
+        *(backend.asarray(x) for x in (q, k, v)), impl="chunked", **_on(backend, options)
+    )
+    assert res.kernel == "cupy" and fast_cupy.tensor_precision(res.spec) == precision
+    grads = npattn.attention_backward(backend.asarray(dout), res)
+    fused = [backend.to_numpy(x).astype(np.float64) for x in (out, res.lse, grads.dq, grads.dk, grads.dv)]
+    _, exact = _public(*(x.astype(np.float64) for x in (q, k, v)), options, dout.astype(np.float64))
+    # float16 outputs and gradients carry float16's own rounding on top of the kernels'
+    _assert_within(fused, exact[:5], TENSOR_TOLERANCE[precision] + (1e-3 if dtype == np.float16 else 0.0))
 
 
 @pytest.mark.gpu

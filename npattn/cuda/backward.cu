@@ -18,19 +18,6 @@
 // slice read from shared memory serves all of them. `lse` and `D` come in
 // shape (B, N, T); npattn.fast_cupy computes D.
 
-// One entry (row, key j) of the backward, given the two products:
-// returns dR_ij (through steps 3-2) and sets the dropped probability
-// P_ij drop_ij; adds the ALiBi slope's share to `slope_grad`.
-__device__ __forceinline__ scalar_t entry_backward(const Problem& pb, const Row& row, long long j, scalar_t product,
-                                                   scalar_t dp, scalar_t row_lse, scalar_t row_D,
-                                                   scalar_t& dropped, scalar_t& slope_grad) {
-  scalar_t capped_tanh;
-  const scalar_t p = fn_exp(score(pb, row, j, product, capped_tanh) - row_lse);
-  const scalar_t drop = dropout_factor(pb, row, j);
-  dropped = p * drop;
-  return score_backward(pb, row, j, p * (dp * drop - row_D), capped_tanh, slope_grad);
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS)
     npattn_backward_dq(const scalar_t* __restrict__ q,     // (B, N, T, H)
                        const scalar_t* __restrict__ k,     // (B, KH, S, H)

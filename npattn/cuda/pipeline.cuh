@@ -49,14 +49,6 @@ __device__ __forceinline__ double fn_tanh(double x) { return tanh(x); }
 __device__ __forceinline__ float negative_infinity(float) { return -__int_as_float(0x7f800000); }
 __device__ __forceinline__ double negative_infinity(double) { return -__longlong_as_double(0x7ff0000000000000LL); }
 
-// Sum of `x` over the LANES consecutive threads that share one row: a
-// butterfly, after which every lane holds the total (the same bits on each).
-__device__ __forceinline__ scalar_t lanes_sum(scalar_t x) {
-#pragma unroll
-  for (int offset = LANES / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
-}
-
 // ---------------------------------------------------------------- dropout.py
 __device__ __forceinline__ unsigned int mix32(unsigned int x) {
   x ^= x >> 16;
@@ -189,4 +181,17 @@ __device__ __forceinline__ scalar_t score_backward(const Problem& pb, const Row&
   if (pb.slopes) slope_grad -= ds * (scalar_t)llabs(row.position - j);
   if (pb.softcap != 0) ds *= 1 - capped_tanh * capped_tanh;
   return ds;
+}
+
+// One entry (row, key j) of the backward, given the two products:
+// returns dR_ij (through steps 3-2) and sets the dropped probability
+// P_ij drop_ij; adds the ALiBi slope's share to `slope_grad`.
+__device__ __forceinline__ scalar_t entry_backward(const Problem& pb, const Row& row, long long j, scalar_t product,
+                                                   scalar_t dp, scalar_t row_lse, scalar_t row_D,
+                                                   scalar_t& dropped, scalar_t& slope_grad) {
+  scalar_t capped_tanh;
+  const scalar_t p = fn_exp(score(pb, row, j, product, capped_tanh) - row_lse);
+  const scalar_t drop = dropout_factor(pb, row, j);
+  dropped = p * drop;
+  return score_backward(pb, row, j, p * (dp * drop - row_D), capped_tanh, slope_grad);
 }

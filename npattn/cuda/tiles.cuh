@@ -1,6 +1,6 @@
-// Tiles shared by the kernels of npattn.fast_cupy: which keys a block of
-// query rows can see, which query rows a block of keys is seen by, and the
-// cooperative copy of a tile of rows into shared memory.
+// Tiles shared by the CUDA-core kernels of npattn.fast_cupy (forward.cu,
+// backward.cu): a lane's slice of a row, which keys a block of query rows can
+// see, and the cooperative copy of a tile of rows into shared memory.
 //
 // Compile-time constants (-D options, npattn/fast_cupy.py):
 //   HEAD_DIM, VALUE_DIM  H and Hv
@@ -21,6 +21,14 @@
 #define DH SLICE(HEAD_DIM)   // entries of a query/key row per lane
 #define DV SLICE(VALUE_DIM)  // entries of a value row per lane
 #define THREADS (LANES * ROWS)
+
+// Sum of `x` over the LANES consecutive threads that share one row: a
+// butterfly, after which every lane holds the total (the same bits on each).
+__device__ __forceinline__ scalar_t lanes_sum(scalar_t x) {
+#pragma unroll
+  for (int offset = LANES / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
 
 struct __align__(16) Piece {
   scalar_t x[VEC];
@@ -89,24 +97,6 @@ __device__ __forceinline__ void lane_axpy(scalar_t* acc, scalar_t weight, const 
   for (int u = 0; u < PER_LANE; ++u) acc[u] += weight * x[u];
 }
 
-// Index into (B, N, T) arrays of stacked row r of kv head h in batch
-// element b: row r = i * G + g is query i of head n = h * G + g.
-__device__ __forceinline__ long long stacked_index(const Problem& pb, int b, int h, long long r) {
-  return ((long long)b * pb.N + h * pb.G + r % pb.G) * pb.T + r / pb.G;
-}
-
-// Stacked row r (as stacked_index) and its index. A row at or past `end`
-// (a thread of a partial tile) takes the last real row's index, so that
-// its reads stay in bounds, and sees no key.
-__device__ __forceinline__ Row stacked_row(const Problem& pb, int b, int h, long long r, long long end,
-                                           long long& index) {
-  const long long real = min(r, end - 1);
-  index = stacked_index(pb, b, h, real);
-  Row row = make_row(pb, b, h * pb.G + (int)(real % pb.G), (int)(real / pb.G));
-  if (r >= end) row.end_key = row.first_key;
-  return row;
-}
-
 // The union of the rows' key ranges [first_key, end_key) over the block:
 // every thread gets the same answer (COUNT rows per thread group).
 // `scratch` holds 2 * ROWS entries.
@@ -132,17 +122,4 @@ __device__ __forceinline__ void block_key_range(const Row* rows, long long* scra
     end = max(end, scratch[ROWS + g]);
   }
   __syncthreads();
-}
-
-// Query rows [first, end) of batch element b that can see some key in
-// [key_first, key_last]: the window and the lengths, read backwards.
-__device__ __forceinline__ void query_range(const Problem& pb, int b, long long key_first, long long key_last,
-                                            long long& first, long long& end) {
-  const long long offset = batch_offset(pb, b);
-  first = 0;
-  end = min((long long)pb.T, batch_q_len(pb, b));
-  if (key_first >= batch_kv_len(pb, b)) end = 0;
-  if (pb.right >= 0) first = max(first, key_first - pb.right - offset);  // j <= p + right
-  if (pb.left >= 0) end = min(end, key_last + pb.left - offset + 1);      // j >= p - left
-  if (end < first) end = first;
 }

@@ -90,10 +90,11 @@ namespace cuda_emulator {
 
 inline constexpr std::size_t stack_bytes = CUDA_EMULATOR_STACK_BYTES;
 inline constexpr std::size_t max_dynamic_shared_bytes = 227 * 1024;  // an H100's opt-in maximum per block
+inline constexpr std::size_t gather_slot_bytes = 64;                  // the most one lane gives warp_gather
 
 namespace detail {
 
-enum class Kind { syncthreads, shfl_write, shfl_read };
+enum class Kind { syncthreads, shfl_write, shfl_read, gather_write, gather_read };
 
 struct Site {
   const char* file;
@@ -115,6 +116,7 @@ struct Launch {
   unsigned nthreads;
   std::unique_ptr<Fiber[]> fibers;
   std::unique_ptr<unsigned long long[]> stage;  // __shfl_xor_sync's exchange slots, one per thread
+  std::unique_ptr<unsigned char[]> wide_stage;   // warp_gather's slots, gather_slot_bytes per thread
   ucontext_t scheduler;
   unsigned current;  // linear id of the running fiber
   void (*call)(void*);
@@ -150,7 +152,9 @@ inline uint3 thread_index(const Launch& L, unsigned linear) {
 }
 
 inline const char* kind_name(Kind kind) {
-  return kind == Kind::syncthreads ? "__syncthreads()" : "__shfl_xor_sync()";
+  return kind == Kind::syncthreads                                 ? "__syncthreads()"
+         : kind == Kind::shfl_write || kind == Kind::shfl_read ? "__shfl_xor_sync()"
+                                                                   : "warp_gather()";
 }
 
 inline Launch& current_launch(const char* what) {
@@ -264,6 +268,7 @@ inline void run_launch(dim3 grid, dim3 block, std::size_t shared_bytes, void (*c
   L.nthreads = static_cast<unsigned>(n);
   L.fibers.reset(new Fiber[n]());
   L.stage.reset(new unsigned long long[n]());
+  L.wide_stage.reset(new unsigned char[n * gather_slot_bytes]());
   L.call = call;
   L.body = body;
   runtime.launch = &L;
@@ -308,6 +313,22 @@ inline T shfl_xor(Site site, unsigned mask, T value, int lane_mask, int width) {
   return result;
 }
 
+// Every lane's `mine`, in lane order, into `all` (32 entries): what a warp-wide
+// instruction such as the tensor cores' mma.sync sees of its operands. Like
+// __shfl_xor_sync, a block-wide exchange: every thread of the block calls it,
+// and the block's warps must all be whole.
+template <class T>
+inline void warp_gather(Site site, const T& mine, T* all) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= gather_slot_bytes);
+  Launch& L = current_launch("warp_gather()");
+  std::memcpy(&L.wide_stage[L.current * gather_slot_bytes], &mine, sizeof(T));
+  barrier(site, Kind::gather_write);
+  const unsigned base = L.current - L.current % 32;
+  if (base + 32 > L.nthreads) fail("warp_gather at %s:%d: the warp of thread %u is not whole", site.file, site.line, L.current);
+  for (unsigned i = 0; i < 32; ++i) std::memcpy(&all[i], &L.wide_stage[(base + i) * gather_slot_bytes], sizeof(T));
+  barrier(site, Kind::gather_read);
+}
+
 #define CUDA_EMULATOR_SHFL_XOR(T)                                                                   \
   inline T shfl_xor_sync(Site site, unsigned mask, T value, int lane_mask, int width = warpSize) { \
     return shfl_xor<T>(site, mask, value, lane_mask, width);                                      \
@@ -348,6 +369,11 @@ T* dynamic_shared() {
   ::cuda_emulator::detail::shfl_xor_sync(::cuda_emulator::detail::Site{__FILE__, __LINE__}, __VA_ARGS__)
 
 // ------------------------------------------------------- device math helpers
+struct __attribute__((aligned(16))) float4 {
+  float x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+
 inline float __int_as_float(int v) { float r; std::memcpy(&r, &v, sizeof r); return r; }
 inline int __float_as_int(float v) { int r; std::memcpy(&r, &v, sizeof r); return r; }
 inline float __uint_as_float(unsigned v) { float r; std::memcpy(&r, &v, sizeof r); return r; }

@@ -1,0 +1,67 @@
+// The tensor cores' matrix product, as the tensor-core kernels of
+// npattn.fast_cupy use it (PTX `mma.sync`, sm_80 and later): one warp computes
+//
+//     C (16 x 8, float32)  +=  A (16 x KSTEP)  B (KSTEP x 8)
+//
+// with each operand spread over the warp's 32 lanes in registers. Lane
+// `lane` has group g = lane / 4 and thread t = lane % 4, and holds
+//
+//     C:  c[0], c[1] = C[g][2t], C[g][2t+1];  c[2], c[3] = C[g+8][2t], C[g+8][2t+1]
+//
+// and, by precision (PRECISION, a -D option):
+//
+//   PRECISION_F16 (m16n8k16: float16 products, exact, summed in float32)
+//     A:  a[0] = A[g][2t..2t+1]  a[1] = A[g+8][2t..2t+1]
+//         a[2] = A[g][2t+8..]    a[3] = A[g+8][2t+8..]    (two float16 per register)
+//     B:  b[0] = B[2t..2t+1][g]  b[1] = B[2t+8..2t+9][g]
+//
+//   PRECISION_TF32X3 (m16n8k8, three passes: float32 to about 2^-21)
+//     A:  a[0] = A[g][t]  a[1] = A[g+8][t]  a[2] = A[g][t+4]  a[3] = A[g+8][t+4]
+//     B:  b[0] = B[t][g]  b[1] = B[t+4][g]
+//     each float32 x split into x = big + small, both TensorFloat-32 (10-bit
+//     mantissas), and A B ~ big_A big_B + big_A small_B + small_A big_B
+//     (NVIDIA's 3xTF32; CUTLASS's OpMultiplyAddFastF32).
+//
+// These layouts are PTX's (the ISA's "Matrix Fragments for mma.m16n8k16" and
+// "mma.m16n8k8"). The CPU tests replace this file with an emulation of the
+// same layouts (tests/cuda_emulator/mma.h).
+
+#define PRECISION_F16 1
+#define PRECISION_TF32X3 2
+
+// float16 bits of x, rounded to nearest even.
+__device__ __forceinline__ unsigned short half_bits(float x) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  return h;
+}
+
+// Two float16 in one register: `low` in bits 0-15 (the lower column or row).
+__device__ __forceinline__ unsigned pack_halves(unsigned short low, unsigned short high) {
+  return (unsigned)low | ((unsigned)high << 16);
+}
+
+__device__ __forceinline__ unsigned pack_floats(float low, float high) {
+  return pack_halves(half_bits(low), half_bits(high));
+}
+
+// x rounded to TensorFloat-32 (nearest, ties away from zero), as float32 bits.
+__device__ __forceinline__ unsigned tf32_bits(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}

@@ -1,0 +1,168 @@
+// Operands of the tensor-core kernels (tensor_forward.cu, tensor_backward.cu),
+// the same code for both precisions of mma.cuh: which values of a tile each
+// lane gives the tensor cores, and the tiles in shared memory.
+//
+// A warp multiplies 16 rows at a time. Its scores come out of the tensor
+// cores as C fragments (mma.cuh): lane (g, t) holds, for each block of 8
+// keys (or query rows) nb, the entries
+//
+//     c[nb][0], c[nb][1]  of row g      and keys nb*8 + 2t, nb*8 + 2t + 1
+//     c[nb][2], c[nb][3]  of row g + 8  and the same keys
+//
+// and a_from_scores hands them back to the tensor cores as the A operand of
+// the next product (P V, dS K, ...) without leaving the registers
+// (FlashAttention-2's layout). In TF32X3 that A operand's column t stands
+// for key 2t and column t + 4 for key 2t + 1: b_from_columns reads B's rows
+// in the same order, so the product sums the same pairs.
+//
+// Compile-time constants: PRECISION (mma.cuh), HEAD_DIM, VALUE_DIM.
+
+#if PRECISION == PRECISION_F16
+#define KSTEP 16                 // the product's inner dimension per mma
+typedef unsigned short tile_t;   // a tile entry in shared memory: float16 bits
+struct FragA {
+  unsigned r[4];
+};
+struct FragB {
+  unsigned r[2];
+};
+__device__ __forceinline__ tile_t to_tile(float x) { return half_bits(x); }
+#elif PRECISION == PRECISION_TF32X3
+#define KSTEP 8
+typedef float tile_t;
+struct FragA {
+  float r[4];
+};
+struct FragB {
+  float r[2];
+};
+__device__ __forceinline__ tile_t to_tile(float x) { return x; }
+#else
+#error "PRECISION must be PRECISION_F16 or PRECISION_TF32X3"
+#endif
+
+// Row stride of a tile of WIDTH entries in shared memory: 16 bytes of padding,
+// so that the lanes of a warp read different banks in both b_from_rows and
+// b_from_columns.
+#define STRIDE(WIDTH) ((WIDTH) + 16 / (int)sizeof(tile_t))
+
+// c += A B on the tensor cores.
+__device__ __forceinline__ void mma(float (&c)[4], const FragA& a, const FragB& b) {
+#if PRECISION == PRECISION_F16
+  mma_f16(c, a.r, b.r);
+#else
+  unsigned a_big[4], a_small[4], b_big[2], b_small[2];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    a_big[e] = tf32_bits(a.r[e]);
+    a_small[e] = tf32_bits(a.r[e] - __uint_as_float(a_big[e]));
+  }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    b_big[e] = tf32_bits(b.r[e]);
+    b_small[e] = tf32_bits(b.r[e] - __uint_as_float(b_big[e]));
+  }
+  mma_tf32(c, a_small, b_big);  // the small terms first, then the large
+  mma_tf32(c, a_big, b_small);
+  mma_tf32(c, a_big, b_big);
+#endif
+}
+
+// A = rows `upper` (row g) and `lower` (row g + 8) of a row-major matrix in
+// global memory (float), columns [k0, k0 + KSTEP). A null row reads zeros.
+__device__ __forceinline__ FragA a_from_rows(const float* upper, const float* lower, int k0, int t) {
+  FragA a;
+#if PRECISION == PRECISION_F16
+  const float* rows[2] = {upper, lower};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float* row = rows[e % 2];
+    const int col = k0 + 2 * t + 8 * (e / 2);
+    a.r[e] = row ? pack_floats(row[col], row[col + 1]) : 0u;
+  }
+#else
+  a.r[0] = upper ? upper[k0 + t] : 0.f;
+  a.r[1] = lower ? lower[k0 + t] : 0.f;
+  a.r[2] = upper ? upper[k0 + t + 4] : 0.f;
+  a.r[3] = lower ? lower[k0 + t + 4] : 0.f;
+#endif
+  return a;
+}
+
+// A = the scores of keys [n0, n0 + KSTEP) as the C fragments hold them
+// (c points at block n0 / 8).
+__device__ __forceinline__ FragA a_from_scores(const float (*c)[4]) {
+  FragA a;
+#if PRECISION == PRECISION_F16
+  a.r[0] = pack_floats(c[0][0], c[0][1]);
+  a.r[1] = pack_floats(c[0][2], c[0][3]);
+  a.r[2] = pack_floats(c[1][0], c[1][1]);
+  a.r[3] = pack_floats(c[1][2], c[1][3]);
+#else
+  a.r[0] = c[0][0];  // column t: key 2t
+  a.r[1] = c[0][2];
+  a.r[2] = c[0][1];  // column t + 4: key 2t + 1
+  a.r[3] = c[0][3];
+#endif
+  return a;
+}
+
+// B[k][n] = tile[n0 + n][k0 + k]: the transpose of 8 rows of a tile (keys
+// as the columns of K^T in Q K^T).
+__device__ __forceinline__ FragB b_from_rows(const tile_t* tile, int stride, int n0, int k0, int g, int t) {
+  FragB b;
+  const tile_t* row = tile + (n0 + g) * stride + k0;
+#if PRECISION == PRECISION_F16
+  b.r[0] = *reinterpret_cast<const unsigned*>(row + 2 * t);
+  b.r[1] = *reinterpret_cast<const unsigned*>(row + 2 * t + 8);
+#else
+  b.r[0] = row[t];
+  b.r[1] = row[t + 4];
+#endif
+  return b;
+}
+
+// B[k][n] = tile[k0 + k][n0 + n]: 8 columns of a tile (V in P V), rows in
+// the order a_from_scores gives the keys.
+__device__ __forceinline__ FragB b_from_columns(const tile_t* tile, int stride, int k0, int n0, int g, int t) {
+  FragB b;
+  const tile_t* column = tile + k0 * stride + n0 + g;
+#if PRECISION == PRECISION_F16
+  b.r[0] = pack_halves(column[(2 * t) * stride], column[(2 * t + 1) * stride]);
+  b.r[1] = pack_halves(column[(2 * t + 8) * stride], column[(2 * t + 9) * stride]);
+#else
+  b.r[0] = column[(2 * t) * stride];
+  b.r[1] = column[(2 * t + 1) * stride];
+#endif
+  return b;
+}
+
+// Rows [first, first + ROWS_) of a (rows, WIDTH) row-major float matrix into
+// a tile, converted to tile_t, zeros past `end`: `row_of(r)` gives the
+// matrix row of tile row r (consecutive threads, consecutive 16-byte pieces).
+template <int WIDTH, int ROWS_, int THREADS_, class RowOf>
+__device__ __forceinline__ void load_tile(tile_t* tile, const float* __restrict__ matrix, long long first,
+                                          long long end, RowOf row_of) {
+  constexpr int pieces = WIDTH / 4;  // WIDTH is a multiple of 8
+  for (int e = threadIdx.x; e < ROWS_ * pieces; e += THREADS_) {
+    const int r = e / pieces, c = (e % pieces) * 4;
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (first + r < end) x = *reinterpret_cast<const float4*>(matrix + row_of(first + r) * WIDTH + c);
+    tile_t* dst = tile + r * STRIDE(WIDTH) + c;
+    dst[0] = to_tile(x.x);
+    dst[1] = to_tile(x.y);
+    dst[2] = to_tile(x.z);
+    dst[3] = to_tile(x.w);
+  }
+}
+
+// Sum of x over the 4 lanes of a row's group (lanes 4g .. 4g + 3).
+__device__ __forceinline__ float group_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+__device__ __forceinline__ float group_max(float x) {
+  x = max(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return max(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}

@@ -1,0 +1,35 @@
+// Rows of the stacked layout shared by every kernel of npattn.fast_cupy (on
+// CUDA cores and on tensor cores): the G query heads of kv head h stacked
+// position-major (row r = i * G + g is query i of head n = h * G + g), and the
+// query rows a range of keys is seen by.
+
+// Index into (B, N, T) arrays of stacked row r of kv head h in batch
+// element b: row r = i * G + g is query i of head n = h * G + g.
+__device__ __forceinline__ long long stacked_index(const Problem& pb, int b, int h, long long r) {
+  return ((long long)b * pb.N + h * pb.G + r % pb.G) * pb.T + r / pb.G;
+}
+
+// Stacked row r (as stacked_index) and its index. A row at or past `end`
+// (a thread of a partial tile) takes the last real row's index, so that
+// its reads stay in bounds, and sees no key.
+__device__ __forceinline__ Row stacked_row(const Problem& pb, int b, int h, long long r, long long end,
+                                           long long& index) {
+  const long long real = min(r, end - 1);
+  index = stacked_index(pb, b, h, real);
+  Row row = make_row(pb, b, h * pb.G + (int)(real % pb.G), (int)(real / pb.G));
+  if (r >= end) row.end_key = row.first_key;
+  return row;
+}
+
+// Query rows [first, end) of batch element b that can see some key in
+// [key_first, key_last]: the window and the lengths, read backwards.
+__device__ __forceinline__ void query_range(const Problem& pb, int b, long long key_first, long long key_last,
+                                            long long& first, long long& end) {
+  const long long offset = batch_offset(pb, b);
+  first = 0;
+  end = min((long long)pb.T, batch_q_len(pb, b));
+  if (key_first >= batch_kv_len(pb, b)) end = 0;
+  if (pb.right >= 0) first = max(first, key_first - pb.right - offset);  // j <= p + right
+  if (pb.left >= 0) end = min(end, key_last + pb.left - offset + 1);      // j >= p - left
+  if (end < first) end = first;
+}

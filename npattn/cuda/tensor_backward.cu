@@ -1,0 +1,225 @@
+// FlashAttention-2 backward on the tensor cores: backward.cu's two kernels
+// (the same formulas, the same fixed order of every sum: no atomics), with
+// every product on the tensor cores (operands.cuh):
+//
+//   npattn_backward_dq_tc:   per 16 query rows a warp, over key tiles
+//                            S = Q K^T, dP = dO V^T, dR (entry_backward),
+//                            dQ += dR K
+//   npattn_backward_dkdv_tc: per 16 keys a warp, over tiles of query rows
+//                            S^T = K Q^T, dP^T = V dO^T, dR^T,
+//                            dV += (P drop)^T dO,  dK += dR^T Q
+//
+// and dQ, dK scaled by the softmax scale at the end. P, dP and dR stay in
+// registers between the products.
+//
+// Compile-time constants: TC_KEYS (keys per tile of the dq kernel, query
+// rows per tile of the dkdv kernel; a multiple of 16), and operands.cuh's.
+
+extern "C" __global__ void __launch_bounds__(TC_THREADS)
+    npattn_backward_dq_tc(const float* __restrict__ q,     // (B, N, T, H)
+                          const float* __restrict__ k,     // (B, KH, S, H)
+                          const float* __restrict__ v,     // (B, KH, S, Hv)
+                          const float* __restrict__ dout,  // (B, N, T, Hv)
+                          const float* __restrict__ lse,   // (B, N, T)
+                          const float* __restrict__ D,     // (B, N, T)
+                          float* __restrict__ dq,          // (B, N, T, H)
+                          float* __restrict__ slope_rows,  // (B, N, T): -sum_j dS_ij |p_i - j|, with ALiBi
+                          const long long* config, const float* reals, const long long* q_offsets,
+                          const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
+                          const long long* kv_segments, const float* slopes) {
+  __shared__ __align__(16) tile_t key_tile[TC_KEYS * STRIDE(HEAD_DIM)];
+  __shared__ __align__(16) tile_t value_tile[TC_KEYS * STRIDE(VALUE_DIM)];
+  __shared__ long long scratch[2 * TC_WARPS];
+  const Problem pb = read_problem(config, reals, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const long long stacked = (long long)pb.G * pb.T;
+
+  Row rows[2];
+  long long row_index[2];
+  const float *q_rows[2], *dout_rows[2];
+  float row_lse[2], row_D[2], slope_grad[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const long long r = (long long)blockIdx.x * TC_ROWS + warp * 16 + g + 8 * i;
+    long long index;
+    rows[i] = stacked_row(pb, b, h, r, stacked, index);
+    row_index[i] = r < stacked ? index : -1;
+    q_rows[i] = q + index * HEAD_DIM;
+    dout_rows[i] = dout + index * VALUE_DIM;
+    row_lse[i] = lse[index];
+    row_D[i] = D[index];
+  }
+  FragA q_frag[HEAD_DIM / KSTEP], dout_frag[VALUE_DIM / KSTEP];
+#pragma unroll
+  for (int ks = 0; ks < HEAD_DIM / KSTEP; ++ks) q_frag[ks] = a_from_rows(q_rows[0], q_rows[1], ks * KSTEP, t);
+#pragma unroll
+  for (int ks = 0; ks < VALUE_DIM / KSTEP; ++ks)
+    dout_frag[ks] = a_from_rows(dout_rows[0], dout_rows[1], ks * KSTEP, t);
+  float dq_acc[HEAD_DIM / 8][4] = {};
+
+  long long first, end;
+  block_key_span(rows, scratch, first, end);
+  const long long kv_base = ((long long)b * pb.KH + h) * pb.S;
+  auto same_row = [](long long r) { return r; };
+
+  for (long long tile = first; tile < end; tile += TC_KEYS) {
+    load_tile<HEAD_DIM, TC_KEYS, TC_THREADS>(key_tile, k + kv_base * HEAD_DIM, tile, end, same_row);
+    load_tile<VALUE_DIM, TC_KEYS, TC_THREADS>(value_tile, v + kv_base * VALUE_DIM, tile, end, same_row);
+    __syncthreads();
+    float s[TC_KEYS / 8][4] = {}, dp[TC_KEYS / 8][4] = {};  // Q K^T and dO V^T: (16, TC_KEYS) per warp
+#pragma unroll
+    for (int nb = 0; nb < TC_KEYS / 8; ++nb) {
+#pragma unroll
+      for (int ks = 0; ks < HEAD_DIM / KSTEP; ++ks)
+        mma(s[nb], q_frag[ks], b_from_rows(key_tile, STRIDE(HEAD_DIM), nb * 8, ks * KSTEP, g, t));
+#pragma unroll
+      for (int ks = 0; ks < VALUE_DIM / KSTEP; ++ks)
+        mma(dp[nb], dout_frag[ks], b_from_rows(value_tile, STRIDE(VALUE_DIM), nb * 8, ks * KSTEP, g, t));
+    }
+    const long long tile_end = min(tile + TC_KEYS, end);
+    const bool all[2] = {sees_all(pb, rows[0], tile, tile_end), sees_all(pb, rows[1], tile, tile_end)};
+#pragma unroll
+    for (int nb = 0; nb < TC_KEYS / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = e / 2;
+        const long long j = tile + nb * 8 + 2 * t + e % 2;
+        float dropped;
+        const bool seen = j < tile_end && (all[i] || visible(pb, rows[i], b, j));
+        s[nb][e] = seen ? entry_backward(pb, rows[i], j, s[nb][e], dp[nb][e], row_lse[i], row_D[i], dropped,
+                                         slope_grad[i])
+                        : 0.f;  // dR
+      }
+#pragma unroll
+    for (int kk = 0; kk < TC_KEYS / KSTEP; ++kk) {  // dQ += dR K: (16, TC_KEYS) (TC_KEYS, H)
+      const FragA dr = a_from_scores(s + kk * (KSTEP / 8));
+#pragma unroll
+      for (int nd = 0; nd < HEAD_DIM / 8; ++nd)
+        mma(dq_acc[nd], dr, b_from_columns(key_tile, STRIDE(HEAD_DIM), kk * KSTEP, nd * 8, g, t));
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float row_slope_grad = group_sum(slope_grad[i]);
+    if (row_index[i] < 0) continue;
+#pragma unroll
+    for (int nd = 0; nd < HEAD_DIM / 8; ++nd) {
+      dq[row_index[i] * HEAD_DIM + nd * 8 + 2 * t] = dq_acc[nd][2 * i] * pb.scale;
+      dq[row_index[i] * HEAD_DIM + nd * 8 + 2 * t + 1] = dq_acc[nd][2 * i + 1] * pb.scale;
+    }
+    if (pb.slopes && t == 0) slope_rows[row_index[i]] = row_slope_grad;
+  }
+}
+
+// One block per TC_ROWS keys of kv head h and batch element b; the query
+// rows that can see them pass through shared memory TC_KEYS stacked rows at
+// a time.
+extern "C" __global__ void __launch_bounds__(TC_THREADS)
+    npattn_backward_dkdv_tc(const float* __restrict__ q,     // (B, N, T, H)
+                            const float* __restrict__ k,     // (B, KH, S, H)
+                            const float* __restrict__ v,     // (B, KH, S, Hv)
+                            const float* __restrict__ dout,  // (B, N, T, Hv)
+                            const float* __restrict__ lse,   // (B, N, T)
+                            const float* __restrict__ D,     // (B, N, T)
+                            float* __restrict__ dk,          // (B, KH, S, H)
+                            float* __restrict__ dv,          // (B, KH, S, Hv)
+                            const long long* config, const float* reals, const long long* q_offsets,
+                            const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
+                            const long long* kv_segments, const float* slopes) {
+  __shared__ __align__(16) tile_t query_tile[TC_KEYS * STRIDE(HEAD_DIM)];
+  __shared__ __align__(16) tile_t dout_tile[TC_KEYS * STRIDE(VALUE_DIM)];
+  __shared__ Row tile_rows[TC_KEYS];
+  __shared__ float tile_lse[TC_KEYS], tile_D[TC_KEYS];
+  const Problem pb = read_problem(config, reals, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+  const int h = blockIdx.y, b = blockIdx.z;
+
+  long long key[2];  // this thread's keys: g and g + 8 of its warp's 16
+  const float *k_rows[2], *v_rows[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    key[i] = (long long)blockIdx.x * TC_ROWS + warp * 16 + g + 8 * i;
+    const long long index = ((long long)b * pb.KH + h) * pb.S + key[i];
+    k_rows[i] = key[i] < pb.S ? k + index * HEAD_DIM : nullptr;
+    v_rows[i] = key[i] < pb.S ? v + index * VALUE_DIM : nullptr;
+  }
+  FragA k_frag[HEAD_DIM / KSTEP], v_frag[VALUE_DIM / KSTEP];
+#pragma unroll
+  for (int ks = 0; ks < HEAD_DIM / KSTEP; ++ks) k_frag[ks] = a_from_rows(k_rows[0], k_rows[1], ks * KSTEP, t);
+#pragma unroll
+  for (int ks = 0; ks < VALUE_DIM / KSTEP; ++ks) v_frag[ks] = a_from_rows(v_rows[0], v_rows[1], ks * KSTEP, t);
+  float dk_acc[HEAD_DIM / 8][4] = {}, dv_acc[VALUE_DIM / 8][4] = {};
+
+  const long long key_first = (long long)blockIdx.x * TC_ROWS;
+  const long long key_last = min(key_first + TC_ROWS, (long long)pb.S) - 1;
+  long long first, end;  // query positions i, then stacked rows i * G + g
+  query_range(pb, b, key_first, key_last, first, end);
+  const long long stacked_end = end * pb.G;
+  float unused_slope_grad = 0;  // the dq kernel sums the slopes' gradient
+  auto stacked = [&](long long r) { return stacked_index(pb, b, h, r); };
+
+  for (long long tile = first * pb.G; tile < stacked_end; tile += TC_KEYS) {
+    load_tile<HEAD_DIM, TC_KEYS, TC_THREADS>(query_tile, q, tile, stacked_end, stacked);
+    load_tile<VALUE_DIM, TC_KEYS, TC_THREADS>(dout_tile, dout, tile, stacked_end, stacked);
+    for (int e = threadIdx.x; e < TC_KEYS; e += TC_THREADS) {
+      long long index;
+      tile_rows[e] = stacked_row(pb, b, h, tile + e, stacked_end, index);
+      tile_lse[e] = lse[index];
+      tile_D[e] = D[index];
+    }
+    __syncthreads();
+    float s[TC_KEYS / 8][4] = {}, dp[TC_KEYS / 8][4] = {};  // K Q^T and V dO^T: (16, TC_KEYS) per warp
+#pragma unroll
+    for (int nb = 0; nb < TC_KEYS / 8; ++nb) {
+#pragma unroll
+      for (int ks = 0; ks < HEAD_DIM / KSTEP; ++ks)
+        mma(s[nb], k_frag[ks], b_from_rows(query_tile, STRIDE(HEAD_DIM), nb * 8, ks * KSTEP, g, t));
+#pragma unroll
+      for (int ks = 0; ks < VALUE_DIM / KSTEP; ++ks)
+        mma(dp[nb], v_frag[ks], b_from_rows(dout_tile, STRIDE(VALUE_DIM), nb * 8, ks * KSTEP, g, t));
+    }
+#pragma unroll
+    for (int nb = 0; nb < TC_KEYS / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = e / 2, c = nb * 8 + 2 * t + e % 2;
+        const Row& row = tile_rows[c];
+        float dropped = 0.f, dr = 0.f;
+        if (key[i] < pb.S && visible(pb, row, b, key[i]))
+          dr = entry_backward(pb, row, key[i], s[nb][e], dp[nb][e], tile_lse[c], tile_D[c], dropped,
+                              unused_slope_grad);
+        s[nb][e] = dr;
+        dp[nb][e] = dropped;
+      }
+#pragma unroll
+    for (int kk = 0; kk < TC_KEYS / KSTEP; ++kk) {
+      const FragA dr = a_from_scores(s + kk * (KSTEP / 8)), dropped = a_from_scores(dp + kk * (KSTEP / 8));
+#pragma unroll
+      for (int nd = 0; nd < VALUE_DIM / 8; ++nd)  // dV += (P drop)^T dO: (16, TC_KEYS) (TC_KEYS, Hv)
+        mma(dv_acc[nd], dropped, b_from_columns(dout_tile, STRIDE(VALUE_DIM), kk * KSTEP, nd * 8, g, t));
+#pragma unroll
+      for (int nd = 0; nd < HEAD_DIM / 8; ++nd)  // dK += dR^T Q: (16, TC_KEYS) (TC_KEYS, H)
+        mma(dk_acc[nd], dr, b_from_columns(query_tile, STRIDE(HEAD_DIM), kk * KSTEP, nd * 8, g, t));
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (key[i] >= pb.S) continue;
+    const long long index = ((long long)b * pb.KH + h) * pb.S + key[i];
+#pragma unroll
+    for (int nd = 0; nd < HEAD_DIM / 8; ++nd) {
+      dk[index * HEAD_DIM + nd * 8 + 2 * t] = dk_acc[nd][2 * i] * pb.scale;
+      dk[index * HEAD_DIM + nd * 8 + 2 * t + 1] = dk_acc[nd][2 * i + 1] * pb.scale;
+    }
+#pragma unroll
+    for (int nd = 0; nd < VALUE_DIM / 8; ++nd) {
+      dv[index * VALUE_DIM + nd * 8 + 2 * t] = dv_acc[nd][2 * i];
+      dv[index * VALUE_DIM + nd * 8 + 2 * t + 1] = dv_acc[nd][2 * i + 1];
+    }
+  }
+}

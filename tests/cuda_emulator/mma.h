@@ -1,0 +1,81 @@
+// The emulator's stand-in for npattn/cuda/mma.cuh (the tensor cores' PTX
+// mma.sync): the same functions and fragment layouts, in C++. A product
+// gathers the warp's operands (emulator.h's warp_gather) and each lane sums
+// its own four entries of C from them, the products exact and summed in
+// double, then rounded to float32 (the hardware sums in at least float32, in
+// an order PTX leaves open).
+#define PRECISION_F16 1
+#define PRECISION_TF32X3 2
+
+inline unsigned short half_bits(float x) {
+  const _Float16 h = static_cast<_Float16>(x);  // round to nearest even, as cvt.rn.f16.f32
+  unsigned short bits;
+  std::memcpy(&bits, &h, sizeof bits);
+  return bits;
+}
+
+inline float half_value(unsigned short bits) {
+  _Float16 h;
+  std::memcpy(&h, &bits, sizeof h);
+  return static_cast<float>(h);
+}
+
+inline unsigned pack_halves(unsigned short low, unsigned short high) { return (unsigned)low | ((unsigned)high << 16); }
+
+inline unsigned pack_floats(float low, float high) { return pack_halves(half_bits(low), half_bits(high)); }
+
+// cvt.rna.tf32.f32: 10 mantissa bits, to nearest with ties away from zero.
+inline unsigned tf32_bits(float x) {
+  const unsigned bits = __float_as_uint(x);
+  if (!std::isfinite(x)) return bits;
+  return (bits + 0x1000u) & 0xFFFFE000u;
+}
+
+namespace cuda_emulator {
+
+struct MmaOperands {
+  unsigned a[4], b[2];
+};
+
+// Each lane's C entries from every lane's operands; `a_entry(ops, r, k)` and
+// `b_entry(ops, k, n)` read A[r][k] and B[k][n] out of the gathered fragments.
+template <int K, class AEntry, class BEntry>
+inline void mma_lane(detail::Site site, float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2], AEntry a_entry,
+                     BEntry b_entry) {
+  MmaOperands mine{}, all[32];
+  std::memcpy(mine.a, a, sizeof mine.a);
+  std::memcpy(mine.b, b, sizeof mine.b);
+  detail::warp_gather(site, mine, all);
+  const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  for (int e = 0; e < 4; ++e) {
+    const int r = g + 8 * (e / 2), n = 2 * t + e % 2;
+    double sum = 0;
+    for (int k = 0; k < K; ++k) sum += (double)a_entry(all, r, k) * (double)b_entry(all, k, n);
+    c[e] = (float)((double)c[e] + sum);
+  }
+}
+
+inline float half_of(unsigned word, int high) { return half_value((unsigned short)(high ? word >> 16 : word & 0xFFFFu)); }
+
+inline void mma_f16_at(detail::Site site, float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  mma_lane<16>(
+      site, c, a, b,
+      [](const MmaOperands* all, int r, int k) {  // a[0] rows 0-7 cols 0-7, a[1] rows 8-15, a[2] cols 8-15, ...
+        return half_of(all[(r % 8) * 4 + (k % 8) / 2].a[(r / 8) + 2 * (k / 8)], k % 2);
+      },
+      [](const MmaOperands* all, int k, int n) { return half_of(all[n * 4 + (k % 8) / 2].b[k / 8], k % 2); });
+}
+
+inline void mma_tf32_at(detail::Site site, float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  mma_lane<8>(
+      site, c, a, b,
+      [](const MmaOperands* all, int r, int k) {  // the tensor cores read the top 19 bits
+        return __uint_as_float(all[(r % 8) * 4 + k % 4].a[(r / 8) + 2 * (k / 4)] & 0xFFFFE000u);
+      },
+      [](const MmaOperands* all, int k, int n) { return __uint_as_float(all[n * 4 + k % 4].b[k / 4] & 0xFFFFE000u); });
+}
+
+}  // namespace cuda_emulator
+
+#define mma_f16(c, a, b) ::cuda_emulator::mma_f16_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, c, a, b)
+#define mma_tf32(c, a, b) ::cuda_emulator::mma_tf32_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, c, a, b)
