@@ -108,7 +108,7 @@ FLOAT64_MAX_SCORES = 2**22
 #: (:func:`tensor_precision`).
 SOURCES = {
     "cuda_cores": ("pipeline.cuh", "rows.cuh", "tiles.cuh", "forward.cu", "backward.cu"),
-    "tensor_cores": ("pipeline.cuh", "rows.cuh", "mma.cuh", "operands.cuh", "tensor_forward.cu", "tensor_backward.cu"),
+    "tensor_cores": ("pipeline.cuh", "rows.cuh", "ptx.cuh", "operands.cuh", "tensor_forward.cu", "tensor_backward.cu"),
 }
 
 #: Largest ``H`` and ``Hv`` the tensor-core kernels take (their operands
@@ -319,7 +319,7 @@ _MODULES: dict[tuple[Runtime, str, tuple[tuple[str, str], ...]], Any] = {}
 
 
 def tensor_precision(spec: AttentionSpec) -> str | None:
-    r"""The tensor cores' precision for ``spec`` (``mma.cuh``), or None where
+    r"""The tensor cores' precision for ``spec`` (``ptx.cuh``), or None where
     the CUDA-core kernels run it.
 
     - ``"f16"``: float16 inputs, their products exact on the tensor cores
@@ -349,17 +349,49 @@ def tensor_precision(spec: AttentionSpec) -> str | None:
     return "f16" if step == 16 else "tf32x3"
 
 
-def _tensor_module(runtime: Runtime, spec: AttentionSpec, precision: str, tile: int) -> Any:
-    """The tensor-core kernels for ``spec``'s dims, ``precision`` and ``tile``
-    keys (or query rows) per shared-memory tile."""
+def _tensor_module(runtime: Runtime, spec: AttentionSpec, precision: str, backward: bool = False) -> Any:
+    """The tensor-core kernels for ``spec``'s dims and ``precision``, with the
+    forward's tiles (:func:`tensor_tile`, :func:`tensor_stages`) or the backward's."""
+    tile = tensor_tile(spec, precision, backward)
     defines = (
         ("scalar_t", "float"),
         ("PRECISION", "PRECISION_F16" if precision == "f16" else "PRECISION_TF32X3"),
         ("HEAD_DIM", str(spec.head_dim)),
         ("VALUE_DIM", str(spec.value_dim)),
         ("TC_KEYS", str(tile)),
+        ("TC_STAGES", str(tensor_stages(spec, precision, tile))),
     )
     return _compiled(runtime, "tensor_cores", defines)
+
+
+#: Bytes of ``pipeline.cuh``'s ``Row`` in float32 at most (four int64, a
+#: float and a uint32), and the dK/dV kernel's lse and D beside each.
+TENSOR_ROW_BYTES = 40 + 8
+
+
+def tensor_stages(spec: AttentionSpec, precision: str, tile: int) -> int:
+    """Tiles in shared memory at once (``TC_STAGES``): 2, the next one's copy
+    in flight while the tensor cores work on this one, where two of the
+    largest kernel's (dK/dV's) fit CUDA's 48 KiB of static shared memory;
+    else 1.
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> x = np.zeros((1, 8, 1024, 64), np.float16)
+    >>> wide = np.zeros((1, 8, 1024, 128), np.float16)
+    >>> tensor_stages(make_spec(x, x, x), "f16", 64), tensor_stages(make_spec(wide, wide, wide), "f16", 64)
+    (2, 1)
+    """
+    item = 2 if precision == "f16" else 4
+    padded = spec.head_dim + spec.value_dim + 2 * 16 // item  # STRIDE(H) + STRIDE(Hv), operands.cuh
+    per_stage = tile * (padded * item + TENSOR_ROW_BYTES)
+    return 2 if 2 * per_stage <= 48 * 1024 - 256 else 1
+
+
+def _tile_dtype(xp: Any, x: Any, precision: str) -> Any:
+    """``x`` as the tensor-core kernels read it: float16 for ``"f16"`` (exact:
+    the inputs and ``dO`` came in float16), float32 as it is."""
+    return _contiguous(xp.astype(x, xp.float16)) if precision == "f16" else x
 
 
 def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> int:
@@ -508,7 +540,8 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None
             _grid_rows(spec, shape),
         )
     else:
-        module = _tensor_module(runtime, spec, precision, tensor_tile(spec, precision))
+        module = _tensor_module(runtime, spec, precision)
+        q, k, v = (_tile_dtype(xp, x, precision) for x in (q, k, v))
         name, threads, row_blocks = "npattn_forward_tc", TENSOR_THREADS, -(-spec.group_size * T // TENSOR_ROWS)
     splits = _splits(spec, row_blocks, runtime.multiprocessors(q))
     call = _Call(spec, runtime, q, splits)
@@ -562,7 +595,8 @@ def backward(
         module, threads, suffix = _module(runtime, spec, shape), BLOCK_THREADS, ""
         row_blocks, key_blocks = _grid_rows(spec, shape), -(-S // (shape.rows * shape.tile))
     else:
-        module = _tensor_module(runtime, spec, precision, tensor_tile(spec, precision, backward=True))
+        module = _tensor_module(runtime, spec, precision, backward=True)
+        qc, kc, vc, doc = (_tile_dtype(xp, x, precision) for x in (qc, kc, vc, doc))
         threads, suffix = TENSOR_THREADS, "_tc"
         row_blocks, key_blocks = -(-spec.group_size * T // TENSOR_ROWS), -(-S // TENSOR_ROWS)
     inputs = (qc, kc, vc, doc, lsec, Dc)

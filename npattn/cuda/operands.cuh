@@ -1,9 +1,9 @@
 // Operands of the tensor-core kernels (tensor_forward.cu, tensor_backward.cu),
-// the same code for both precisions of mma.cuh: which values of a tile each
+// the same code for both precisions of ptx.cuh: which values of a tile each
 // lane gives the tensor cores, and the tiles in shared memory.
 //
 // A warp multiplies 16 rows at a time. Its scores come out of the tensor
-// cores as C fragments (mma.cuh): lane (g, t) holds, for each block of 8
+// cores as C fragments (ptx.cuh): lane (g, t) holds, for each block of 8
 // keys (or query rows) nb, the entries
 //
 //     c[nb][0], c[nb][1]  of row g      and keys nb*8 + 2t, nb*8 + 2t + 1
@@ -15,7 +15,9 @@
 // for key 2t and column t + 4 for key 2t + 1: b_from_columns reads B's rows
 // in the same order, so the product sums the same pairs.
 //
-// Compile-time constants: PRECISION (mma.cuh), HEAD_DIM, VALUE_DIM.
+// Compile-time constants: PRECISION (ptx.cuh), HEAD_DIM, VALUE_DIM. The
+// kernels read q, k, v and dO as tile_t: float16 bits in PRECISION_F16
+// (npattn.fast_cupy passes them in float16), float32 in PRECISION_TF32X3.
 
 #if PRECISION == PRECISION_F16
 #define KSTEP 16                 // the product's inner dimension per mma
@@ -69,16 +71,15 @@ __device__ __forceinline__ void mma(float (&c)[4], const FragA& a, const FragB& 
 }
 
 // A = rows `upper` (row g) and `lower` (row g + 8) of a row-major matrix in
-// global memory (float), columns [k0, k0 + KSTEP). A null row reads zeros.
-__device__ __forceinline__ FragA a_from_rows(const float* upper, const float* lower, int k0, int t) {
+// global memory, columns [k0, k0 + KSTEP). A null row reads zeros.
+__device__ __forceinline__ FragA a_from_rows(const tile_t* upper, const tile_t* lower, int k0, int t) {
   FragA a;
 #if PRECISION == PRECISION_F16
-  const float* rows[2] = {upper, lower};
+  const tile_t* rows[2] = {upper, lower};
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const float* row = rows[e % 2];
-    const int col = k0 + 2 * t + 8 * (e / 2);
-    a.r[e] = row ? pack_floats(row[col], row[col + 1]) : 0u;
+    const tile_t* row = rows[e % 2];
+    a.r[e] = row ? *reinterpret_cast<const unsigned*>(row + k0 + 2 * t + 8 * (e / 2)) : 0u;
   }
 #else
   a.r[0] = upper ? upper[k0 + t] : 0.f;
@@ -137,22 +138,19 @@ __device__ __forceinline__ FragB b_from_columns(const tile_t* tile, int stride, 
   return b;
 }
 
-// Rows [first, first + ROWS_) of a (rows, WIDTH) row-major float matrix into
-// a tile, converted to tile_t, zeros past `end`: `row_of(r)` gives the
-// matrix row of tile row r (consecutive threads, consecutive 16-byte pieces).
+// Start copying rows [first, first + ROWS_) of a (rows, WIDTH) row-major
+// matrix into a tile, zeros past `end` (ptx.cuh's cp.async: complete after
+// async_wait and a barrier); `row_of(r)` gives the matrix row of tile row r.
+// Consecutive threads copy consecutive 16-byte pieces.
 template <int WIDTH, int ROWS_, int THREADS_, class RowOf>
-__device__ __forceinline__ void load_tile(tile_t* tile, const float* __restrict__ matrix, long long first,
+__device__ __forceinline__ void load_tile(tile_t* tile, const tile_t* __restrict__ matrix, long long first,
                                           long long end, RowOf row_of) {
-  constexpr int pieces = WIDTH / 4;  // WIDTH is a multiple of 8
+  constexpr int per_piece = 16 / (int)sizeof(tile_t), pieces = WIDTH / per_piece;  // WIDTH: whole pieces
   for (int e = threadIdx.x; e < ROWS_ * pieces; e += THREADS_) {
-    const int r = e / pieces, c = (e % pieces) * 4;
-    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (first + r < end) x = *reinterpret_cast<const float4*>(matrix + row_of(first + r) * WIDTH + c);
-    tile_t* dst = tile + r * STRIDE(WIDTH) + c;
-    dst[0] = to_tile(x.x);
-    dst[1] = to_tile(x.y);
-    dst[2] = to_tile(x.z);
-    dst[3] = to_tile(x.w);
+    const int r = e / pieces, c = (e % pieces) * per_piece;
+    const bool valid = first + r < end;
+    const tile_t* source = valid ? matrix + row_of(first + r) * WIDTH + c : matrix;
+    async_copy_16(tile + r * STRIDE(WIDTH) + c, source, valid);
   }
 }
 

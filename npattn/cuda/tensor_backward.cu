@@ -10,16 +10,31 @@
 //                            dV += (P drop)^T dO,  dK += dR^T Q
 //
 // and dQ, dK scaled by the softmax scale at the end. P, dP and dR stay in
-// registers between the products.
+// registers between the products; tiles are copied as in tensor_forward.cu.
 //
 // Compile-time constants: TC_KEYS (keys per tile of the dq kernel, query
-// rows per tile of the dkdv kernel; a multiple of 16), and operands.cuh's.
+// rows per tile of the dkdv kernel; a multiple of 16), TC_STAGES, and
+// operands.cuh's.
+
+// dR_ij of one entry, and P_ij drop_ij in `dropped`: entry_backward
+// (pipeline.cuh), or, where the scores are plain (scale * q . k: no softcap,
+// no ALiBi), its formulas with P = 2^(s log2(e) - lse log2(e)), the
+// forward's base-2 exponentials.
+__device__ __forceinline__ float tensor_entry_backward(const Problem& pb, bool plain, const Row& row, long long j,
+                                                       float product, float dp, float row_lse, float row_D,
+                                                       float& dropped, float& slope_grad) {
+  if (!plain) return entry_backward(pb, row, j, product, dp, row_lse, row_D, dropped, slope_grad);
+  const float p = fast_exp2((product * pb.scale - row_lse) * LOG2_E);
+  const float drop = pb.dropout ? dropout_factor(pb, row, j) : 1.f;
+  dropped = p * drop;
+  return p * (dp * drop - row_D);
+}
 
 extern "C" __global__ void __launch_bounds__(TC_THREADS)
-    npattn_backward_dq_tc(const float* __restrict__ q,     // (B, N, T, H)
-                          const float* __restrict__ k,     // (B, KH, S, H)
-                          const float* __restrict__ v,     // (B, KH, S, Hv)
-                          const float* __restrict__ dout,  // (B, N, T, Hv)
+    npattn_backward_dq_tc(const tile_t* __restrict__ q,     // (B, N, T, H)
+                          const tile_t* __restrict__ k,     // (B, KH, S, H)
+                          const tile_t* __restrict__ v,     // (B, KH, S, Hv)
+                          const tile_t* __restrict__ dout,  // (B, N, T, Hv)
                           const float* __restrict__ lse,   // (B, N, T)
                           const float* __restrict__ D,     // (B, N, T)
                           float* __restrict__ dq,          // (B, N, T, H)
@@ -27,8 +42,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                           const long long* config, const float* reals, const long long* q_offsets,
                           const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
                           const long long* kv_segments, const float* slopes) {
-  __shared__ __align__(16) tile_t key_tile[TC_KEYS * STRIDE(HEAD_DIM)];
-  __shared__ __align__(16) tile_t value_tile[TC_KEYS * STRIDE(VALUE_DIM)];
+  __shared__ __align__(16) tile_t key_tile[TC_STAGES][TC_KEYS * STRIDE(HEAD_DIM)];
+  __shared__ __align__(16) tile_t value_tile[TC_STAGES][TC_KEYS * STRIDE(VALUE_DIM)];
   __shared__ long long scratch[2 * TC_WARPS];
   const Problem pb = read_problem(config, reals, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
@@ -37,7 +52,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 
   Row rows[2];
   long long row_index[2];
-  const float *q_rows[2], *dout_rows[2];
+  const tile_t *q_rows[2], *dout_rows[2];
+  const bool plain = pb.softcap == 0 && !pb.slopes;
   float row_lse[2], row_D[2], slope_grad[2] = {0.f, 0.f};
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -63,19 +79,25 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   const long long kv_base = ((long long)b * pb.KH + h) * pb.S;
   auto same_row = [](long long r) { return r; };
 
-  for (long long tile = first; tile < end; tile += TC_KEYS) {
-    load_tile<HEAD_DIM, TC_KEYS, TC_THREADS>(key_tile, k + kv_base * HEAD_DIM, tile, end, same_row);
-    load_tile<VALUE_DIM, TC_KEYS, TC_THREADS>(value_tile, v + kv_base * VALUE_DIM, tile, end, same_row);
-    __syncthreads();
+  auto issue = [&](int it) {
+    const long long tile = first + (long long)it * TC_KEYS;
+    load_tile<HEAD_DIM, TC_KEYS, TC_THREADS>(key_tile[it % TC_STAGES], k + kv_base * HEAD_DIM, tile, end, same_row);
+    load_tile<VALUE_DIM, TC_KEYS, TC_THREADS>(value_tile[it % TC_STAGES], v + kv_base * VALUE_DIM, tile, end,
+                                              same_row);
+    async_commit();
+  };
+  auto use = [&](int it) {
+    const long long tile = first + (long long)it * TC_KEYS;
+    const tile_t *keys = key_tile[it % TC_STAGES], *values = value_tile[it % TC_STAGES];
     float s[TC_KEYS / 8][4] = {}, dp[TC_KEYS / 8][4] = {};  // Q K^T and dO V^T: (16, TC_KEYS) per warp
 #pragma unroll
     for (int nb = 0; nb < TC_KEYS / 8; ++nb) {
 #pragma unroll
       for (int ks = 0; ks < HEAD_DIM / KSTEP; ++ks)
-        mma(s[nb], q_frag[ks], b_from_rows(key_tile, STRIDE(HEAD_DIM), nb * 8, ks * KSTEP, g, t));
+        mma(s[nb], q_frag[ks], b_from_rows(keys, STRIDE(HEAD_DIM), nb * 8, ks * KSTEP, g, t));
 #pragma unroll
       for (int ks = 0; ks < VALUE_DIM / KSTEP; ++ks)
-        mma(dp[nb], dout_frag[ks], b_from_rows(value_tile, STRIDE(VALUE_DIM), nb * 8, ks * KSTEP, g, t));
+        mma(dp[nb], dout_frag[ks], b_from_rows(values, STRIDE(VALUE_DIM), nb * 8, ks * KSTEP, g, t));
     }
     const long long tile_end = min(tile + TC_KEYS, end);
     const bool all[2] = {sees_all(pb, rows[0], tile, tile_end), sees_all(pb, rows[1], tile, tile_end)};
@@ -87,8 +109,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
         const long long j = tile + nb * 8 + 2 * t + e % 2;
         float dropped;
         const bool seen = j < tile_end && (all[i] || visible(pb, rows[i], b, j));
-        s[nb][e] = seen ? entry_backward(pb, rows[i], j, s[nb][e], dp[nb][e], row_lse[i], row_D[i], dropped,
-                                         slope_grad[i])
+        s[nb][e] = seen ? tensor_entry_backward(pb, plain, rows[i], j, s[nb][e], dp[nb][e], row_lse[i], row_D[i],
+                                                dropped, slope_grad[i])
                         : 0.f;  // dR
       }
 #pragma unroll
@@ -96,10 +118,10 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
       const FragA dr = a_from_scores(s + kk * (KSTEP / 8));
 #pragma unroll
       for (int nd = 0; nd < HEAD_DIM / 8; ++nd)
-        mma(dq_acc[nd], dr, b_from_columns(key_tile, STRIDE(HEAD_DIM), kk * KSTEP, nd * 8, g, t));
+        mma(dq_acc[nd], dr, b_from_columns(keys, STRIDE(HEAD_DIM), kk * KSTEP, nd * 8, g, t));
     }
-    __syncthreads();
-  }
+  };
+  pipelined_tiles<TC_KEYS>(first, end, issue, use);
 
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -118,10 +140,10 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 // rows that can see them pass through shared memory TC_KEYS stacked rows at
 // a time.
 extern "C" __global__ void __launch_bounds__(TC_THREADS)
-    npattn_backward_dkdv_tc(const float* __restrict__ q,     // (B, N, T, H)
-                            const float* __restrict__ k,     // (B, KH, S, H)
-                            const float* __restrict__ v,     // (B, KH, S, Hv)
-                            const float* __restrict__ dout,  // (B, N, T, Hv)
+    npattn_backward_dkdv_tc(const tile_t* __restrict__ q,     // (B, N, T, H)
+                            const tile_t* __restrict__ k,     // (B, KH, S, H)
+                            const tile_t* __restrict__ v,     // (B, KH, S, Hv)
+                            const tile_t* __restrict__ dout,  // (B, N, T, Hv)
                             const float* __restrict__ lse,   // (B, N, T)
                             const float* __restrict__ D,     // (B, N, T)
                             float* __restrict__ dk,          // (B, KH, S, H)
@@ -129,16 +151,17 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                             const long long* config, const float* reals, const long long* q_offsets,
                             const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
                             const long long* kv_segments, const float* slopes) {
-  __shared__ __align__(16) tile_t query_tile[TC_KEYS * STRIDE(HEAD_DIM)];
-  __shared__ __align__(16) tile_t dout_tile[TC_KEYS * STRIDE(VALUE_DIM)];
-  __shared__ Row tile_rows[TC_KEYS];
-  __shared__ float tile_lse[TC_KEYS], tile_D[TC_KEYS];
+  __shared__ __align__(16) tile_t query_tile[TC_STAGES][TC_KEYS * STRIDE(HEAD_DIM)];
+  __shared__ __align__(16) tile_t dout_tile[TC_STAGES][TC_KEYS * STRIDE(VALUE_DIM)];
+  __shared__ Row tile_rows[TC_STAGES][TC_KEYS];
+  __shared__ float tile_lse[TC_STAGES][TC_KEYS], tile_D[TC_STAGES][TC_KEYS];
   const Problem pb = read_problem(config, reals, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
   const int h = blockIdx.y, b = blockIdx.z;
 
   long long key[2];  // this thread's keys: g and g + 8 of its warp's 16
-  const float *k_rows[2], *v_rows[2];
+  const tile_t *k_rows[2], *v_rows[2];
+  const bool plain = pb.softcap == 0 && !pb.slopes;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     key[i] = (long long)blockIdx.x * TC_ROWS + warp * 16 + g + 8 * i;
@@ -161,36 +184,42 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   float unused_slope_grad = 0;  // the dq kernel sums the slopes' gradient
   auto stacked = [&](long long r) { return stacked_index(pb, b, h, r); };
 
-  for (long long tile = first * pb.G; tile < stacked_end; tile += TC_KEYS) {
-    load_tile<HEAD_DIM, TC_KEYS, TC_THREADS>(query_tile, q, tile, stacked_end, stacked);
-    load_tile<VALUE_DIM, TC_KEYS, TC_THREADS>(dout_tile, dout, tile, stacked_end, stacked);
+  auto issue = [&](int it) {
+    const long long tile = first * pb.G + (long long)it * TC_KEYS;
+    const int stage = it % TC_STAGES;
+    load_tile<HEAD_DIM, TC_KEYS, TC_THREADS>(query_tile[stage], q, tile, stacked_end, stacked);
+    load_tile<VALUE_DIM, TC_KEYS, TC_THREADS>(dout_tile[stage], dout, tile, stacked_end, stacked);
+    async_commit();
     for (int e = threadIdx.x; e < TC_KEYS; e += TC_THREADS) {
       long long index;
-      tile_rows[e] = stacked_row(pb, b, h, tile + e, stacked_end, index);
-      tile_lse[e] = lse[index];
-      tile_D[e] = D[index];
+      tile_rows[stage][e] = stacked_row(pb, b, h, tile + e, stacked_end, index);
+      tile_lse[stage][e] = lse[index];
+      tile_D[stage][e] = D[index];
     }
-    __syncthreads();
+  };
+  auto use = [&](int it) {
+    const int stage = it % TC_STAGES;
+    const tile_t *queries = query_tile[stage], *douts = dout_tile[stage];
     float s[TC_KEYS / 8][4] = {}, dp[TC_KEYS / 8][4] = {};  // K Q^T and V dO^T: (16, TC_KEYS) per warp
 #pragma unroll
     for (int nb = 0; nb < TC_KEYS / 8; ++nb) {
 #pragma unroll
       for (int ks = 0; ks < HEAD_DIM / KSTEP; ++ks)
-        mma(s[nb], k_frag[ks], b_from_rows(query_tile, STRIDE(HEAD_DIM), nb * 8, ks * KSTEP, g, t));
+        mma(s[nb], k_frag[ks], b_from_rows(queries, STRIDE(HEAD_DIM), nb * 8, ks * KSTEP, g, t));
 #pragma unroll
       for (int ks = 0; ks < VALUE_DIM / KSTEP; ++ks)
-        mma(dp[nb], v_frag[ks], b_from_rows(dout_tile, STRIDE(VALUE_DIM), nb * 8, ks * KSTEP, g, t));
+        mma(dp[nb], v_frag[ks], b_from_rows(douts, STRIDE(VALUE_DIM), nb * 8, ks * KSTEP, g, t));
     }
 #pragma unroll
     for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = e / 2, c = nb * 8 + 2 * t + e % 2;
-        const Row& row = tile_rows[c];
+        const Row& row = tile_rows[stage][c];
         float dropped = 0.f, dr = 0.f;
         if (key[i] < pb.S && visible(pb, row, b, key[i]))
-          dr = entry_backward(pb, row, key[i], s[nb][e], dp[nb][e], tile_lse[c], tile_D[c], dropped,
-                              unused_slope_grad);
+          dr = tensor_entry_backward(pb, plain, row, key[i], s[nb][e], dp[nb][e], tile_lse[stage][c],
+                                     tile_D[stage][c], dropped, unused_slope_grad);
         s[nb][e] = dr;
         dp[nb][e] = dropped;
       }
@@ -199,13 +228,13 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
       const FragA dr = a_from_scores(s + kk * (KSTEP / 8)), dropped = a_from_scores(dp + kk * (KSTEP / 8));
 #pragma unroll
       for (int nd = 0; nd < VALUE_DIM / 8; ++nd)  // dV += (P drop)^T dO: (16, TC_KEYS) (TC_KEYS, Hv)
-        mma(dv_acc[nd], dropped, b_from_columns(dout_tile, STRIDE(VALUE_DIM), kk * KSTEP, nd * 8, g, t));
+        mma(dv_acc[nd], dropped, b_from_columns(douts, STRIDE(VALUE_DIM), kk * KSTEP, nd * 8, g, t));
 #pragma unroll
       for (int nd = 0; nd < HEAD_DIM / 8; ++nd)  // dK += dR^T Q: (16, TC_KEYS) (TC_KEYS, H)
-        mma(dk_acc[nd], dr, b_from_columns(query_tile, STRIDE(HEAD_DIM), kk * KSTEP, nd * 8, g, t));
+        mma(dk_acc[nd], dr, b_from_columns(queries, STRIDE(HEAD_DIM), kk * KSTEP, nd * 8, g, t));
     }
-    __syncthreads();
-  }
+  };
+  pipelined_tiles<TC_KEYS>(first * pb.G, stacked_end, issue, use);
 
 #pragma unroll
   for (int i = 0; i < 2; ++i) {

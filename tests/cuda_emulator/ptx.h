@@ -1,4 +1,4 @@
-// The emulator's stand-in for npattn/cuda/mma.cuh (the tensor cores' PTX
+// The emulator's stand-in for npattn/cuda/ptx.cuh (the tensor cores' PTX
 // mma.sync): the same functions and fragment layouts, in C++. A product
 // gathers the warp's operands (emulator.h's warp_gather) and each lane sums
 // its own four entries of C from them, the products exact and summed in
@@ -76,6 +76,18 @@ inline void mma_tf32_at(detail::Site site, float (&c)[4], const unsigned (&a)[4]
 }
 
 }  // namespace cuda_emulator
+
+// cp.async, done at once: the emulator's threads run one after the other
+// between barriers, so a copy is complete before any thread could read it.
+inline void async_copy_16(void* shared, const void* global, bool valid) {
+  if (valid) std::memcpy(shared, global, 16);
+  else std::memset(shared, 0, 16);
+}
+inline void async_commit() {}
+template <int PENDING>
+inline void async_wait() {}
+
+inline float fast_exp2(float x) { return std::exp2(x); }
 
 #define mma_f16(c, a, b) ::cuda_emulator::mma_f16_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, c, a, b)
 #define mma_tf32(c, a, b) ::cuda_emulator::mma_tf32_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, c, a, b)

@@ -1,5 +1,8 @@
-// The tensor cores' matrix product, as the tensor-core kernels of
-// npattn.fast_cupy use it (PTX `mma.sync`, sm_80 and later): one warp computes
+// The PTX instructions of the tensor-core kernels of npattn.fast_cupy (sm_80
+// and later): the tensor cores' matrix product, and the asynchronous copy of
+// a tile from global to shared memory.
+//
+// mma.sync: one warp computes
 //
 //     C (16 x 8, float32)  +=  A (16 x KSTEP)  B (KSTEP x 8)
 //
@@ -24,7 +27,7 @@
 //
 // These layouts are PTX's (the ISA's "Matrix Fragments for mma.m16n8k16" and
 // "mma.m16n8k8"). The CPU tests replace this file with an emulation of the
-// same layouts (tests/cuda_emulator/mma.h).
+// same functions and layouts (tests/cuda_emulator/ptx.h).
 
 #define PRECISION_F16 1
 #define PRECISION_TF32X3 2
@@ -64,4 +67,28 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], 
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// cp.async: 16 bytes from global memory to shared memory without passing
+// through registers (zeros where `valid` is false), in flight until
+// async_wait; async_commit closes a group of copies.
+__device__ __forceinline__ void async_copy_16(void* shared, const void* global, bool valid) {
+  unsigned address;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(address), "l"(global), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void async_commit() { asm volatile("cp.async.commit_group;"); }
+
+// Wait until at most `PENDING` groups of copies are in flight.
+template <int PENDING>
+__device__ __forceinline__ void async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
+}
+
+// 2^x (ex2.approx: about 2 ulp; the softmax's exponentials in base 2).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
