@@ -4,7 +4,8 @@ The same online-softmax forward and FlashAttention-2 backward as
 :mod:`npattn.chunked`, each a single CUDA kernel launch instead of the
 generic path's ~20 array operations per tile:
 
-- ``npattn_forward`` (``npattn/cuda/forward.cu``): one block per range of
+- ``npattn_forward`` (``npattn/cuda/forward.cu``; ``npattn_forward_tc`` on
+  the tensor cores, ``tensor_forward.cu``): one block per range of
   stacked query rows of a kv head (the G query heads that share it,
   position-major as in :mod:`npattn.fast_numpy`), each row held by a few
   threads (:func:`launch_shape`), key and value tiles through shared
@@ -31,11 +32,21 @@ score or mask modifications runs the generic chunked path instead
 namespace but CuPy, and CuPy with ``NPATTN_FAST_CUPY=0``. ``block_q`` and
 ``block_k`` do not apply here.
 
-Arithmetic is in the compute dtype: float32 for float16 inputs (cast
-before the kernels), float32 and float64 as they are. The kernels are
-compiled at first use for each (dtype, ``H``, ``Hv``, launch shape) by
-CuPy's ``RawModule`` (NVRTC) and cached for the process (and on disk by
-CuPy).
+Two kinds of kernels, chosen per call (:func:`tensor_precision`):
+
+- **on the tensor cores** (``npattn/cuda/tensor_forward.cu``,
+  ``tensor_backward.cu``; FlashAttention-2's register layout, ``mma.sync``):
+  float16 inputs with their products exact and summed in float32, float32
+  inputs in three TensorFloat-32 passes (3xTF32, float32's accuracy to
+  about 2\ :sup:`-21`), for ``H`` and ``Hv`` up to
+  :data:`TENSOR_MAX_HEAD_DIM` in whole ``mma`` steps, when the call has
+  more than :data:`FEW_ROWS` stacked rows per kv head;
+- **on the CUDA cores** (``forward.cu``, ``backward.cu``): everything else
+  the path takes, float64 and decoding included, in the compute dtype.
+
+The kernels are compiled at first use for each (kind, dtype, ``H``, ``Hv``,
+launch shape) by CuPy's ``RawModule`` (NVRTC) and cached for the process
+(and on disk by CuPy).
 
 The module talks to the GPU through a small :class:`Runtime` (compile,
 launch, copy a small array to the device), so that the tests can run the
@@ -336,7 +347,8 @@ def tensor_precision(spec: AttentionSpec) -> str | None:
     >>> import numpy as np
     >>> from npattn.options import make_spec
     >>> x = np.zeros((1, 8, 1024, 64), np.float16)
-    >>> tensor_precision(make_spec(x, x, x)), tensor_precision(make_spec(x.astype(np.float64), x, x))
+    >>> y = x.astype(np.float64)
+    >>> tensor_precision(make_spec(x, x, x)), tensor_precision(make_spec(y, y, y))
     ('f16', None)
     """
     if os.environ.get("NPATTN_CUPY_TENSOR_CORES", "1") == "0" or spec.compute_dtype != np.float32:
@@ -533,12 +545,8 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None
     precision = tensor_precision(spec)
     if precision is None:
         shape = launch_shape(spec)
-        module, name, threads, row_blocks = (
-            _module(runtime, spec, shape),
-            "npattn_forward",
-            BLOCK_THREADS,
-            _grid_rows(spec, shape),
-        )
+        module, name, threads = _module(runtime, spec, shape), "npattn_forward", BLOCK_THREADS
+        row_blocks = _grid_rows(spec, shape)
     else:
         module = _tensor_module(runtime, spec, precision)
         q, k, v = (_tile_dtype(xp, x, precision) for x in (q, k, v))

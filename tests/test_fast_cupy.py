@@ -7,11 +7,15 @@ arrays standing in for CuPy's. So the launch geometry, the score
 pipeline's transcription, the key ranges of flash-decoding and the backward
 kernels are checked here against the generic chunked path, in float64 to
 1e-12, and by central differences directly on the kernels.
+The tensor-core kernels run here too, ``cuda_emulator/ptx.h`` standing in
+for their PTX (mma.sync, ldmatrix, cp.async, with PTX's fragment layouts),
+in float16 and float32 against the generic path in float64.
 
 On a GPU (``gpu`` marker, skipped without CuPy and a device): the same
 option matrix through the public API, the fused kernels against the generic
 chunked path on CuPy, the dropout mask against NumPy's bit for bit,
-float32/float16 within the CPU tests' tolerances, and bitwise determinism.
+float32/float16 within the CPU tests' tolerances, the tensor-core kernels
+against NumPy in float64, and bitwise determinism.
 """
 
 from __future__ import annotations
@@ -279,6 +283,26 @@ def test_tensor_precision_by_dtype_dims_and_rows(monkeypatch):
     assert precision(np.float16, T=32) is None and precision(np.float16, T=4, N=8) is None  # decoding: few rows
     monkeypatch.setenv("NPATTN_CUPY_TENSOR_CORES", "0")
     assert precision(np.float16) is None
+
+
+def test_tensor_tiles_fit_static_shared_memory():
+    """The tensor-core kernels' static shared memory (the largest, dK/dV's:
+    TC_STAGES query and dO tiles with padded rows, and a ``Row``, lse and D
+    per query row; ptxas reports 43008 bytes for float16 at H=Hv=64, as
+    computed here) stays within CUDA's 48 KiB for every head size they take."""
+    for dtype, step in ((np.float16, 16), (np.float32, 8)):
+        precision = "f16" if dtype == np.float16 else "tf32x3"
+        item = np.dtype(dtype).itemsize
+        for H, Hv in itertools.product(range(step, fast_cupy.TENSOR_MAX_HEAD_DIM + 1, step), repeat=2):
+            q, k, v, _ = _problem(batch=(1,), N=1, K=1, T=64, S=8, H=H, Hv=Hv, dtype=dtype)
+            spec = make_spec(q, k, v)
+            assert fast_cupy.tensor_precision(spec) == precision
+            for backward in (False, True):
+                tile = fast_cupy.tensor_tile(spec, precision, backward)
+                stages = fast_cupy.tensor_stages(spec, precision, tile)
+                rows = tile * ((H + 16 // item) + (Hv + 16 // item)) * item
+                assert stages * (rows + tile * fast_cupy.TENSOR_ROW_BYTES) <= 48 * 1024, (dtype, H, Hv, backward)
+                assert tile % 16 == 0 and stages in (1, 2)
 
 
 @emulated

@@ -109,31 +109,35 @@ __device__ __forceinline__ FragA a_from_scores(const float (*c)[4]) {
 }
 
 // B[k][n] = tile[n0 + n][k0 + k]: the transpose of 8 rows of a tile (keys
-// as the columns of K^T in Q K^T).
-__device__ __forceinline__ FragB b_from_rows(const tile_t* tile, int stride, int n0, int k0, int g, int t) {
+// as the columns of K^T in Q K^T), by ldmatrix (ptx.cuh): in float16 its
+// matrix m is columns k0 + 8m ..; in float32 (two 16-bit halves an entry),
+// columns k0 + 4m ..
+__device__ __forceinline__ FragB b_from_rows(const tile_t* tile, int stride, int n0, int k0, int lane) {
   FragB b;
-  const tile_t* row = tile + (n0 + g) * stride + k0;
+  const int matrix = lane / 8 % 2;
+  const tile_t* row = tile + (n0 + lane % 8) * stride + k0 + matrix * (KSTEP / 2);
 #if PRECISION == PRECISION_F16
-  b.r[0] = *reinterpret_cast<const unsigned*>(row + 2 * t);
-  b.r[1] = *reinterpret_cast<const unsigned*>(row + 2 * t + 8);
+  load_matrices(b.r, row);
 #else
-  b.r[0] = row[t];
-  b.r[1] = row[t + 4];
+  unsigned bits[2];
+  load_matrices(bits, row);
+  b.r[0] = __uint_as_float(bits[0]);
+  b.r[1] = __uint_as_float(bits[1]);
 #endif
   return b;
 }
 
 // B[k][n] = tile[k0 + k][n0 + n]: 8 columns of a tile (V in P V), rows in
-// the order a_from_scores gives the keys.
-__device__ __forceinline__ FragB b_from_columns(const tile_t* tile, int stride, int k0, int n0, int g, int t) {
+// the order a_from_scores gives the keys: in float16 by ldmatrix.trans
+// (matrix m is rows k0 + 8m ..), in float32 entry by entry.
+__device__ __forceinline__ FragB b_from_columns(const tile_t* tile, int stride, int k0, int n0, int lane) {
   FragB b;
-  const tile_t* column = tile + k0 * stride + n0 + g;
 #if PRECISION == PRECISION_F16
-  b.r[0] = pack_halves(column[(2 * t) * stride], column[(2 * t + 1) * stride]);
-  b.r[1] = pack_halves(column[(2 * t + 8) * stride], column[(2 * t + 9) * stride]);
+  load_matrices_trans(b.r, tile + (k0 + lane % 16) * stride + n0);  // lanes 8-15: rows k0 + 8 ..
 #else
-  b.r[0] = column[(2 * t) * stride];
-  b.r[1] = column[(2 * t + 1) * stride];
+  const tile_t* column = tile + k0 * stride + n0 + lane / 4;
+  b.r[0] = column[(2 * (lane % 4)) * stride];
+  b.r[1] = column[(2 * (lane % 4) + 1) * stride];
 #endif
   return b;
 }

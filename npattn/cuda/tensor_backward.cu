@@ -94,21 +94,23 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     for (int nb = 0; nb < TC_KEYS / 8; ++nb) {
 #pragma unroll
       for (int ks = 0; ks < HEAD_DIM / KSTEP; ++ks)
-        mma(s[nb], q_frag[ks], b_from_rows(keys, STRIDE(HEAD_DIM), nb * 8, ks * KSTEP, g, t));
+        mma(s[nb], q_frag[ks], b_from_rows(keys, STRIDE(HEAD_DIM), nb * 8, ks * KSTEP, lane));
 #pragma unroll
       for (int ks = 0; ks < VALUE_DIM / KSTEP; ++ks)
-        mma(dp[nb], dout_frag[ks], b_from_rows(values, STRIDE(VALUE_DIM), nb * 8, ks * KSTEP, g, t));
+        mma(dp[nb], dout_frag[ks], b_from_rows(values, STRIDE(VALUE_DIM), nb * 8, ks * KSTEP, lane));
     }
     const long long tile_end = min(tile + TC_KEYS, end);
+    const int keys_in_tile = (int)(tile_end - tile);
     const bool all[2] = {sees_all(pb, rows[0], tile, tile_end), sees_all(pb, rows[1], tile, tile_end)};
 #pragma unroll
     for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = e / 2;
-        const long long j = tile + nb * 8 + 2 * t + e % 2;
+        const int offset = nb * 8 + 2 * t + e % 2;
+        const long long j = tile + offset;
         float dropped;
-        const bool seen = j < tile_end && (all[i] || visible(pb, rows[i], b, j));
+        const bool seen = offset < keys_in_tile && (all[i] || visible(pb, rows[i], b, j));
         s[nb][e] = seen ? tensor_entry_backward(pb, plain, rows[i], j, s[nb][e], dp[nb][e], row_lse[i], row_D[i],
                                                 dropped, slope_grad[i])
                         : 0.f;  // dR
@@ -118,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
       const FragA dr = a_from_scores(s + kk * (KSTEP / 8));
 #pragma unroll
       for (int nd = 0; nd < HEAD_DIM / 8; ++nd)
-        mma(dq_acc[nd], dr, b_from_columns(keys, STRIDE(HEAD_DIM), kk * KSTEP, nd * 8, g, t));
+        mma(dq_acc[nd], dr, b_from_columns(keys, STRIDE(HEAD_DIM), kk * KSTEP, nd * 8, lane));
     }
   };
   pipelined_tiles<TC_KEYS>(first, end, issue, use);
@@ -205,10 +207,10 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     for (int nb = 0; nb < TC_KEYS / 8; ++nb) {
 #pragma unroll
       for (int ks = 0; ks < HEAD_DIM / KSTEP; ++ks)
-        mma(s[nb], k_frag[ks], b_from_rows(queries, STRIDE(HEAD_DIM), nb * 8, ks * KSTEP, g, t));
+        mma(s[nb], k_frag[ks], b_from_rows(queries, STRIDE(HEAD_DIM), nb * 8, ks * KSTEP, lane));
 #pragma unroll
       for (int ks = 0; ks < VALUE_DIM / KSTEP; ++ks)
-        mma(dp[nb], v_frag[ks], b_from_rows(douts, STRIDE(VALUE_DIM), nb * 8, ks * KSTEP, g, t));
+        mma(dp[nb], v_frag[ks], b_from_rows(douts, STRIDE(VALUE_DIM), nb * 8, ks * KSTEP, lane));
     }
 #pragma unroll
     for (int nb = 0; nb < TC_KEYS / 8; ++nb)
@@ -228,10 +230,10 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
       const FragA dr = a_from_scores(s + kk * (KSTEP / 8)), dropped = a_from_scores(dp + kk * (KSTEP / 8));
 #pragma unroll
       for (int nd = 0; nd < VALUE_DIM / 8; ++nd)  // dV += (P drop)^T dO: (16, TC_KEYS) (TC_KEYS, Hv)
-        mma(dv_acc[nd], dropped, b_from_columns(douts, STRIDE(VALUE_DIM), kk * KSTEP, nd * 8, g, t));
+        mma(dv_acc[nd], dropped, b_from_columns(douts, STRIDE(VALUE_DIM), kk * KSTEP, nd * 8, lane));
 #pragma unroll
       for (int nd = 0; nd < HEAD_DIM / 8; ++nd)  // dK += dR^T Q: (16, TC_KEYS) (TC_KEYS, H)
-        mma(dk_acc[nd], dr, b_from_columns(queries, STRIDE(HEAD_DIM), kk * KSTEP, nd * 8, g, t));
+        mma(dk_acc[nd], dr, b_from_columns(queries, STRIDE(HEAD_DIM), kk * KSTEP, nd * 8, lane));
     }
   };
   pipelined_tiles<TC_KEYS>(first * pb.G, stacked_end, issue, use);

@@ -144,9 +144,10 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll
       for (int ks = 0; ks < HEAD_DIM / KSTEP; ++ks)
-        mma(s[nb], q_frag[ks], b_from_rows(keys, STRIDE(HEAD_DIM), nb * 8, ks * KSTEP, g, t));
+        mma(s[nb], q_frag[ks], b_from_rows(keys, STRIDE(HEAD_DIM), nb * 8, ks * KSTEP, lane));
 
     const long long tile_end = min(tile + TC_KEYS, end);
+    const int keys_in_tile = (int)(tile_end - tile);
     const bool all[2] = {sees_all(pb, rows[0], tile, tile_end), sees_all(pb, rows[1], tile, tile_end)};
     float tile_max[2] = {minus_inf, minus_inf};
 #pragma unroll
@@ -154,9 +155,10 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = e / 2;
-        const long long j = tile + nb * 8 + 2 * t + e % 2;
+        const int offset = nb * 8 + 2 * t + e % 2;
+        const long long j = tile + offset;
         float capped_tanh;
-        const bool seen = j < tile_end && (all[i] || visible(pb, rows[i], b, j));
+        const bool seen = offset < keys_in_tile && (all[i] || visible(pb, rows[i], b, j));
         const float x = plain ? s[nb][e] * scale_log2 : score(pb, rows[i], j, s[nb][e], capped_tanh) * LOG2_E;
         s[nb][e] = seen ? x : minus_inf;  // the score in units of log 2
         tile_max[i] = max(tile_max[i], s[nb][e]);
@@ -189,7 +191,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
       const FragA p = a_from_scores(s + kk * (KSTEP / 8));
 #pragma unroll
       for (int nd = 0; nd < VALUE_DIM / 8; ++nd)
-        mma(acc[nd], p, b_from_columns(values, STRIDE(VALUE_DIM), kk * KSTEP, nd * 8, g, t));
+        mma(acc[nd], p, b_from_columns(values, STRIDE(VALUE_DIM), kk * KSTEP, nd * 8, lane));
     }
   };
   pipelined_tiles<TC_KEYS>(first, end, issue, use);

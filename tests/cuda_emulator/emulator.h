@@ -19,7 +19,8 @@
 //   barrier, or two threads waiting at different call sites, abort.
 // - `__shfl_xor_sync` is a block-wide exchange (a staging buffer and two
 //   barriers), so every thread of the block, not only of the warp, must call
-//   it. Reading a lane outside `mask`, or a lane past the end of a partial
+//   it; so is `warp_gather` (every lane's value to every lane of its warp:
+//   what ptx.h's warp-wide instructions, mma.sync and ldmatrix, are built on). Reading a lane outside `mask`, or a lane past the end of a partial
 //   last warp, aborts.
 // - No warp-synchronous programming without barriers: threads run one after
 //   the other between barriers.
@@ -152,9 +153,8 @@ inline uint3 thread_index(const Launch& L, unsigned linear) {
 }
 
 inline const char* kind_name(Kind kind) {
-  return kind == Kind::syncthreads                                 ? "__syncthreads()"
-         : kind == Kind::shfl_write || kind == Kind::shfl_read ? "__shfl_xor_sync()"
-                                                                   : "warp_gather()";
+  if (kind == Kind::syncthreads) return "__syncthreads()";
+  return kind == Kind::shfl_write || kind == Kind::shfl_read ? "__shfl_xor_sync()" : "warp_gather()";
 }
 
 inline Launch& current_launch(const char* what) {

@@ -75,6 +75,21 @@ inline void mma_tf32_at(detail::Site site, float (&c)[4], const unsigned (&a)[4]
       [](const MmaOperands* all, int k, int n) { return __uint_as_float(all[n * 4 + k % 4].b[k / 4] & 0xFFFFE000u); });
 }
 
+// ldmatrix .x2: the warp's row addresses gathered, then each lane's entries.
+inline void load_matrices_at(detail::Site site, unsigned (&r)[2], const void* row, bool trans) {
+  const void* rows[32];
+  detail::warp_gather(site, row, rows);
+  const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  for (int m = 0; m < 2; ++m) {
+    unsigned short entry[2];
+    for (int e = 0; e < 2; ++e) {  // (g, 2t + e), or transposed (2t + e, g)
+      const unsigned row_index = trans ? 2 * t + e : g, column = trans ? g : 2 * t + e;
+      std::memcpy(&entry[e], static_cast<const unsigned char*>(rows[8 * m + row_index]) + 2 * column, 2);
+    }
+    r[m] = pack_halves(entry[0], entry[1]);
+  }
+}
+
 }  // namespace cuda_emulator
 
 // cp.async, done at once: the emulator's threads run one after the other
@@ -89,5 +104,9 @@ inline void async_wait() {}
 
 inline float fast_exp2(float x) { return std::exp2(x); }
 
+#define load_matrices(r, row) \
+  ::cuda_emulator::load_matrices_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, r, row, false)
+#define load_matrices_trans(r, row) \
+  ::cuda_emulator::load_matrices_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, r, row, true)
 #define mma_f16(c, a, b) ::cuda_emulator::mma_f16_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, c, a, b)
 #define mma_tf32(c, a, b) ::cuda_emulator::mma_tf32_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, c, a, b)
