@@ -71,7 +71,7 @@ from .options import AttentionSpec
 from .scores.pipeline import param_grads_from_heads
 from .scores.visibility import window_reach
 
-__all__ = ["supports", "preferred", "forward", "backward", "launch_shape", "kernel_source"]
+__all__ = ["supports", "preferred", "forward", "backward", "launch_shape", "kernel_source", "tensor_precision"]
 
 #: Largest ``H`` and ``Hv`` the kernels take (their rows live in registers).
 MAX_HEAD_DIM = 256
