@@ -28,7 +28,6 @@ struct FragA {
 struct FragB {
   unsigned r[2];
 };
-__device__ __forceinline__ tile_t to_tile(float x) { return half_bits(x); }
 #elif PRECISION == PRECISION_TF32X3
 #define KSTEP 8
 typedef float tile_t;
@@ -38,7 +37,6 @@ struct FragA {
 struct FragB {
   float r[2];
 };
-__device__ __forceinline__ tile_t to_tile(float x) { return x; }
 #else
 #error "PRECISION must be PRECISION_F16 or PRECISION_TF32X3"
 #endif
