@@ -536,7 +536,8 @@ def _splits(spec: AttentionSpec, row_blocks: int, multiprocessors: int) -> int:
 def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None = None) -> tuple[Any, Any]:
     """Online-softmax forward; same contract as :func:`npattn.chunked.chunked_forward`.
 
-    ``O = softmax(S) V`` row by row in one kernel (``npattn/cuda/forward.cu``);
+    ``O = softmax(S) V`` row by row in one kernel (``npattn/cuda/forward.cu``,
+    or ``tensor_forward.cu`` where :func:`tensor_precision` picks the tensor cores);
     with several key ranges (:func:`_splits`), each range's ``(O_r, lse_r)``
     merged as ``lse = logsumexp_r lse_r``, ``O = sum_r exp(lse_r - lse) O_r``.
     """
@@ -581,7 +582,9 @@ def backward(
 
     ``D = rowsum(dO * O) - dlse`` here, then ``dQ`` (and the ALiBi slopes'
     per-row sums ``-sum_j dS_ij |p_i - j|``) in ``npattn_backward_dq`` and
-    ``dK``, ``dV`` in ``npattn_backward_dkdv`` (``npattn/cuda/backward.cu``).
+    ``dK``, ``dV`` in ``npattn_backward_dkdv`` (``npattn/cuda/backward.cu``;
+    on the tensor cores their ``_tc`` twins of ``tensor_backward.cu``, with
+    ``q``, ``k``, ``v`` and ``dO`` in float16 for the ``"f16"`` precision).
     """
     runtime = runtime or _CUPY_RUNTIME
     xp, B, N, K, T, S = spec.xp, spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.q_len, spec.kv_len
