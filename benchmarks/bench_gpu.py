@@ -6,7 +6,9 @@
 
 ``--targets`` prints, for each workload of the fused path's targets, torch
 SDPA, the fused CuPy kernels (``npattn.fast_cupy``, what ``impl="chunked"``
-runs on CuPy) and, at T=S=4096, the generic chunked path
+runs on CuPy; "fwd share": their forward's time over their
+forward+backward's) and, at T=S=4096, the fused kernels on the CUDA cores
+(``NPATTN_CUPY_TENSOR_CORES=0``) and the generic chunked path
 (``NPATTN_FAST_CUPY=0``): float16 and float32 at B=1, N=8, H=64, T=S in
 {4096, 16384}, full and causal, forward+backward; float64 at T=S=4096;
 decoding T=1 against S=32768 with N=32 query heads on 8 kv heads, H=128,
@@ -461,6 +463,7 @@ def _target_row(cp, torch, label, arguments, backward, with_generic, repeats) ->
     del ours, theirs
     t_torch = _best_ms(lambda: problem.sdpa(backward), tsync, repeats)
     t_fused = _best_ms(lambda: problem.npattn(backward), csync, repeats)
+    t_forward = _best_ms(lambda: problem.npattn(False), csync, repeats) if backward else t_fused
     t_torch = min(t_torch, _best_ms(lambda: problem.sdpa(backward), tsync, repeats))  # torch, fused, torch
     others = []
     for settings in (CUDA_CORES, GENERIC):
@@ -470,7 +473,7 @@ def _target_row(cp, torch, label, arguments, backward, with_generic, repeats) ->
         run = functools.partial(problem.npattn, backward, settings)
         run()  # warm-up: kernels compile on first use
         others.append(f"{_best_ms(run, csync, 2) / t_torch:10.2f}")
-    times = f"{t_torch:9.3f} {t_fused:9.3f} {t_fused / t_torch:8.2f}"
+    times = f"{t_torch:9.3f} {t_fused:9.3f} {t_fused / t_torch:8.2f} {t_forward / t_fused:9.2f}"
     print(f"{label:<46} {times} {' '.join(others)} {diff:10.1e}", flush=True)
     if label.startswith("float16 T=S=16384 causal"):
         fused = _peak(cp, torch, lambda: problem.npattn(True), False)
@@ -497,7 +500,8 @@ def targets(cp, torch, why_no_torch, repeats: int) -> int:
         f"best of {repeats} (decode: {DECODE_REPEATS}), interleaved torch, fused, torch; "
         "CUDA cores (NPATTN_CUPY_TENSOR_CORES=0) and generic (NPATTN_FAST_CUPY=0): best of 2"
     )
-    header = f"{'workload':<46} {'torch ms':>9} {'fused ms':>9} {'x torch':>8} {'cores x':>10} {'generic x':>10}"
+    header = f"{'workload':<46} {'torch ms':>9} {'fused ms':>9} {'x torch':>8} {'fwd share':>9}"
+    header += f" {'cores x':>10} {'generic x':>10}"
     print(f"{header} {'max|diff|':>10}")
     for label, arguments, backward, with_generic in _target_rows():
         reps = repeats if backward else DECODE_REPEATS
