@@ -119,7 +119,15 @@ FLOAT64_MAX_SCORES = 2**22
 #: (:func:`tensor_precision`).
 SOURCES = {
     "cuda_cores": ("pipeline.cuh", "rows.cuh", "tiles.cuh", "forward.cu", "backward.cu"),
-    "tensor_cores": ("pipeline.cuh", "rows.cuh", "ptx.cuh", "operands.cuh", "tensor_forward.cu", "tensor_backward.cu"),
+    "tensor_cores": (
+        "pipeline.cuh",
+        "rows.cuh",
+        "ptx.cuh",
+        "operands.cuh",
+        "tensor_tiles.cuh",
+        "tensor_forward.cu",
+        "tensor_backward.cu",
+    ),
 }
 
 #: Largest ``H`` and ``Hv`` the tensor-core kernels take (their operands

@@ -68,24 +68,29 @@ __device__ __forceinline__ void mma(float (&c)[4], const FragA& a, const FragB& 
 #endif
 }
 
-// A = rows `upper` (row g) and `lower` (row g + 8) of a row-major matrix in
-// global memory, columns [k0, k0 + KSTEP). A null row reads zeros.
-__device__ __forceinline__ FragA a_from_rows(const tile_t* upper, const tile_t* lower, int k0, int t) {
-  FragA a;
-#if PRECISION == PRECISION_F16
-  const tile_t* rows[2] = {upper, lower};
+// A = rows `upper` (row g) and `lower` (row g + 8) of a row-major matrix of
+// WIDTH columns in global memory, one fragment per KSTEP columns. A null
+// row reads zeros.
+template <int WIDTH>
+__device__ __forceinline__ void a_from_rows(FragA (&a)[WIDTH / KSTEP], const tile_t* upper, const tile_t* lower,
+                                            int t) {
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const tile_t* row = rows[e % 2];
-    a.r[e] = row ? *reinterpret_cast<const unsigned*>(row + k0 + 2 * t + 8 * (e / 2)) : 0u;
-  }
+  for (int ks = 0; ks < WIDTH / KSTEP; ++ks) {
+    const int k0 = ks * KSTEP;
+#if PRECISION == PRECISION_F16
+    const tile_t* rows[2] = {upper, lower};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const tile_t* row = rows[e % 2];
+      a[ks].r[e] = row ? *reinterpret_cast<const unsigned*>(row + k0 + 2 * t + 8 * (e / 2)) : 0u;
+    }
 #else
-  a.r[0] = upper ? upper[k0 + t] : 0.f;
-  a.r[1] = lower ? lower[k0 + t] : 0.f;
-  a.r[2] = upper ? upper[k0 + t + 4] : 0.f;
-  a.r[3] = lower ? lower[k0 + t + 4] : 0.f;
+    a[ks].r[0] = upper ? upper[k0 + t] : 0.f;
+    a[ks].r[1] = lower ? lower[k0 + t] : 0.f;
+    a[ks].r[2] = upper ? upper[k0 + t + 4] : 0.f;
+    a[ks].r[3] = lower ? lower[k0 + t + 4] : 0.f;
 #endif
-  return a;
+  }
 }
 
 // A = the scores of keys [n0, n0 + KSTEP) as the C fragments hold them

@@ -12,9 +12,8 @@
 // and dQ, dK scaled by the softmax scale at the end. P, dP and dR stay in
 // registers between the products; tiles are copied as in tensor_forward.cu.
 //
-// Compile-time constants: TC_KEYS (keys per tile of the dq kernel, query
-// rows per tile of the dkdv kernel; a multiple of 16), TC_STAGES, and
-// operands.cuh's.
+// Compile-time constants: tensor_tiles.cuh's (TC_KEYS: keys per tile of the
+// dq kernel, query rows per tile of the dkdv kernel).
 
 // dR_ij of one entry, and P_ij drop_ij in `dropped`: entry_backward
 // (pipeline.cuh), or, where the scores are plain (scale * q . k: no softcap,
@@ -67,11 +66,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     row_D[i] = D[index];
   }
   FragA q_frag[HEAD_DIM / KSTEP], dout_frag[VALUE_DIM / KSTEP];
-#pragma unroll
-  for (int ks = 0; ks < HEAD_DIM / KSTEP; ++ks) q_frag[ks] = a_from_rows(q_rows[0], q_rows[1], ks * KSTEP, t);
-#pragma unroll
-  for (int ks = 0; ks < VALUE_DIM / KSTEP; ++ks)
-    dout_frag[ks] = a_from_rows(dout_rows[0], dout_rows[1], ks * KSTEP, t);
+  a_from_rows<HEAD_DIM>(q_frag, q_rows[0], q_rows[1], t);
+  a_from_rows<VALUE_DIM>(dout_frag, dout_rows[0], dout_rows[1], t);
   float dq_acc[HEAD_DIM / 8][4] = {};
 
   long long first, end;
@@ -90,38 +86,21 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     const long long tile = first + (long long)it * TC_KEYS;
     const tile_t *keys = key_tile[it % TC_STAGES], *values = value_tile[it % TC_STAGES];
     float s[TC_KEYS / 8][4] = {}, dp[TC_KEYS / 8][4] = {};  // Q K^T and dO V^T: (16, TC_KEYS) per warp
-#pragma unroll
-    for (int nb = 0; nb < TC_KEYS / 8; ++nb) {
-#pragma unroll
-      for (int ks = 0; ks < HEAD_DIM / KSTEP; ++ks)
-        mma(s[nb], q_frag[ks], b_from_rows(keys, STRIDE(HEAD_DIM), nb * 8, ks * KSTEP, lane));
-#pragma unroll
-      for (int ks = 0; ks < VALUE_DIM / KSTEP; ++ks)
-        mma(dp[nb], dout_frag[ks], b_from_rows(values, STRIDE(VALUE_DIM), nb * 8, ks * KSTEP, lane));
-    }
-    const long long tile_end = min(tile + TC_KEYS, end);
-    const int keys_in_tile = (int)(tile_end - tile);
-    const bool all[2] = {sees_all(pb, rows[0], tile, tile_end), sees_all(pb, rows[1], tile, tile_end)};
+    products_with_rows<HEAD_DIM>(s, q_frag, keys, lane);
+    products_with_rows<VALUE_DIM>(dp, dout_frag, values, lane);
+    const KeyRange range = key_range(pb, rows, tile, end);
 #pragma unroll
     for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int i = e / 2;
-        const int offset = nb * 8 + 2 * t + e % 2;
-        const long long j = tile + offset;
+        const int i = e / 2, offset = nb * 8 + 2 * t + e % 2;
         float dropped;
-        const bool seen = offset < keys_in_tile && (all[i] || visible(pb, rows[i], b, j));
-        s[nb][e] = seen ? tensor_entry_backward(pb, plain, rows[i], j, s[nb][e], dp[nb][e], row_lse[i], row_D[i],
-                                                dropped, slope_grad[i])
-                        : 0.f;  // dR
+        s[nb][e] = sees(range, pb, rows, b, i, offset)
+                       ? tensor_entry_backward(pb, plain, rows[i], tile + offset, s[nb][e], dp[nb][e], row_lse[i],
+                                               row_D[i], dropped, slope_grad[i])
+                       : 0.f;  // dR
       }
-#pragma unroll
-    for (int kk = 0; kk < TC_KEYS / KSTEP; ++kk) {  // dQ += dR K: (16, TC_KEYS) (TC_KEYS, H)
-      const FragA dr = a_from_scores(s + kk * (KSTEP / 8));
-#pragma unroll
-      for (int nd = 0; nd < HEAD_DIM / 8; ++nd)
-        mma(dq_acc[nd], dr, b_from_columns(keys, STRIDE(HEAD_DIM), kk * KSTEP, nd * 8, lane));
-    }
+    products_with_columns<HEAD_DIM>(dq_acc, s, keys, lane);  // dQ += dR K: (16, TC_KEYS) (TC_KEYS, H)
   };
   pipelined_tiles<TC_KEYS>(first, end, issue, use);
 
@@ -129,11 +108,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   for (int i = 0; i < 2; ++i) {
     const float row_slope_grad = group_sum(slope_grad[i]);
     if (row_index[i] < 0) continue;
-#pragma unroll
-    for (int nd = 0; nd < HEAD_DIM / 8; ++nd) {
-      dq[row_index[i] * HEAD_DIM + nd * 8 + 2 * t] = dq_acc[nd][2 * i] * pb.scale;
-      dq[row_index[i] * HEAD_DIM + nd * 8 + 2 * t + 1] = dq_acc[nd][2 * i + 1] * pb.scale;
-    }
+    store_row<HEAD_DIM>(dq + row_index[i] * HEAD_DIM, dq_acc, i, t, pb.scale);
     if (pb.slopes && t == 0) slope_rows[row_index[i]] = row_slope_grad;
   }
 }
@@ -172,10 +147,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     v_rows[i] = key[i] < pb.S ? v + index * VALUE_DIM : nullptr;
   }
   FragA k_frag[HEAD_DIM / KSTEP], v_frag[VALUE_DIM / KSTEP];
-#pragma unroll
-  for (int ks = 0; ks < HEAD_DIM / KSTEP; ++ks) k_frag[ks] = a_from_rows(k_rows[0], k_rows[1], ks * KSTEP, t);
-#pragma unroll
-  for (int ks = 0; ks < VALUE_DIM / KSTEP; ++ks) v_frag[ks] = a_from_rows(v_rows[0], v_rows[1], ks * KSTEP, t);
+  a_from_rows<HEAD_DIM>(k_frag, k_rows[0], k_rows[1], t);
+  a_from_rows<VALUE_DIM>(v_frag, v_rows[0], v_rows[1], t);
   float dk_acc[HEAD_DIM / 8][4] = {}, dv_acc[VALUE_DIM / 8][4] = {};
 
   const long long key_first = (long long)blockIdx.x * TC_ROWS;
@@ -203,15 +176,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     const int stage = it % TC_STAGES;
     const tile_t *queries = query_tile[stage], *douts = dout_tile[stage];
     float s[TC_KEYS / 8][4] = {}, dp[TC_KEYS / 8][4] = {};  // K Q^T and V dO^T: (16, TC_KEYS) per warp
-#pragma unroll
-    for (int nb = 0; nb < TC_KEYS / 8; ++nb) {
-#pragma unroll
-      for (int ks = 0; ks < HEAD_DIM / KSTEP; ++ks)
-        mma(s[nb], k_frag[ks], b_from_rows(queries, STRIDE(HEAD_DIM), nb * 8, ks * KSTEP, lane));
-#pragma unroll
-      for (int ks = 0; ks < VALUE_DIM / KSTEP; ++ks)
-        mma(dp[nb], v_frag[ks], b_from_rows(douts, STRIDE(VALUE_DIM), nb * 8, ks * KSTEP, lane));
-    }
+    products_with_rows<HEAD_DIM>(s, k_frag, queries, lane);
+    products_with_rows<VALUE_DIM>(dp, v_frag, douts, lane);
 #pragma unroll
     for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll
@@ -225,16 +191,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
         s[nb][e] = dr;
         dp[nb][e] = dropped;
       }
-#pragma unroll
-    for (int kk = 0; kk < TC_KEYS / KSTEP; ++kk) {
-      const FragA dr = a_from_scores(s + kk * (KSTEP / 8)), dropped = a_from_scores(dp + kk * (KSTEP / 8));
-#pragma unroll
-      for (int nd = 0; nd < VALUE_DIM / 8; ++nd)  // dV += (P drop)^T dO: (16, TC_KEYS) (TC_KEYS, Hv)
-        mma(dv_acc[nd], dropped, b_from_columns(douts, STRIDE(VALUE_DIM), kk * KSTEP, nd * 8, lane));
-#pragma unroll
-      for (int nd = 0; nd < HEAD_DIM / 8; ++nd)  // dK += dR^T Q: (16, TC_KEYS) (TC_KEYS, H)
-        mma(dk_acc[nd], dr, b_from_columns(queries, STRIDE(HEAD_DIM), kk * KSTEP, nd * 8, lane));
-    }
+    products_with_columns<VALUE_DIM>(dv_acc, dp, douts, lane);  // dV += (P drop)^T dO: (16, TC_KEYS) (TC_KEYS, Hv)
+    products_with_columns<HEAD_DIM>(dk_acc, s, queries, lane);   // dK += dR^T Q: (16, TC_KEYS) (TC_KEYS, H)
   };
   pipelined_tiles<TC_KEYS>(first * pb.G, stacked_end, issue, use);
 
@@ -242,15 +200,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   for (int i = 0; i < 2; ++i) {
     if (key[i] >= pb.S) continue;
     const long long index = ((long long)b * pb.KH + h) * pb.S + key[i];
-#pragma unroll
-    for (int nd = 0; nd < HEAD_DIM / 8; ++nd) {
-      dk[index * HEAD_DIM + nd * 8 + 2 * t] = dk_acc[nd][2 * i] * pb.scale;
-      dk[index * HEAD_DIM + nd * 8 + 2 * t + 1] = dk_acc[nd][2 * i + 1] * pb.scale;
-    }
-#pragma unroll
-    for (int nd = 0; nd < VALUE_DIM / 8; ++nd) {
-      dv[index * VALUE_DIM + nd * 8 + 2 * t] = dv_acc[nd][2 * i];
-      dv[index * VALUE_DIM + nd * 8 + 2 * t + 1] = dv_acc[nd][2 * i + 1];
-    }
+    store_row<HEAD_DIM>(dk + index * HEAD_DIM, dk_acc, i, t, pb.scale);
+    store_row<VALUE_DIM>(dv + index * VALUE_DIM, dv_acc, i, t, 1.f);
   }
 }

@@ -1,0 +1,130 @@
+// The loop of the tensor-core kernels (tensor_forward.cu, tensor_backward.cu)
+// over their tiles, and the products and stores each of them makes of a
+// warp's 16 rows (operands.cuh's layouts): written once for the three kernels.
+//
+// Compile-time constants: TC_KEYS (keys, or query rows, per tile; a multiple
+// of 16), TC_STAGES (1 or 2), and operands.cuh's.
+
+#define TC_WARPS 4
+#define TC_THREADS (32 * TC_WARPS)
+#define TC_ROWS (16 * TC_WARPS)
+#define LOG2_E 1.4426950408889634f
+#define LN_2 0.6931471805599453f
+
+// The union of the rows' key ranges [first_key, end_key) over the block
+// (two rows per thread); every thread gets the same answer.
+__device__ __forceinline__ void block_key_span(const Row (&rows)[2], long long* scratch, long long& first,
+                                               long long& end) {
+  long long mine_first = (long long)1 << 62, mine_end = 0;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (rows[i].end_key <= rows[i].first_key) continue;
+    mine_first = min(mine_first, rows[i].first_key);
+    mine_end = max(mine_end, rows[i].end_key);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    mine_first = min(mine_first, __shfl_xor_sync(0xffffffffu, mine_first, offset));
+    mine_end = max(mine_end, __shfl_xor_sync(0xffffffffu, mine_end, offset));
+  }
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) {
+    scratch[warp] = mine_first;
+    scratch[TC_WARPS + warp] = mine_end;
+  }
+  __syncthreads();
+  first = (long long)1 << 62;
+  end = 0;
+  for (int w = 0; w < TC_WARPS; ++w) {
+    first = min(first, scratch[w]);
+    end = max(end, scratch[TC_WARPS + w]);
+  }
+  __syncthreads();
+}
+
+// The tiles of a loop over [first, end) in steps of TILE rows: tile `it`
+// copied into buffer it % TC_STAGES by `issue(it)`, the copy of the next one
+// started before `use(it)` runs on this one (with two stages).
+template <int TILE, class Issue, class Use>
+__device__ __forceinline__ void pipelined_tiles(long long first, long long end, Issue issue, Use use) {
+  const int tiles = end > first ? (int)((end - first + TILE - 1) / TILE) : 0;
+  if (TC_STAGES > 1 && tiles > 0) issue(0);
+  for (int it = 0; it < tiles; ++it) {
+    if (TC_STAGES == 1) {
+      issue(it);
+      async_wait<0>();
+    } else if (it + 1 < tiles) {
+      issue(it + 1);
+      async_wait<1>();
+    } else {
+      async_wait<0>();
+    }
+    __syncthreads();
+    use(it);
+    __syncthreads();
+  }
+}
+
+// Which keys of the tile [first, first + count) this thread's two rows see:
+// `all[i]` where every key of the tile passes row i's window and lengths and
+// no segment ids are given, so that its scores need no visibility test.
+struct KeyRange {
+  long long first;
+  int count;
+  bool all[2];
+};
+
+__device__ __forceinline__ KeyRange key_range(const Problem& pb, const Row (&rows)[2], long long tile,
+                                              long long end) {
+  KeyRange range;
+  range.first = tile;
+  const long long tile_end = min(tile + TC_KEYS, end);
+  range.count = (int)(tile_end - tile);
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+    range.all[i] = !pb.kv_segments && rows[i].first_key <= tile && tile_end <= rows[i].end_key;
+  return range;
+}
+
+// Whether row i sees key first + offset of the tile.
+__device__ __forceinline__ bool sees(const KeyRange& range, const Problem& pb, const Row (&rows)[2], int b, int i,
+                                     int offset) {
+  return offset < range.count && (range.all[i] || visible(pb, rows[i], b, range.first + offset));
+}
+
+// c += A tile^T: A (16, WIDTH) in fragments, the tile's TC_KEYS rows of WIDTH
+// entries as B's columns (S = Q K^T, dP = dO V^T, and their transposes).
+template <int WIDTH>
+__device__ __forceinline__ void products_with_rows(float (&c)[TC_KEYS / 8][4], const FragA (&a)[WIDTH / KSTEP],
+                                                   const tile_t* tile, int lane) {
+#pragma unroll
+  for (int nb = 0; nb < TC_KEYS / 8; ++nb)
+#pragma unroll
+    for (int ks = 0; ks < WIDTH / KSTEP; ++ks) mma(c[nb], a[ks], b_from_rows(tile, STRIDE(WIDTH), nb * 8, ks * KSTEP, lane));
+}
+
+// acc += A tile: A = `scores` (16, TC_KEYS) as the C fragments hold them,
+// the tile (TC_KEYS, WIDTH) (P V, dR K, (P drop)^T dO, dR^T Q).
+template <int WIDTH>
+__device__ __forceinline__ void products_with_columns(float (&acc)[WIDTH / 8][4], const float (&scores)[TC_KEYS / 8][4],
+                                                      const tile_t* tile, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < TC_KEYS / KSTEP; ++kk) {
+    const FragA a = a_from_scores(scores + kk * (KSTEP / 8));
+#pragma unroll
+    for (int nd = 0; nd < WIDTH / 8; ++nd)
+      mma(acc[nd], a, b_from_columns(tile, STRIDE(WIDTH), kk * KSTEP, nd * 8, lane));
+  }
+}
+
+// row[c] = factor * acc's entry (row g + 8i, column c) for this thread's
+// columns c = 8 nd + 2t, 8 nd + 2t + 1 of a (16, WIDTH) accumulator.
+template <int WIDTH>
+__device__ __forceinline__ void store_row(float* __restrict__ row, const float (&acc)[WIDTH / 8][4], int i, int t,
+                                          float factor) {
+#pragma unroll
+  for (int nd = 0; nd < WIDTH / 8; ++nd) {
+    row[nd * 8 + 2 * t] = acc[nd][2 * i] * factor;
+    row[nd * 8 + 2 * t + 1] = acc[nd][2 * i + 1] * factor;
+  }
+}
