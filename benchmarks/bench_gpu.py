@@ -3,6 +3,7 @@
     python benchmarks/bench_gpu.py            # B=1, N=8, H=64, T=S in {1024, 4096, 8192, 16384}
     python benchmarks/bench_gpu.py --quick    # small shapes, a smoke run (seconds)
     python benchmarks/bench_gpu.py --targets  # issue 18's table: the fused CuPy path against torch
+    python benchmarks/bench_gpu.py --count-memory  # the fused path's arrays, counted on the CPU
 
 ``--targets`` prints, for each workload of the fused path's targets, torch
 SDPA, the fused CuPy kernels (``npattn.fast_cupy``, what ``impl="chunked"``
@@ -49,8 +50,17 @@ skipped when its estimated peak (``DENSE_LIVE_SCORE_TENSORS`` float32 score
 tensors) exceeds 90% of the free device memory, and a chunked row when
 extrapolating its time from the previous length exceeds ``--row-budget``.
 
-Without CuPy or a CUDA device it prints ``skipped: ...`` and exits with 0;
-bad arguments exit with 2.
+``--count-memory`` needs no GPU: it runs the fused path's Python side
+(``npattn.fast_cupy``, through ``attention_forward``/``attention_backward``)
+with NumPy arrays in CuPy's place and kernels that do nothing, and prints the
+peak bytes its arrays take beyond the inputs (``tracemalloc``) for the peak
+memory row's problem (B=1, N=8, H=64, causal, forward+backward) in float16
+and float32: what the GPU's pool holds at its peak, kernels aside (they
+allocate nothing). It counted 337.0 MiB for float16 at T=S=16384 where the
+H100 measured 337 MiB.
+
+Without CuPy or a CUDA device the tables print ``skipped: ...`` and exit
+with 0; bad arguments exit with 2.
 """
 
 from __future__ import annotations
@@ -62,6 +72,8 @@ import importlib
 import os
 import sys
 import time
+import tracemalloc
+from unittest import mock
 
 import numpy as np
 
@@ -262,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-torch", action="store_true", help="leave out torch SDPA")
     parser.add_argument("--targets", action="store_true", help="issue 18's table: fused CuPy path vs torch")
+    parser.add_argument(
+        "--count-memory", action="store_true", help="the fused path's arrays at their peak, counted on the CPU"
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -272,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         if d not in ("float32", "float16", "bfloat16"):
             parser.error(f"--dtypes: unknown dtype {d!r} (choose from float32, float16, bfloat16)")
 
+    if args.count_memory:
+        return count_memory(args.lengths or [16384])
     cp, why_not = _cupy()
     if cp is None:
         print(f"skipped: CuPy with a CUDA device is not available ({why_not})")
@@ -391,6 +408,57 @@ def main(argv: list[str] | None = None) -> int:
                 + ")"
             )
     return 1 if failures else 0
+
+
+# --- the fused path's arrays, counted on the CPU ----------------------------------------
+
+
+class _NoKernels:
+    """``npattn.fast_cupy.Runtime`` whose kernels do nothing, on NumPy arrays."""
+
+    def module(self, source, defines):
+        return None
+
+    def launch(self, module, name, grid, threads, args):
+        return None
+
+    def to_device(self, host, like):
+        return host.copy()
+
+    def multiprocessors(self, like):
+        return 132  # an H100's
+
+
+def _forward_backward(q, k, v, dout) -> None:
+    _, res = attention_forward(q, k, v, impl="chunked", causal=True)
+    assert res.kernel == "cupy", res.kernel
+    attention_backward(dout, res)
+
+
+def count_memory(lengths: list[int]) -> int:
+    """Print the peak bytes of the fused path's arrays (see the module's docstring)."""
+    import npattn.fast_numpy
+    from npattn import fast_cupy
+
+    print("peak MiB of the fused CuPy path's arrays beyond the inputs, counted on the CPU (kernels not run):")
+    print("B=1, N=8, H=64, causal, forward+backward (bench_gpu --targets' peak memory row)")
+    with (
+        mock.patch.object(npattn.fast_numpy, "supports", lambda spec: False),
+        mock.patch.object(fast_cupy, "supports", fast_cupy._kernels_take),
+        mock.patch.object(fast_cupy, "_CUPY_RUNTIME", _NoKernels()),
+        np.errstate(all="ignore"),  # the arrays the kernels would fill hold whatever was in memory
+    ):
+        for dtype in (np.float16, np.float32):
+            for T in lengths:
+                q, k, v, dout = (np.zeros((1, 8, T, 64), dtype) for _ in range(4))
+                _forward_backward(q, k, v, dout)  # caches and compiled specs aside
+                tracemalloc.start()
+                _forward_backward(q, k, v, dout)
+                peak = tracemalloc.get_traced_memory()[1]
+                tracemalloc.stop()
+                precision = fast_cupy.tensor_precision(make_spec(q, k, v))
+                print(f"{np.dtype(dtype).name:<8} T=S={T:<6} {peak / 2**20:9.1f} MiB  (kernels: {precision})")
+    return 0
 
 
 # --- issue 18's targets -------------------------------------------------------------

@@ -71,8 +71,11 @@ class AttentionResiduals:
     spec : AttentionSpec
         The validated options (path, masks, scale, dropout seed, ...).
     q, k, v : arrays
-        The inputs in the compute dtype (the caller's arrays themselves when
-        no cast was needed; never modified).
+        The inputs in the dtype the path reads them in (the caller's arrays
+        themselves when no cast was needed; never modified): the compute
+        dtype, except on the CuPy fast path's float16 tensor cores, which
+        keep float16 inputs as they are
+        (:func:`npattn.fast_cupy.operand_dtype`).
     out : array, (..., N, T, Hv)
         The output in the compute dtype.
     lse : array, (..., N, T)
@@ -349,8 +352,9 @@ def forward_from_spec(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any,
     :func:`~npattn.options.make_spec`."""
     spec = choose_impl(spec)
     xp = spec.xp
-    cdtype = spec.compute_dtype
-    qc, kc, vc = _in_dtype(xp, q, cdtype), _in_dtype(xp, k, cdtype), _in_dtype(xp, v, cdtype)
+    kernel = chunked_kernel(spec) if spec.impl == "chunked" else "dense"
+    dtype = fast_cupy.operand_dtype(spec) if kernel == "cupy" else spec.compute_dtype  # what the kernel reads
+    qc, kc, vc = _in_dtype(xp, q, dtype), _in_dtype(xp, k, dtype), _in_dtype(xp, v, dtype)
     residuals: AttentionResiduals
     if spec.impl == "dense":
         out, lse, probs = dense_forward(spec, qc, kc, vc)
@@ -359,7 +363,6 @@ def forward_from_spec(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any,
             probs = scaled_rows(xp, probs, factor, overwrite=True)  # (..., N, T, S): the sinks' share leaves each row
         residuals = DenseResiduals(spec, qc, kc, vc, out, lse, probs)
     else:
-        kernel = chunked_kernel(spec)
         out, lse, _ = apply_sinks(spec, *_CHUNKED_KERNELS[kernel][0](spec, qc, kc, vc), overwrite=True)
         residuals = ChunkedResiduals(spec, qc, kc, vc, out, lse, kernel)
     return out, residuals
@@ -409,7 +412,8 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
         raise TypeError(f"residuals must come from npattn.attention_forward, got {type(residuals).__name__}")
     spec = residuals.spec
     xp = spec.xp
-    dout_c = check_cotangent(residuals, "dout", dout, tuple(residuals.out.shape), spec.dtype)
+    # dO in the dtype the path reads q in: the compute dtype, or float16 where the fused kernels keep it
+    dout_c = check_cotangent(residuals, "dout", dout, tuple(residuals.out.shape), spec.dtype, into=residuals.q.dtype)
     dlse_c = None
     if dlse is not None:
         dlse_c = check_cotangent(residuals, "dlse", dlse, tuple(residuals.lse.shape), spec.compute_dtype)
@@ -421,7 +425,7 @@ def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
         dq, dk, dv, dbias, params = _CHUNKED_KERNELS[residuals.kernel][1](
             spec, residuals.q, residuals.k, residuals.v, residuals.out, residuals.lse, dout_c, dlse_c
         )
-    dsinks = sinks_grad(spec, dout_c, residuals.out, residuals.lse, dlse_c)
+    dsinks = sinks_grad(spec, dout_c, residuals.out, residuals.lse, dlse_c)  # a float16 dO promotes exactly
     dq, dk, dv = _in_dtype(xp, dq, spec.dtype), _in_dtype(xp, dk, spec.dtype), _in_dtype(xp, dv, spec.dtype)
     return AttentionGrads(
         dq,
@@ -554,8 +558,18 @@ _CHUNKED_KERNELS = {
 }
 
 
-def check_cotangent(residuals: AttentionResiduals, name: str, g: Any, shape: tuple, dtype: Any) -> Any:
-    """Check a cotangent against the forward's output; return it in the compute dtype."""
+def inputs_in_compute_dtype(residuals: AttentionResiduals) -> tuple[Any, Any, Any]:
+    """The residuals' ``q``, ``k``, ``v`` in the compute dtype: themselves,
+    or a cast where the CuPy fast path kept float16 inputs as they are."""
+    xp, dtype = residuals.spec.xp, residuals.spec.compute_dtype
+    return _in_dtype(xp, residuals.q, dtype), _in_dtype(xp, residuals.k, dtype), _in_dtype(xp, residuals.v, dtype)
+
+
+def check_cotangent(
+    residuals: AttentionResiduals, name: str, g: Any, shape: tuple, dtype: Any, into: Any = None
+) -> Any:
+    """Check a cotangent against the forward's output; return it in ``into``
+    (default: the compute dtype)."""
     spec = residuals.spec
     if g is None:
         raise TypeError(f"{name} must be an array of the forward's output shape {shape}, got None")
@@ -566,7 +580,7 @@ def check_cotangent(residuals: AttentionResiduals, name: str, g: Any, shape: tup
         raise TypeError(
             f"{name} must have dtype {dtype} (as the forward's {'lse' if name == 'dlse' else 'output'}), got {g.dtype}"
         )
-    return spec.xp.astype(g, spec.compute_dtype, copy=False)
+    return spec.xp.astype(g, spec.compute_dtype if into is None else into, copy=False)
 
 
 def attention(q, k, v, /, **options):

@@ -71,7 +71,16 @@ from .options import AttentionSpec
 from .scores.pipeline import param_grads_from_heads
 from .scores.visibility import window_reach
 
-__all__ = ["supports", "preferred", "forward", "backward", "launch_shape", "kernel_source", "tensor_precision"]
+__all__ = [
+    "supports",
+    "preferred",
+    "forward",
+    "backward",
+    "launch_shape",
+    "kernel_source",
+    "tensor_precision",
+    "operand_dtype",
+]
 
 #: Largest ``H`` and ``Hv`` the kernels take (their rows live in registers).
 MAX_HEAD_DIM = 256
@@ -118,12 +127,13 @@ FLOAT64_MAX_SCORES = 2**22
 #: CUDA-core kernels (every dtype and head size) and the tensor-core kernels
 #: (:func:`tensor_precision`).
 SOURCES = {
-    "cuda_cores": ("pipeline.cuh", "rows.cuh", "tiles.cuh", "forward.cu", "backward.cu"),
+    "cuda_cores": ("pipeline.cuh", "rows.cuh", "tiles.cuh", "backward_d.cu", "forward.cu", "backward.cu"),
     "tensor_cores": (
         "pipeline.cuh",
         "rows.cuh",
         "ptx.cuh",
         "operands.cuh",
+        "backward_d.cu",
         "tensor_tiles.cuh",
         "tensor_forward.cu",
         "tensor_backward.cu",
@@ -369,6 +379,24 @@ def tensor_precision(spec: AttentionSpec) -> str | None:
     return "f16" if step == 16 else "tf32x3"
 
 
+def operand_dtype(spec: AttentionSpec) -> Any:
+    """The dtype in which the fused kernels read ``q``, ``k``, ``v`` and
+    ``dO`` and write ``dQ``, ``dK`` and ``dV``: float16 where the float16
+    tensor cores run ``spec`` (:func:`tensor_precision` ``"f16"``), so that
+    the caller's float16 arrays are read as they are, with no float32 copy
+    (:func:`npattn.attention.forward_from_spec` keeps them as the
+    residuals); else the compute dtype. ``out``, ``lse`` and ``D`` are in the
+    compute dtype on every kernel.
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> x = np.zeros((1, 8, 1024, 64), np.float16)
+    >>> operand_dtype(make_spec(x, x, x)), operand_dtype(make_spec(x[..., :1, :], x, x))
+    (dtype('float16'), dtype('float32'))
+    """
+    return np.dtype(np.float16) if tensor_precision(spec) == "f16" else spec.compute_dtype
+
+
 def _tensor_module(runtime: Runtime, spec: AttentionSpec, precision: str, backward: bool = False) -> Any:
     """The tensor-core kernels for ``spec``'s dims and ``precision``, with the
     forward's tiles (:func:`tensor_tile`, :func:`tensor_stages`) or the backward's."""
@@ -406,12 +434,6 @@ def tensor_stages(spec: AttentionSpec, precision: str, tile: int) -> int:
     padded = spec.head_dim + spec.value_dim + 2 * 16 // item  # STRIDE(H) + STRIDE(Hv), operands.cuh
     per_stage = tile * (padded * item + TENSOR_ROW_BYTES)
     return 2 if 2 * per_stage <= 48 * 1024 - 256 else 1
-
-
-def _tile_dtype(xp: Any, x: Any, precision: str) -> Any:
-    """``x`` as the tensor-core kernels read it: float16 for ``"f16"`` (exact:
-    the inputs and ``dO`` came in float16), float32 as it is."""
-    return _contiguous(xp.astype(x, xp.float16)) if precision == "f16" else x
 
 
 def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> int:
@@ -523,6 +545,13 @@ def _contiguous(a: Any) -> Any:
     return a if a.ctypes.data % ALIGNMENT == 0 else a.copy()
 
 
+def _operands(spec: AttentionSpec, *arrays: Any) -> tuple[Any, ...]:
+    """``arrays`` (``q``, ``k``, ``v``, ``dO``) as the kernels read them: in
+    :func:`operand_dtype`, C order, aligned; each the array itself where it is."""
+    dtype = operand_dtype(spec)
+    return tuple(_contiguous(spec.xp.astype(a, dtype, copy=False)) for a in arrays)
+
+
 def _grid_rows(spec: AttentionSpec, shape: LaunchShape) -> int:
     """Blocks of ``shape.rows * shape.tile`` stacked rows over one kv head's ``G * T``."""
     return -(-spec.group_size * spec.q_len // (shape.rows * shape.tile))
@@ -558,11 +587,10 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None
         row_blocks = _grid_rows(spec, shape)
     else:
         module = _tensor_module(runtime, spec, precision)
-        q, k, v = (_tile_dtype(xp, x, precision) for x in (q, k, v))
         name, threads, row_blocks = "npattn_forward_tc", TENSOR_THREADS, -(-spec.group_size * T // TENSOR_ROWS)
     splits = _splits(spec, row_blocks, runtime.multiprocessors(q))
     call = _Call(spec, runtime, q, splits)
-    qc, kc, vc = (_contiguous(x) for x in (q, k, v))
+    qc, kc, vc = _operands(spec, q, k, v)
     out = xp.empty((splits, B, N, T, Hv), dtype=spec.compute_dtype, device=spec.device)
     lse = xp.empty((splits, B, N, T), dtype=spec.compute_dtype, device=spec.device)
     grid = (row_blocks, spec.num_kv_heads, B * splits)
@@ -586,28 +614,23 @@ def backward(
     dlse: Any | None,
     runtime: Runtime | None = None,
 ) -> tuple[Any, Any, Any, Any | None, dict[str, Any]]:
-    """FlashAttention-2 backward; same contract as :func:`npattn.chunked.chunked_backward`.
+    """FlashAttention-2 backward; same contract as :func:`npattn.chunked.chunked_backward`,
+    but for the gradients' dtype: :func:`operand_dtype` (float16 on the
+    float16 tensor cores, else the compute dtype).
 
-    ``D = rowsum(dO * O) - dlse`` here, then ``dQ`` (and the ALiBi slopes'
+    ``D = rowsum(dO * O) - dlse`` in ``npattn_backward_d``
+    (``npattn/cuda/backward_d.cu``), then ``dQ`` (and the ALiBi slopes'
     per-row sums ``-sum_j dS_ij |p_i - j|``) in ``npattn_backward_dq`` and
     ``dK``, ``dV`` in ``npattn_backward_dkdv`` (``npattn/cuda/backward.cu``;
-    on the tensor cores their ``_tc`` twins of ``tensor_backward.cu``, with
-    ``q``, ``k``, ``v`` and ``dO`` in float16 for the ``"f16"`` precision).
+    on the tensor cores their ``_tc`` twins of ``tensor_backward.cu``).
+    ``q``, ``k``, ``v`` and ``dout`` may come in the compute dtype or in
+    :func:`operand_dtype`; they are read in the latter.
     """
     runtime = runtime or _CUPY_RUNTIME
     xp, B, N, K, T, S = spec.xp, spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.q_len, spec.kv_len
     H, Hv, bs = spec.head_dim, spec.value_dim, spec.batch_shape
     call = _Call(spec, runtime, q)
-    D = xp.sum(dout * out, axis=-1)  # (..., N, T)
-    if dlse is not None:
-        D = D - dlse
-    qc, kc, vc, doc, lsec, Dc = (_contiguous(x) for x in (q, k, v, dout, lse, D))
-    dq = xp.empty((B, N, T, H), dtype=spec.compute_dtype, device=spec.device)
-    dk = xp.empty((B, K, S, H), dtype=spec.compute_dtype, device=spec.device)
-    dv = xp.empty((B, K, S, Hv), dtype=spec.compute_dtype, device=spec.device)
-    slope_rows = None
-    if spec.alibi_slopes is not None:
-        slope_rows = xp.empty((B, N, T), dtype=spec.compute_dtype, device=spec.device)
+    qc, kc, vc, doc = _operands(spec, q, k, v, dout)
     precision = tensor_precision(spec)
     if precision is None:
         shape = launch_shape(spec, backward=True)
@@ -615,10 +638,20 @@ def backward(
         row_blocks, key_blocks = _grid_rows(spec, shape), -(-S // (shape.rows * shape.tile))
     else:
         module = _tensor_module(runtime, spec, precision, backward=True)
-        qc, kc, vc, doc = (_tile_dtype(xp, x, precision) for x in (qc, kc, vc, doc))
         threads, suffix = TENSOR_THREADS, "_tc"
         row_blocks, key_blocks = -(-spec.group_size * T // TENSOR_ROWS), -(-S // TENSOR_ROWS)
-    inputs = (qc, kc, vc, doc, lsec, Dc)
+    D = xp.empty((B, N, T), dtype=spec.compute_dtype, device=spec.device)
+    outc, lsec, dlsec = (None if x is None else _contiguous(x) for x in (out, lse, dlse))
+    blocks = -(-B * N * T // (BLOCK_THREADS // 32))  # a warp per row
+    runtime.launch(module, "npattn_backward_d", (blocks, 1, 1), BLOCK_THREADS, (doc, outc, dlsec, D, call.config))
+    grads = operand_dtype(spec)
+    dq = xp.empty((B, N, T, H), dtype=grads, device=spec.device)
+    dk = xp.empty((B, K, S, H), dtype=grads, device=spec.device)
+    dv = xp.empty((B, K, S, Hv), dtype=grads, device=spec.device)
+    slope_rows = None
+    if spec.alibi_slopes is not None:
+        slope_rows = xp.empty((B, N, T), dtype=spec.compute_dtype, device=spec.device)
+    inputs = (qc, kc, vc, doc, lsec, D)
     runtime.launch(
         module, "npattn_backward_dq" + suffix, (row_blocks, K, B), threads, (*inputs, dq, slope_rows, *call.args())
     )

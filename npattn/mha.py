@@ -36,7 +36,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import linear_numpy
-from .attention import AttentionResiduals, DenseResiduals, attention_backward, attention_forward
+from .attention import (
+    AttentionResiduals,
+    DenseResiduals,
+    attention_backward,
+    attention_forward,
+    inputs_in_compute_dtype,
+)
 from .dense import dense_scores
 from .kv_cache import KVCache, default_float_dtype
 from .mha_params import PARAM_KEYS, WEIGHT_KEYS, LayerDims, layer_dims
@@ -267,7 +273,8 @@ def _recompute_weights(attn: AttentionResiduals) -> Any:
     as on the dense path."""
     spec = attn.spec
     xp = spec.xp
-    s = dense_scores(spec, attn.q, attn.k)  # (B, N, T, S)
+    q, k, _ = inputs_in_compute_dtype(attn)
+    s = dense_scores(spec, q, k)  # (B, N, T, S)
     visible = visible_tile(spec, 0, spec.q_len, 0, spec.kv_len)
     if visible is not None:
         s = xp.where(visible, s, -xp.inf)  # (B, N, T, S)

@@ -165,3 +165,13 @@ def test_workloads_benchmark_prints_the_auto_rule_grid(capsys):
         (rule, 1, 32) for rule in rules
     ]
     assert all(float(row[4]) > 0 and float(row[5]) > 0 for row in rows)
+
+
+def test_gpu_benchmark_counts_the_fused_paths_memory_without_a_gpu(capsys):
+    """``bench_gpu.py --count-memory`` runs the fused path's Python side on
+    the CPU (kernels not run) and prints a row per dtype."""
+    assert _run_script("bench_gpu.py", ["--count-memory", "--lengths", "128"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("float")]
+    expected = [("float16", "T=S=128", "f16)"), ("float32", "T=S=128", "tf32x3)")]
+    assert [(row[0], row[1], row[-1]) for row in rows] == expected
+    assert all(float(row[2]) > 0 for row in rows), rows

@@ -42,6 +42,7 @@ from npattn.scores.sinks import apply_sinks, sinks_grad
 # --- the emulated runtime ------------------------------------------------------------
 
 KERNEL_ARITY = {
+    "npattn_backward_d": 5,
     "npattn_forward": 13,
     "npattn_backward_dq": 16,
     "npattn_backward_dkdv": 16,
@@ -50,8 +51,10 @@ KERNEL_ARITY = {
     "npattn_backward_dkdv_tc": 16,
 }
 #: The kernels of each kind of source (npattn.fast_cupy.SOURCES).
-KIND_KERNELS = {"cuda_cores": ("npattn_forward", "npattn_backward_dq", "npattn_backward_dkdv")}
-KIND_KERNELS["tensor_cores"] = tuple(name + "_tc" for name in KIND_KERNELS["cuda_cores"])
+KIND_KERNELS = {
+    "cuda_cores": ("npattn_forward", "npattn_backward_d", "npattn_backward_dq", "npattn_backward_dkdv"),
+    "tensor_cores": ("npattn_forward_tc", "npattn_backward_d", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"),
+}
 #: The emulator's stand-in for the tensor cores' PTX (npattn/cuda/ptx.cuh).
 EMULATED_PTX = os.path.join(os.path.dirname(build.__file__), "ptx.h")
 
@@ -242,10 +245,13 @@ def _tensor_paths(case: str, dtype):
     dout = rng.standard_normal((*q.shape[:-1], v.shape[-1]))
     g_lse = rng.standard_normal(q.shape[:-1])
     runtime = EmulatedRuntime()
-    q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))  # the compute dtype, as forward_from_spec passes them
-    out, lse = fast_cupy.forward(spec, q32, k32, v32, runtime=runtime)
-    dout32, g_lse32 = dout.astype(np.float32), g_lse.astype(np.float32)
-    dq, dk, dv, _, params = fast_cupy.backward(spec, q32, k32, v32, out, lse, dout32, g_lse32, runtime=runtime)
+    operand = fast_cupy.operand_dtype(spec)  # float16 stays float16, as forward_from_spec passes it
+    assert q.dtype == operand
+    out, lse = fast_cupy.forward(spec, q, k, v, runtime=runtime)
+    dq, dk, dv, _, params = fast_cupy.backward(
+        spec, q, k, v, out, lse, dout.astype(operand), g_lse.astype(np.float32), runtime=runtime
+    )
+    assert out.dtype == lse.dtype == np.float32 and dq.dtype == dk.dtype == dv.dtype == operand
     fused = (out, lse, dq, dk, dv, params.get("alibi_slopes"))
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
     spec64 = _spec(q64, k64, v64, options)
@@ -276,7 +282,7 @@ def test_emulated_tensor_cores_match_float64(case, dtype, precision):
     float64: every option the kernels take, in both precisions."""
     fused, exact, launched, chosen = _tensor_paths(case, dtype)
     assert chosen == precision
-    assert launched == ["npattn_forward_tc", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"]
+    assert launched == ["npattn_forward_tc", "npattn_backward_d", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"]
     _assert_within(fused, exact, TENSOR_TOLERANCE[precision])
 
 
@@ -372,9 +378,11 @@ def _fused(q, k, v, dout, dlse=None, runtime=None, **options):
     """``(out, lse, dq, dk, dv, dbias, dsinks, dalibi_slopes)`` of the emulated
     kernels, called as npattn.attention_forward/backward call them (as
     test_chunked's ``_chunked`` calls the generic path): with the arrays in
-    the compute dtype (float32 for float16 inputs)."""
+    :func:`npattn.fast_cupy.operand_dtype` (float16 on the float16 tensor
+    cores, else the compute dtype), ``dlse`` in the compute dtype."""
     spec = make_spec(q, k, v, **{**options, "impl": "chunked"})
-    q, k, v, dout, dlse = (None if x is None else x.astype(spec.compute_dtype) for x in (q, k, v, dout, dlse))
+    q, k, v, dout = (x.astype(fast_cupy.operand_dtype(spec)) for x in (q, k, v, dout))
+    dlse = None if dlse is None else dlse.astype(spec.compute_dtype)
     runtime = runtime or EmulatedRuntime()
     out, lse, _ = apply_sinks(spec, *fast_cupy.forward(spec, q, k, v, runtime=runtime))
     dq, dk, dv, dbias, params = fast_cupy.backward(spec, q, k, v, out, lse, dout, dlse, runtime=runtime)
@@ -604,20 +612,93 @@ class _HostBackend:
     to_numpy = staticmethod(np.asarray)
 
 
-@emulated
-@pytest.mark.parametrize("case", ["softcap alibi sinks", "dropout", "decode splits"])
-def test_public_api_dispatches_to_the_fused_kernels(monkeypatch, case):
-    """The GPU test above on the CPU: NumPy arrays routed to the fused
-    kernels (as CuPy arrays are) and run by the emulator, through
-    attention_forward/backward: the dispatch, ``residuals.kernel`` and the
-    backward following it, ``dlse``, sinks and ALiBi gradients."""
+@pytest.fixture
+def fused_on_numpy(monkeypatch):
+    """The public API with NumPy arrays routed to the fused kernels (as CuPy
+    arrays are), run by the emulator; yields its runtime (the launches)."""
     import npattn.fast_numpy
 
+    runtime = EmulatedRuntime()
     monkeypatch.setattr(npattn.fast_numpy, "supports", lambda spec: False)
     take = fast_cupy._kernels_take
     monkeypatch.setattr(fast_cupy, "supports", lambda spec: os.environ.get("NPATTN_FAST_CUPY") != "0" and take(spec))
-    monkeypatch.setattr(fast_cupy, "_CUPY_RUNTIME", EmulatedRuntime())
+    monkeypatch.setattr(fast_cupy, "_CUPY_RUNTIME", runtime)
+    return runtime
+
+
+@emulated
+@pytest.mark.parametrize("case", ["softcap alibi sinks", "dropout", "decode splits"])
+def test_public_api_dispatches_to_the_fused_kernels(fused_on_numpy, case):
+    """The GPU test above on the CPU, through attention_forward/backward: the
+    dispatch, ``residuals.kernel`` and the backward following it, ``dlse``,
+    sinks and ALiBi gradients."""
     test_gpu_fused_matches_generic_and_numpy(_HostBackend(), case)
+
+
+def _float16_problem():
+    q, k, v, options = _problem(dtype=np.float16, **TENSOR_CASES["gqa causal bottom_right"])
+    dout = np.random.default_rng(1).standard_normal((*q.shape[:-1], v.shape[-1])).astype(np.float16)
+    return q, k, v, dout, options
+
+
+@emulated
+def test_public_api_reads_float16_as_it_is_on_the_tensor_cores(fused_on_numpy):
+    """float16 inputs on the float16 tensor cores: the residuals keep the
+    caller's arrays (no float32 copies), ``out`` and ``lse`` stay in
+    float32 there, the kernels write float16 gradients, and the values are
+    float64's within the tensor-core tolerance (and float16's own rounding)."""
+    q, k, v, dout, options = _float16_problem()
+    out, res = npattn.attention_forward(q, k, v, impl="chunked", **options)
+    assert res.kernel == "cupy" and res.q is q and res.k is k and res.v is v
+    assert out.dtype == np.float16 and res.out.dtype == res.lse.dtype == np.float32
+    grads = npattn.attention_backward(dout, res)
+    assert [name for name, _ in fused_on_numpy.launches][-3:] == [
+        "npattn_backward_d",
+        "npattn_backward_dq_tc",
+        "npattn_backward_dkdv_tc",
+    ]
+    assert grads.dq.dtype == grads.dk.dtype == grads.dv.dtype == np.float16
+    fused = [x.astype(np.float64) for x in (out, res.lse, grads.dq, grads.dk, grads.dv)]
+    _, exact = _public(*(x.astype(np.float64) for x in (q, k, v)), options, dout.astype(np.float64))
+    _assert_within(fused, exact[:5], TENSOR_TOLERANCE["f16"] + 1e-3)
+
+
+@emulated
+def test_modes_read_kept_float16_residuals_in_the_compute_dtype(fused_on_numpy):
+    """Second-order modes and the MHA weights' recomputation read float16
+    residuals kept by the fused path as the same residuals in float32: the
+    same bits."""
+    from npattn.attention import ChunkedResiduals
+    from npattn.mha import _recompute_weights
+
+    q, k, v, dout, options = _float16_problem()
+    _, kept = npattn.attention_forward(q, k, v, impl="chunked", **options)
+    assert kept.q.dtype == np.float16
+    as_float32 = ChunkedResiduals(kept.spec, *(x.astype(np.float32) for x in (q, k, v)), kept.out, kept.lse)
+    rng = np.random.default_rng(2)
+    tangents = tuple(rng.standard_normal(x.shape).astype(np.float16) for x in (q, k, v))
+    for compute in (
+        lambda res: npattn.attention_backward_jvp(dout, res, tangents)[:3],
+        lambda res: npattn.attention_double_backward(*tangents, res, dout)[:4],
+        lambda res: [_recompute_weights(res)],
+    ):
+        for a, b in zip(compute(kept), compute(as_float32), strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+@emulated
+def test_backward_reads_kept_float16_residuals_on_the_cuda_cores(fused_on_numpy, monkeypatch):
+    """A forward on the tensor cores keeps float16 residuals; a backward
+    after ``NPATTN_CUPY_TENSOR_CORES=0`` runs the CUDA-core kernels, which
+    read them in float32: the gradients of the tensor cores' backward,
+    within its tolerance."""
+    q, k, v, dout, options = _float16_problem()
+    _, res = npattn.attention_forward(q, k, v, impl="chunked", **options)
+    tensor = npattn.attention_backward(dout, res)
+    monkeypatch.setenv("NPATTN_CUPY_TENSOR_CORES", "0")
+    cores = npattn.attention_backward(dout, res)
+    assert [name for name, _ in fused_on_numpy.launches][-1] == "npattn_backward_dkdv"
+    _assert_within([x.astype(np.float64) for x in cores[:3]], tensor[:3], TENSOR_TOLERANCE["f16"])
 
 
 @pytest.mark.gpu

@@ -39,6 +39,13 @@ __device__ __forceinline__ unsigned short half_bits(float x) {
   return h;
 }
 
+// The float32 value of float16 bits (exact).
+__device__ __forceinline__ float half_value(unsigned short bits) {
+  float x;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(bits));
+  return x;
+}
+
 // Two float16 in one register: `low` in bits 0-15 (the lower column or row).
 __device__ __forceinline__ unsigned pack_halves(unsigned short low, unsigned short high) {
   return (unsigned)low | ((unsigned)high << 16);

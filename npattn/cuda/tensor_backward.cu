@@ -9,8 +9,10 @@
 //                            S^T = K Q^T, dP^T = V dO^T, dR^T,
 //                            dV += (P drop)^T dO,  dK += dR^T Q
 //
-// and dQ, dK scaled by the softmax scale at the end. P, dP and dR stay in
-// registers between the products; tiles are copied as in tensor_forward.cu.
+// and dQ, dK scaled by the softmax scale at the end, each gradient written
+// once as tile_t (float16 in PRECISION_F16: no float32 copy of it is made).
+// P, dP and dR stay in registers between the products; tiles are copied as
+// in tensor_forward.cu.
 //
 // Compile-time constants: tensor_tiles.cuh's (TC_KEYS: keys per tile of the
 // dq kernel, query rows per tile of the dkdv kernel).
@@ -36,7 +38,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                           const tile_t* __restrict__ dout,  // (B, N, T, Hv)
                           const float* __restrict__ lse,   // (B, N, T)
                           const float* __restrict__ D,     // (B, N, T)
-                          float* __restrict__ dq,          // (B, N, T, H)
+                          tile_t* __restrict__ dq,         // (B, N, T, H)
                           float* __restrict__ slope_rows,  // (B, N, T): -sum_j dS_ij |p_i - j|, with ALiBi
                           const long long* config, const float* reals, const long long* q_offsets,
                           const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
@@ -123,8 +125,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                             const tile_t* __restrict__ dout,  // (B, N, T, Hv)
                             const float* __restrict__ lse,   // (B, N, T)
                             const float* __restrict__ D,     // (B, N, T)
-                            float* __restrict__ dk,          // (B, KH, S, H)
-                            float* __restrict__ dv,          // (B, KH, S, Hv)
+                            tile_t* __restrict__ dk,         // (B, KH, S, H)
+                            tile_t* __restrict__ dv,         // (B, KH, S, Hv)
                             const long long* config, const float* reals, const long long* q_offsets,
                             const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
                             const long long* kv_segments, const float* slopes) {

@@ -118,13 +118,14 @@ __device__ __forceinline__ void products_with_columns(float (&acc)[WIDTH / 8][4]
 }
 
 // row[c] = factor * acc's entry (row g + 8i, column c) for this thread's
-// columns c = 8 nd + 2t, 8 nd + 2t + 1 of a (16, WIDTH) accumulator.
-template <int WIDTH>
-__device__ __forceinline__ void store_row(float* __restrict__ row, const float (&acc)[WIDTH / 8][4], int i, int t,
+// columns c = 8 nd + 2t, 8 nd + 2t + 1 of a (16, WIDTH) accumulator, into a
+// row of float32 (O) or of tile_t (the gradients: operands.cuh's store_entry).
+template <int WIDTH, class Entry>
+__device__ __forceinline__ void store_row(Entry* __restrict__ row, const float (&acc)[WIDTH / 8][4], int i, int t,
                                           float factor) {
 #pragma unroll
   for (int nd = 0; nd < WIDTH / 8; ++nd) {
-    row[nd * 8 + 2 * t] = acc[nd][2 * i] * factor;
-    row[nd * 8 + 2 * t + 1] = acc[nd][2 * i + 1] * factor;
+    store_entry(row + nd * 8 + 2 * t, acc[nd][2 * i] * factor);
+    store_entry(row + nd * 8 + 2 * t + 1, acc[nd][2 * i + 1] * factor);
   }
 }

@@ -30,6 +30,11 @@ __device__ __forceinline__ scalar_t lanes_sum(scalar_t x) {
   return x;
 }
 
+// q, k, v and dO as the CUDA-core kernels read them: in the compute dtype
+// (backward_d.cu's names, shared with operands.cuh).
+typedef scalar_t tile_t;
+__device__ __forceinline__ scalar_t tile_value(scalar_t x) { return x; }
+
 struct __align__(16) Piece {
   scalar_t x[VEC];
 };

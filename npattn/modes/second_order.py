@@ -59,7 +59,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from ..attention import AttentionGrads, ChunkedResiduals, DenseResiduals, check_cotangent
+from ..attention import AttentionGrads, ChunkedResiduals, DenseResiduals, check_cotangent, inputs_in_compute_dtype
 from ..chunked import DbiasAccumulator, default_blocks, dropout_tile, grouped, tile_ranges
 from ..dense import dropout_scale, expand_kv_heads, raw_scores, reduce_kv_heads
 from ..namespace import sum_to_shape
@@ -247,17 +247,16 @@ def _chunked_backward_jvp(spec, res, dO, dl, dots, dO_dot, dl_dot) -> tuple:
     q_dot, k_dot, v_dot, bias_dot = dots
     lse = xp.where(res.lse == -xp.inf, xp.zeros_like(res.lse), res.lse)  # masked rows: S = -inf gives P = 0
     fast = res.kernel == "numpy" and numpy_kernels.supports(spec)
+    q, k, v = inputs_in_compute_dtype(res)
     if fast:
         out_dot, lse_dot = numpy_kernels.tangent_rows(spec, res, dots, lse)
     else:
-        _, _, out_dot, lse_dot = merge_sinks_jvp(spec, *chunked_jvp(spec, res.q, res.k, res.v, dots))
+        _, _, out_dot, lse_dot = merge_sinks_jvp(spec, *chunked_jvp(spec, q, k, v, dots))
     D, D_dot = _row_terms(spec, res.out, dO, dl, out_dot, dO_dot, dl_dot)
     if fast:
         row_terms = (lse, lse_dot, xp.reshape(D, D.shape[:-1]), xp.reshape(D_dot, D_dot.shape[:-1]))  # (..., N, T)
         return numpy_kernels.backward_jvp(spec, res, dO, row_terms, dots, dO_dot)
-    g = _grouped_arrays(
-        spec, qs=res.q * spec.scale, qs_dot=q_dot * spec.scale, k=res.k, k_dot=k_dot, v=res.v, v_dot=v_dot
-    )
+    g = _grouped_arrays(spec, qs=q * spec.scale, qs_dot=q_dot * spec.scale, k=k, k_dot=k_dot, v=v, v_dot=v_dot)
     r = _grouped_arrays(
         spec,
         dO=dO,
@@ -469,7 +468,8 @@ def _chunked_double_backward(spec, res, dO, dl, dd) -> tuple:
     ddq, ddk, ddv, ddb = dd
     D, _ = _row_terms(spec, res.out, dO, dl, res.out, dO, None)  # (..., N, T, 1)
     lse = xp.where(res.lse == -xp.inf, xp.zeros_like(res.lse), res.lse)
-    g = _grouped_arrays(spec, qs=res.q * spec.scale, k=res.k, v=res.v, ddq=ddq, ddk=ddk, ddv=ddv)
+    q, k, v = inputs_in_compute_dtype(res)
+    g = _grouped_arrays(spec, qs=q * spec.scale, k=k, v=v, ddq=ddq, ddk=ddk, ddv=ddv)
     r = _grouped_arrays(spec, dO=dO, out=res.out, lse=lse, D=xp.reshape(D, D.shape[:-1]))
     block_q, block_k = default_blocks(spec)
     q_tiles, k_tiles = tile_ranges(T, block_q), tile_ranges(S, block_k)
