@@ -19,7 +19,7 @@ generic path's ~20 array operations per tile:
 - **flash-decoding**: where the call has too few query rows to fill the
   GPU (decoding, ``T`` small against a long ``S``), the forward cuts the
   keys into ranges, one block each, and merges their ``(O, lse)`` through
-  ``lse`` (:func:`npattn.merge.merge_stacked`).
+  ``lse`` in one more kernel (``npattn/cuda/merge.cu``).
 
 The score pipeline's units run inside the kernels, transcribed once in
 ``npattn/cuda/pipeline.cuh`` from :mod:`npattn.scores`: softcap, ALiBi
@@ -66,7 +66,6 @@ import array_api_compat
 import numpy as np
 
 from .dropout import _seed_hash, keep_threshold
-from .merge import merge_stacked
 from .options import AttentionSpec
 from .scores.pipeline import param_grads_from_heads
 from .scores.visibility import window_reach
@@ -127,13 +126,26 @@ FLOAT64_MAX_SCORES = 2**22
 #: CUDA-core kernels (every dtype and head size) and the tensor-core kernels
 #: (:func:`tensor_precision`).
 SOURCES = {
-    "cuda_cores": ("pipeline.cuh", "rows.cuh", "tiles.cuh", "backward_d.cu", "forward.cu", "backward.cu"),
+    "cuda_cores": (
+        "pipeline.cuh",
+        "rows.cuh",
+        "half.cuh",
+        "entries.cuh",
+        "tiles.cuh",
+        "backward_d.cu",
+        "merge.cu",
+        "forward.cu",
+        "backward.cu",
+    ),
     "tensor_cores": (
         "pipeline.cuh",
         "rows.cuh",
+        "half.cuh",
+        "entries.cuh",
         "ptx.cuh",
         "operands.cuh",
         "backward_d.cu",
+        "merge.cu",
         "tensor_tiles.cuh",
         "tensor_forward.cu",
         "tensor_backward.cu",
@@ -322,6 +334,7 @@ def _module(runtime: Runtime, spec: AttentionSpec, shape: LaunchShape) -> Any:
     scalar = "double" if spec.compute_dtype == np.float64 else "float"
     defines = (
         ("scalar_t", scalar),
+        ("OPERANDS_F16", str(int(operand_dtype(spec) == np.float16))),
         ("HEAD_DIM", str(spec.head_dim)),
         ("VALUE_DIM", str(spec.value_dim)),
         ("LANES", str(shape.lanes)),
@@ -381,20 +394,20 @@ def tensor_precision(spec: AttentionSpec) -> str | None:
 
 def operand_dtype(spec: AttentionSpec) -> Any:
     """The dtype in which the fused kernels read ``q``, ``k``, ``v`` and
-    ``dO`` and write ``dQ``, ``dK`` and ``dV``: float16 where the float16
-    tensor cores run ``spec`` (:func:`tensor_precision` ``"f16"``), so that
-    the caller's float16 arrays are read as they are, with no float32 copy
+    ``dO`` and write ``dQ``, ``dK`` and ``dV`` (``npattn/cuda/entries.cuh``):
+    float16 for float16 inputs, on both kinds of kernels, so that the
+    caller's arrays are read as they are, with no float32 copies
     (:func:`npattn.attention.forward_from_spec` keeps them as the
     residuals); else the compute dtype. ``out``, ``lse`` and ``D`` are in the
-    compute dtype on every kernel.
+    compute dtype, and every sum runs in it.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
     >>> x = np.zeros((1, 8, 1024, 64), np.float16)
-    >>> operand_dtype(make_spec(x, x, x)), operand_dtype(make_spec(x[..., :1, :], x, x))
+    >>> operand_dtype(make_spec(x, x, x)), operand_dtype(make_spec(*(a.astype(np.float32) for a in (x, x, x))))
     (dtype('float16'), dtype('float32'))
     """
-    return np.dtype(np.float16) if tensor_precision(spec) == "f16" else spec.compute_dtype
+    return np.dtype(np.float16) if np.dtype(spec.dtype) == np.float16 else spec.compute_dtype
 
 
 def _tensor_module(runtime: Runtime, spec: AttentionSpec, precision: str, backward: bool = False) -> Any:
@@ -403,6 +416,7 @@ def _tensor_module(runtime: Runtime, spec: AttentionSpec, precision: str, backwa
     tile = tensor_tile(spec, precision, backward)
     defines = (
         ("scalar_t", "float"),
+        ("OPERANDS_F16", str(int(precision == "f16"))),
         ("PRECISION", "PRECISION_F16" if precision == "f16" else "PRECISION_TF32X3"),
         ("HEAD_DIM", str(spec.head_dim)),
         ("VALUE_DIM", str(spec.value_dim)),
@@ -597,8 +611,12 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None
     runtime.launch(module, name, grid, threads, (qc, kc, vc, out, lse, *call.args()))
     if splits == 1:
         out, lse = out[0], lse[0]  # (B, N, T, Hv), (B, N, T)
-    else:
-        out, lse = merge_stacked(xp, out, lse)  # (splits, B, N, T, Hv) -> (B, N, T, Hv), and lse (B, N, T)
+    else:  # (splits, B, N, T, Hv) -> (B, N, T, Hv), and lse (B, N, T)
+        parts = (out, lse)
+        out = xp.empty((B, N, T, Hv), dtype=spec.compute_dtype, device=spec.device)
+        lse = xp.empty((B, N, T), dtype=spec.compute_dtype, device=spec.device)
+        blocks = -(-B * N * T // (BLOCK_THREADS // 32))  # a warp per row
+        runtime.launch(module, "npattn_merge_splits", (blocks, 1, 1), BLOCK_THREADS, (*parts, out, lse, call.config))
     bs = spec.batch_shape
     return xp.reshape(out, bs + (N, T, Hv)), xp.reshape(lse, bs + (N, T))  # (..., N, T, Hv), (..., N, T)
 

@@ -51,7 +51,7 @@ from typing import Any
 
 from .namespace import array_device, check_floating, compute_dtype, resolve_namespace
 
-__all__ = ["merge_partials", "merge_partials_backward", "merge_stacked", "MergeResiduals"]
+__all__ = ["merge_partials", "merge_partials_backward", "MergeResiduals"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,28 +110,6 @@ def _check_parts(outs: Any, lses: Any, xp: Any) -> Any:
             if a.dtype != first.dtype:
                 raise TypeError(f"{name} has dtype {a.dtype}, but part 0 has {first.dtype}; parts must share one dtype")
     return xp
-
-
-def merge_stacked(xp: Any, outs: Any, lses: Any) -> tuple[Any, Any]:
-    """:func:`merge_partials`' forward for parts stacked on a leading axis,
-    each step one array operation whatever the number of parts (a fused
-    kernel's key ranges, :mod:`npattn.fast_cupy`): ``outs (P, ..., T, Hv)``
-    and ``lses (P, ..., T)`` in one floating dtype give ``(out, lse)``.
-
-    >>> import numpy as np, array_api_compat.numpy as xp
-    >>> out, lse = merge_stacked(xp, np.array([[[1.0]], [[3.0]]]), np.array([[0.0], [0.0]]))
-    >>> out.tolist(), np.allclose(lse, np.log(2))
-    ([[2.0]], True)
-    """
-    m = xp.max(lses, axis=0)  # (..., T)
-    m_safe = xp.where(m == -xp.inf, xp.zeros_like(m), m)  # all -inf: any finite m works
-    weights = xp.exp(lses - m_safe)  # (P, ..., T); 0 where lse_i = -inf
-    total = xp.sum(weights, axis=0)  # (..., T)
-    empty = total == 0  # rows that no part saw
-    safe_total = xp.where(empty, xp.ones_like(total), total)
-    lse = xp.where(empty, xp.full_like(m, -xp.inf), m_safe + xp.log(safe_total))
-    out = xp.sum(weights[..., None] * outs, axis=0) / safe_total[..., None]  # (..., T, Hv)
-    return out, lse
 
 
 def merge_partials(outs, lses, /, *, xp=None):

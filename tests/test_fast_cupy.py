@@ -43,6 +43,7 @@ from npattn.scores.sinks import apply_sinks, sinks_grad
 
 KERNEL_ARITY = {
     "npattn_backward_d": 5,
+    "npattn_merge_splits": 5,
     "npattn_forward": 13,
     "npattn_backward_dq": 16,
     "npattn_backward_dkdv": 16,
@@ -52,11 +53,27 @@ KERNEL_ARITY = {
 }
 #: The kernels of each kind of source (npattn.fast_cupy.SOURCES).
 KIND_KERNELS = {
-    "cuda_cores": ("npattn_forward", "npattn_backward_d", "npattn_backward_dq", "npattn_backward_dkdv"),
-    "tensor_cores": ("npattn_forward_tc", "npattn_backward_d", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"),
+    "cuda_cores": (
+        "npattn_forward",
+        "npattn_merge_splits",
+        "npattn_backward_d",
+        "npattn_backward_dq",
+        "npattn_backward_dkdv",
+    ),
+    "tensor_cores": (
+        "npattn_forward_tc",
+        "npattn_merge_splits",
+        "npattn_backward_d",
+        "npattn_backward_dq_tc",
+        "npattn_backward_dkdv_tc",
+    ),
 }
-#: The emulator's stand-in for the tensor cores' PTX (npattn/cuda/ptx.cuh).
-EMULATED_PTX = os.path.join(os.path.dirname(build.__file__), "ptx.h")
+#: The emulator's stand-ins for the kernels' PTX: the tensor cores'
+#: (npattn/cuda/ptx.cuh) and float16's conversions (half.cuh).
+EMULATED = {
+    name: os.path.join(os.path.dirname(build.__file__), stand_in)
+    for name, stand_in in (("ptx.cuh", "ptx.h"), ("half.cuh", "half.h"))
+}
 
 #: One extern "C" launcher per kernel: casts the pointer array to the
 #: kernel's parameter types and runs the grid through the emulator.
@@ -86,7 +103,7 @@ class EmulatedRuntime:
         folder = resources.files("npattn") / "cuda"
         kinds = [kind for kind in fast_cupy.SOURCES if source == fast_cupy.kernel_source(kind)]
         assert len(kinds) == 1, "the emulator compiles the package's own files"
-        paths = [EMULATED_PTX if name == "ptx.cuh" else str(folder / name) for name in fast_cupy.SOURCES[kinds[0]]]
+        paths = [EMULATED.get(name, str(folder / name)) for name in fast_cupy.SOURCES[kinds[0]]]
         return build.build(paths, _wrapper(kinds[0]), dict(defines), f"npattn_{kinds[0]}")
 
     def launch(self, module, name, grid, threads, args) -> None:
@@ -148,6 +165,11 @@ CASES = {
     "wide heads": dict(batch=(1,), N=2, K=1, T=40, S=33, H=72, Hv=80, causal=True, align="bottom_right"),
     "many blocks window": dict(batch=(1,), N=4, K=1, T=90, S=90, H=4, Hv=4, window=(20, 0)),
     "decode splits": dict(batch=(1,), N=4, K=2, T=1, S=700, causal=True, align="bottom_right"),
+    # the first key range sees nothing (its lse -inf), and then no range does
+    "decode splits window": dict(batch=(1,), N=4, K=2, T=1, S=700, window=(100, 0), align="bottom_right"),
+    "decode splits no keys": dict(
+        batch=(1,), N=4, K=2, T=1, S=700, causal=True, align="bottom_right", kv_lengths=np.array([0])
+    ),
     "scale and 3-d": dict(batch=(), T=12, S=10, scale=0.3),
 }
 
@@ -234,12 +256,12 @@ TENSOR_CASES = {
 TENSOR_TOLERANCE = {"f16": 3e-3, "tf32x3": 1e-4}
 
 
-def _tensor_paths(case: str, dtype):
-    """The tensor-core kernels (emulated) on ``dtype`` inputs, and the generic
-    path in float64 on the same values: (out, lse, dq, dk, dv, the ALiBi
-    slopes' gradient or None) each, the launched kernels' names and the
-    precision chosen."""
-    q, k, v, options = _problem(dtype=dtype, **TENSOR_CASES[case])
+def _tensor_paths(case: str, dtype, cases=TENSOR_CASES):
+    """The fused kernels (emulated; the tensor cores for TENSOR_CASES) on
+    ``dtype`` inputs, and the generic path in float64 on the same values:
+    (out, lse, dq, dk, dv, the ALiBi slopes' gradient or None) each, the
+    launched kernels' names and the tensor cores' precision chosen."""
+    q, k, v, options = _problem(dtype=dtype, **cases[case])
     spec = _spec(q, k, v, options)
     rng = np.random.default_rng(1)
     dout = rng.standard_normal((*q.shape[:-1], v.shape[-1]))
@@ -286,6 +308,19 @@ def test_emulated_tensor_cores_match_float64(case, dtype, precision):
     _assert_within(fused, exact, TENSOR_TOLERANCE[precision])
 
 
+@emulated
+@pytest.mark.parametrize("case", ["plain", "decode splits", "mqa odd dims", "softcap alibi sinks", "dropout"])
+def test_emulated_cuda_cores_read_float16_as_it_is(case, monkeypatch):
+    """The CUDA-core kernels read float16 inputs as float16 too (decoding,
+    heads the tensor cores do not take; ``H=3, Hv=5`` entry by entry) and
+    write float16 gradients, summing in float32: float64's values within
+    float16's rounding of the gradients."""
+    monkeypatch.setenv("NPATTN_CUPY_TENSOR_CORES", "0")
+    fused, exact, launched, precision = _tensor_paths(case, np.float16, CASES)
+    assert precision is None and launched[0] == "npattn_forward" and launched[-1] == "npattn_backward_dkdv"
+    _assert_within(fused, exact, 1e-3)
+
+
 def test_tensor_precision_by_dtype_dims_and_rows(monkeypatch):
     def precision(dtype, T=64, H=64, Hv=64, N=1):
         q, k, v, _ = _problem(batch=(1,), N=N, K=1, T=T, S=8, H=H, Hv=Hv, dtype=dtype)
@@ -321,10 +356,13 @@ def test_tensor_tiles_fit_static_shared_memory():
 
 
 @emulated
-def test_decoding_splits_the_keys():
-    _, _, runtime = _both_paths("decode splits")
-    (name, grid), *_ = runtime.launches
+@pytest.mark.parametrize("case", ["decode splits", "decode splits window", "decode splits no keys"])
+def test_decoding_splits_the_keys(case):
+    """Several key ranges, merged by their own kernel (the values: the CASES tests)."""
+    _, _, runtime = _both_paths(case)
+    (name, grid), (merge, _), *_ = runtime.launches
     assert name == "npattn_forward" and grid[2] > 1, f"one key range only: grid {grid}"
+    assert merge == "npattn_merge_splits"
     assert fast_cupy.launch_shape(_spec(*_problem(**CASES["decode splits"])[:3], {})).lanes == fast_cupy.FEW_ROWS_LANES
 
 
@@ -689,9 +727,8 @@ def test_modes_read_kept_float16_residuals_in_the_compute_dtype(fused_on_numpy):
 @emulated
 def test_backward_reads_kept_float16_residuals_on_the_cuda_cores(fused_on_numpy, monkeypatch):
     """A forward on the tensor cores keeps float16 residuals; a backward
-    after ``NPATTN_CUPY_TENSOR_CORES=0`` runs the CUDA-core kernels, which
-    read them in float32: the gradients of the tensor cores' backward,
-    within its tolerance."""
+    after ``NPATTN_CUPY_TENSOR_CORES=0`` runs the CUDA-core kernels on them:
+    the gradients of the tensor cores' backward, within its tolerance."""
     q, k, v, dout, options = _float16_problem()
     _, res = npattn.attention_forward(q, k, v, impl="chunked", **options)
     tensor = npattn.attention_backward(dout, res)

@@ -16,16 +16,16 @@
 //
 // Each thread group holds TILE rows (dq) or keys (dkdv), so that a
 // slice read from shared memory serves all of them. `lse` and `D` come in
-// shape (B, N, T); npattn.fast_cupy computes D.
+// shape (B, N, T); D from npattn_backward_d (backward_d.cu).
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-    npattn_backward_dq(const scalar_t* __restrict__ q,     // (B, N, T, H)
-                       const scalar_t* __restrict__ k,     // (B, KH, S, H)
-                       const scalar_t* __restrict__ v,     // (B, KH, S, Hv)
-                       const scalar_t* __restrict__ dout,  // (B, N, T, Hv)
+    npattn_backward_dq(const tile_t* __restrict__ q,     // (B, N, T, H)
+                       const tile_t* __restrict__ k,     // (B, KH, S, H)
+                       const tile_t* __restrict__ v,     // (B, KH, S, Hv)
+                       const tile_t* __restrict__ dout,  // (B, N, T, Hv)
                        const scalar_t* __restrict__ lse,   // (B, N, T)
                        const scalar_t* __restrict__ D,     // (B, N, T)
-                       scalar_t* __restrict__ dq,          // (B, N, T, H)
+                       tile_t* __restrict__ dq,            // (B, N, T, H)
                        scalar_t* __restrict__ slope_rows,  // (B, N, T): -sum_j dS_ij |p_i - j|, with ALiBi
                        const long long* config, const scalar_t* reals, const long long* q_offsets,
                        const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
@@ -92,14 +92,14 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 // b; the query rows that can see them pass through shared memory KEYS
 // stacked rows at a time.
 extern "C" __global__ void __launch_bounds__(THREADS)
-    npattn_backward_dkdv(const scalar_t* __restrict__ q,     // (B, N, T, H)
-                         const scalar_t* __restrict__ k,     // (B, KH, S, H)
-                         const scalar_t* __restrict__ v,     // (B, KH, S, Hv)
-                         const scalar_t* __restrict__ dout,  // (B, N, T, Hv)
+    npattn_backward_dkdv(const tile_t* __restrict__ q,     // (B, N, T, H)
+                         const tile_t* __restrict__ k,     // (B, KH, S, H)
+                         const tile_t* __restrict__ v,     // (B, KH, S, Hv)
+                         const tile_t* __restrict__ dout,  // (B, N, T, Hv)
                          const scalar_t* __restrict__ lse,   // (B, N, T)
                          const scalar_t* __restrict__ D,     // (B, N, T)
-                         scalar_t* __restrict__ dk,          // (B, KH, S, H)
-                         scalar_t* __restrict__ dv,          // (B, KH, S, Hv)
+                         tile_t* __restrict__ dk,            // (B, KH, S, H)
+                         tile_t* __restrict__ dv,            // (B, KH, S, Hv)
                          const long long* config, const scalar_t* reals, const long long* q_offsets,
                          const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
                          const long long* kv_segments, const scalar_t* slopes) {
@@ -134,11 +134,11 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   for (long long tile = first * pb.G; tile < stacked_end; tile += KEYS) {
     for (int e = threadIdx.x; e < KEYS * HEAD_DIM; e += THREADS) {
       const long long r = tile + e / HEAD_DIM;
-      query_tile[e] = r < stacked_end ? q[stacked_index(pb, b, h, r) * HEAD_DIM + e % HEAD_DIM] : (scalar_t)0;
+      query_tile[e] = r < stacked_end ? entry_value(q[stacked_index(pb, b, h, r) * HEAD_DIM + e % HEAD_DIM]) : 0;
     }
     for (int e = threadIdx.x; e < KEYS * VALUE_DIM; e += THREADS) {
       const long long r = tile + e / VALUE_DIM;
-      dout_tile[e] = r < stacked_end ? dout[stacked_index(pb, b, h, r) * VALUE_DIM + e % VALUE_DIM] : (scalar_t)0;
+      dout_tile[e] = r < stacked_end ? entry_value(dout[stacked_index(pb, b, h, r) * VALUE_DIM + e % VALUE_DIM]) : 0;
     }
     for (int e = threadIdx.x; e < KEYS; e += THREADS) {
       long long index;

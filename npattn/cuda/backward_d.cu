@@ -19,7 +19,7 @@ extern "C" __global__ void npattn_backward_d(const tile_t* __restrict__ dout,  /
   const bool real = r < rows;  // every thread takes part in the shuffles
   scalar_t sum = 0;
   for (int c = lane; real && c < VALUE_DIM; c += 32)
-    sum += (scalar_t)tile_value(dout[r * VALUE_DIM + c]) * out[r * VALUE_DIM + c];
+    sum += (scalar_t)entry_value(dout[r * VALUE_DIM + c]) * out[r * VALUE_DIM + c];
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if (real && lane == 0) D[r] = dlse ? sum - dlse[r] : sum;

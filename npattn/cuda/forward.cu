@@ -20,9 +20,9 @@
 // each range writes its own (O, lse) into slice `split` of `out` and `lse`,
 // which npattn.fast_cupy merges through lse.
 extern "C" __global__ void __launch_bounds__(THREADS)
-    npattn_forward(const scalar_t* __restrict__ q,  // (B, N, T, H)
-                   const scalar_t* __restrict__ k,  // (B, KH, S, H)
-                   const scalar_t* __restrict__ v,  // (B, KH, S, Hv)
+    npattn_forward(const tile_t* __restrict__ q,  // (B, N, T, H)
+                   const tile_t* __restrict__ k,  // (B, KH, S, H)
+                   const tile_t* __restrict__ v,  // (B, KH, S, Hv)
                    scalar_t* __restrict__ out,      // (splits, B, N, T, Hv)
                    scalar_t* __restrict__ lse,      // (splits, B, N, T)
                    const long long* config, const scalar_t* reals, const long long* q_offsets,

@@ -15,14 +15,11 @@
 // for key 2t and column t + 4 for key 2t + 1: b_from_columns reads B's rows
 // in the same order, so the product sums the same pairs.
 //
-// Compile-time constants: PRECISION (ptx.cuh), HEAD_DIM, VALUE_DIM. The
-// kernels read q, k, v and dO and write dQ, dK and dV as tile_t: float16
-// bits in PRECISION_F16 (npattn.fast_cupy passes the caller's float16
-// arrays), float32 in PRECISION_TF32X3.
+// Compile-time constants: PRECISION (ptx.cuh), HEAD_DIM, VALUE_DIM; tile_t
+// (entries.cuh) is float16 in PRECISION_F16, float32 in PRECISION_TF32X3.
 
 #if PRECISION == PRECISION_F16
-#define KSTEP 16                 // the product's inner dimension per mma
-typedef unsigned short tile_t;   // a tile entry in shared memory: float16 bits
+#define KSTEP 16  // the product's inner dimension per mma
 struct FragA {
   unsigned r[4];
 };
@@ -31,7 +28,6 @@ struct FragB {
 };
 #elif PRECISION == PRECISION_TF32X3
 #define KSTEP 8
-typedef float tile_t;
 struct FragA {
   float r[4];
 };
@@ -41,15 +37,6 @@ struct FragB {
 #else
 #error "PRECISION must be PRECISION_F16 or PRECISION_TF32X3"
 #endif
-
-// A tile entry as float32 (exact).
-__device__ __forceinline__ float tile_value(float x) { return x; }
-__device__ __forceinline__ float tile_value(unsigned short bits) { return half_value(bits); }
-
-// *slot = x in an array of float32, or of float16 bits (the gradients in
-// PRECISION_F16), rounded to nearest even as the caller's cast would round.
-__device__ __forceinline__ void store_entry(float* slot, float x) { *slot = x; }
-__device__ __forceinline__ void store_entry(unsigned short* slot, float x) { *slot = half_bits(x); }
 
 // Row stride of a tile of WIDTH entries in shared memory: 16 bytes of padding,
 // so that the lanes of a warp read different banks in both b_from_rows and

@@ -32,20 +32,6 @@
 #define PRECISION_F16 1
 #define PRECISION_TF32X3 2
 
-// float16 bits of x, rounded to nearest even.
-__device__ __forceinline__ unsigned short half_bits(float x) {
-  unsigned short h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-  return h;
-}
-
-// The float32 value of float16 bits (exact).
-__device__ __forceinline__ float half_value(unsigned short bits) {
-  float x;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(bits));
-  return x;
-}
-
 // Two float16 in one register: `low` in bits 0-15 (the lower column or row).
 __device__ __forceinline__ unsigned pack_halves(unsigned short low, unsigned short high) {
   return (unsigned)low | ((unsigned)high << 16);

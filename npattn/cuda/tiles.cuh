@@ -30,59 +30,62 @@ __device__ __forceinline__ scalar_t lanes_sum(scalar_t x) {
   return x;
 }
 
-// q, k, v and dO as the CUDA-core kernels read them: in the compute dtype
-// (backward_d.cu's names, shared with operands.cuh).
-typedef scalar_t tile_t;
-__device__ __forceinline__ scalar_t tile_value(scalar_t x) { return x; }
-
-struct __align__(16) Piece {
-  scalar_t x[VEC];
+// VEC consecutive entries of a row, read at once (16 bytes in the compute
+// dtype, 8 in float16).
+template <class Entry>
+struct alignas(VEC * sizeof(Entry)) Piece {
+  Entry x[VEC];
 };
 
 // The row entry that entry u of `lane`'s slice holds.
 __device__ __forceinline__ int lane_entry(int lane, int u) { return (u / VEC) * (LANES * VEC) + lane * VEC + u % VEC; }
 
 // Copy rows [first, first + KEYS) of a (rows, width) row-major matrix into
-// `tile`, zeros past `end` (coalesced: consecutive threads, consecutive entries).
+// `tile` in the compute dtype, zeros past `end` (coalesced: consecutive
+// threads, consecutive entries).
 template <int WIDTH>
-__device__ __forceinline__ void load_rows(scalar_t* tile, const scalar_t* __restrict__ matrix, long long first,
+__device__ __forceinline__ void load_rows(scalar_t* tile, const tile_t* __restrict__ matrix, long long first,
                                           long long end) {
   const long long available = max(0LL, min((long long)KEYS, end - first)) * WIDTH;
-  const scalar_t* source = matrix + first * WIDTH;
-  for (int e = threadIdx.x; e < KEYS * WIDTH; e += THREADS) tile[e] = e < available ? source[e] : (scalar_t)0;
+  const tile_t* source = matrix + first * WIDTH;
+  for (int e = threadIdx.x; e < KEYS * WIDTH; e += THREADS)
+    tile[e] = e < available ? (scalar_t)entry_value(source[e]) : (scalar_t)0;
 }
 
-// This lane's slice of a row of WIDTH values (in global or shared memory),
-// zeros past the end: in 16-byte pieces where WIDTH allows (rows then start
-// on 16-byte boundaries), else entry by entry.
-template <int WIDTH, int PER_LANE>
-__device__ __forceinline__ void read_slice(scalar_t* dst, const scalar_t* row, int lane) {
+// This lane's slice of a row of WIDTH entries (tile_t in global memory, or
+// scalar_t in shared memory) in the compute dtype, zeros past the end: in
+// pieces of VEC entries where WIDTH allows (rows then start on a piece's
+// boundary), else entry by entry.
+template <int WIDTH, int PER_LANE, class Entry>
+__device__ __forceinline__ void read_slice(scalar_t* dst, const Entry* row, int lane) {
 #pragma unroll
   for (int p = 0; p < PER_LANE / VEC; ++p) {
     const int d = p * LANES * VEC + lane * VEC;
     if (WIDTH % VEC == 0) {
-      Piece piece;
+      Piece<Entry> piece;
       if (d < WIDTH) {
-        piece = *reinterpret_cast<const Piece*>(row + d);
+        piece = *reinterpret_cast<const Piece<Entry>*>(row + d);
       } else {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) piece.x[e] = 0;
       }
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) dst[p * VEC + e] = piece.x[e];
+      for (int e = 0; e < VEC; ++e) dst[p * VEC + e] = entry_value(piece.x[e]);
     } else {
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) dst[p * VEC + e] = d + e < WIDTH ? row[d + e] : (scalar_t)0;
+      for (int e = 0; e < VEC; ++e) dst[p * VEC + e] = d + e < WIDTH ? (scalar_t)entry_value(row[d + e]) : (scalar_t)0;
     }
   }
 }
 
-template <int WIDTH, int PER_LANE>
-__device__ __forceinline__ void store_lane(scalar_t* __restrict__ row, const scalar_t* src, int lane, scalar_t factor) {
+// row[d] = factor * src's entry for the row entries d of this lane's slice,
+// into a row of scalar_t (O) or tile_t (the gradients: entries.cuh's store_entry).
+template <int WIDTH, int PER_LANE, class Entry>
+__device__ __forceinline__ void store_lane(Entry* __restrict__ row, const scalar_t* src, int lane, scalar_t factor) {
 #pragma unroll
   for (int u = 0; u < PER_LANE; ++u) {
     const int d = lane_entry(lane, u);
-    if (d < WIDTH) row[d] = src[u] * factor;
+    if (d < WIDTH) store_entry(row + d, src[u] * factor);
   }
 }
 

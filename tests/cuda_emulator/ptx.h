@@ -7,19 +7,6 @@
 #define PRECISION_F16 1
 #define PRECISION_TF32X3 2
 
-inline unsigned short half_bits(float x) {
-  const _Float16 h = static_cast<_Float16>(x);  // round to nearest even, as cvt.rn.f16.f32
-  unsigned short bits;
-  std::memcpy(&bits, &h, sizeof bits);
-  return bits;
-}
-
-inline float half_value(unsigned short bits) {
-  _Float16 h;
-  std::memcpy(&h, &bits, sizeof h);
-  return static_cast<float>(h);
-}
-
 inline unsigned pack_halves(unsigned short low, unsigned short high) { return (unsigned)low | ((unsigned)high << 16); }
 
 inline unsigned pack_floats(float low, float high) { return pack_halves(half_bits(low), half_bits(high)); }
