@@ -231,9 +231,12 @@ def test_emulated_kernels_match_generic_float32(case):
 
 
 #: The cases of CASES on the tensor-core kernels: ``H`` and ``Hv`` multiples
-#: of 16 and more than FEW_ROWS stacked rows per kv head.
+#: of 16 and more than FEW_ROWS stacked rows per kv head; and two of their
+#: own, long enough for whole tiles (every key of a 64-key tile seen by a
+#: warp's rows, and a 64-row tile seeing a warp's 16 keys: the kernels' fast
+#: paths) beside the boundary tiles.
 TENSOR_CASES = {
-    name: {**CASES[name], "H": 16, "Hv": 32, **extra}
+    name: {**CASES.get(name, {}), "H": 16, "Hv": 32, **extra}
     for name, extra in {
         "plain": {},
         "causal": {},
@@ -245,6 +248,8 @@ TENSOR_CASES = {
         "dropout": dict(N=4, K=2),
         "wide heads": dict(H=80, Hv=48),
         "many blocks window": dict(H=16, Hv=16),
+        "whole tiles causal": dict(batch=(1,), N=2, K=1, T=150, S=150, causal=True),
+        "whole tiles full": dict(batch=(1,), N=2, K=2, T=70, S=200),
     }.items()
 }
 

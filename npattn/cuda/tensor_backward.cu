@@ -17,10 +17,16 @@
 // Compile-time constants: tensor_tiles.cuh's (TC_KEYS: keys per tile of the
 // dq kernel, query rows per tile of the dkdv kernel).
 
+// dR_ij = dS_ij = P_ij (dP_ij - D_i) of an entry with a plain score (scale *
+// q . k: no softcap, no ALiBi) and no dropout: entry_backward's formula with
+// P = 2^(s log2(e) - lse log2(e)), the forward's base-2 exponentials.
+__device__ __forceinline__ float plain_entry_backward(const Problem& pb, float product, float dp, float row_lse,
+                                                      float row_D) {
+  return fast_exp2((product * pb.scale - row_lse) * LOG2_E) * (dp - row_D);
+}
+
 // dR_ij of one entry, and P_ij drop_ij in `dropped`: entry_backward
-// (pipeline.cuh), or, where the scores are plain (scale * q . k: no softcap,
-// no ALiBi), its formulas with P = 2^(s log2(e) - lse log2(e)), the
-// forward's base-2 exponentials.
+// (pipeline.cuh), or, where the scores are plain, its formulas in base 2.
 __device__ __forceinline__ float tensor_entry_backward(const Problem& pb, bool plain, const Row& row, long long j,
                                                        float product, float dp, float row_lse, float row_D,
                                                        float& dropped, float& slope_grad) {
@@ -91,17 +97,24 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     products_with_rows<HEAD_DIM>(s, q_frag, keys, lane);
     products_with_rows<VALUE_DIM>(dp, dout_frag, values, lane);
     const KeyRange range = key_range(pb, rows, tile, end);
+    if (plain && !pb.dropout && sees_whole_tile(range)) {  // the common tile: dR = dS = P (dP - D)
 #pragma unroll
-    for (int nb = 0; nb < TC_KEYS / 8; ++nb)
+      for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = e / 2, offset = nb * 8 + 2 * t + e % 2;
-        float dropped;
-        s[nb][e] = sees(range, pb, rows, b, i, offset)
-                       ? tensor_entry_backward(pb, plain, rows[i], tile + offset, s[nb][e], dp[nb][e], row_lse[i],
-                                               row_D[i], dropped, slope_grad[i])
-                       : 0.f;  // dR
-      }
+        for (int e = 0; e < 4; ++e) s[nb][e] = plain_entry_backward(pb, s[nb][e], dp[nb][e], row_lse[e / 2], row_D[e / 2]);
+    } else {
+#pragma unroll
+      for (int nb = 0; nb < TC_KEYS / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = e / 2, offset = nb * 8 + 2 * t + e % 2;
+          float dropped;
+          s[nb][e] = sees(range, pb, rows, b, i, offset)
+                         ? tensor_entry_backward(pb, plain, rows[i], tile + offset, s[nb][e], dp[nb][e], row_lse[i],
+                                                 row_D[i], dropped, slope_grad[i])
+                         : 0.f;  // dR
+        }
+    }
     products_with_columns<HEAD_DIM>(dq_acc, s, keys, lane);  // dQ += dR K: (16, TC_KEYS) (TC_KEYS, H)
   };
   pipelined_tiles<TC_KEYS>(first, end, issue, use);
@@ -113,6 +126,24 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     store_row<HEAD_DIM>(dq + row_index[i] * HEAD_DIM, dq_acc, i, t, pb.scale);
     if (pb.slopes && t == 0) slope_rows[row_index[i]] = row_slope_grad;
   }
+}
+
+// Whether every row of a tile of TC_KEYS rows has keys [first, last] in its
+// range [first_key, end_key) (window and lengths; segment ids aside): a
+// warp-wide answer, each lane reading TC_KEYS / 32 rows.
+__device__ __forceinline__ bool rows_see_keys(const Row* tile_rows, long long first, long long last, int lane) {
+  long long latest_first = 0, earliest_end = (long long)1 << 62;
+#pragma unroll
+  for (int c = lane; c < TC_KEYS; c += 32) {
+    latest_first = max(latest_first, tile_rows[c].first_key);
+    earliest_end = min(earliest_end, tile_rows[c].end_key);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    latest_first = max(latest_first, __shfl_xor_sync(0xffffffffu, latest_first, offset));
+    earliest_end = min(earliest_end, __shfl_xor_sync(0xffffffffu, earliest_end, offset));
+  }
+  return latest_first <= first && last < earliest_end;
 }
 
 // One block per TC_ROWS keys of kv head h and batch element b; the query
@@ -174,25 +205,39 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
       tile_D[stage][e] = D[index];
     }
   };
+  const long long warp_first = key_first + warp * 16, warp_last = warp_first + 15;  // this warp's keys
   auto use = [&](int it) {
     const int stage = it % TC_STAGES;
     const tile_t *queries = query_tile[stage], *douts = dout_tile[stage];
     float s[TC_KEYS / 8][4] = {}, dp[TC_KEYS / 8][4] = {};  // K Q^T and V dO^T: (16, TC_KEYS) per warp
     products_with_rows<HEAD_DIM>(s, k_frag, queries, lane);
     products_with_rows<VALUE_DIM>(dp, v_frag, douts, lane);
+    const bool seen = rows_see_keys(tile_rows[stage], warp_first, warp_last, lane);  // every thread: it shuffles
+    if (plain && !pb.dropout && !pb.kv_segments && seen && warp_last < pb.S) {  // the common tile: dR = P (dP - D), dV's P
 #pragma unroll
-    for (int nb = 0; nb < TC_KEYS / 8; ++nb)
+      for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = e / 2, c = nb * 8 + 2 * t + e % 2;
-        const Row& row = tile_rows[stage][c];
-        float dropped = 0.f, dr = 0.f;
-        if (key[i] < pb.S && visible(pb, row, b, key[i]))
-          dr = tensor_entry_backward(pb, plain, row, key[i], s[nb][e], dp[nb][e], tile_lse[stage][c],
-                                     tile_D[stage][c], dropped, unused_slope_grad);
-        s[nb][e] = dr;
-        dp[nb][e] = dropped;
-      }
+        for (int e = 0; e < 4; ++e) {
+          const int c = nb * 8 + 2 * t + e % 2;
+          const float p = fast_exp2((s[nb][e] * pb.scale - tile_lse[stage][c]) * LOG2_E);
+          s[nb][e] = p * (dp[nb][e] - tile_D[stage][c]);
+          dp[nb][e] = p;
+        }
+    } else {
+#pragma unroll
+      for (int nb = 0; nb < TC_KEYS / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = e / 2, c = nb * 8 + 2 * t + e % 2;
+          const Row& row = tile_rows[stage][c];
+          float dropped = 0.f, dr = 0.f;
+          if (key[i] < pb.S && visible(pb, row, b, key[i]))
+            dr = tensor_entry_backward(pb, plain, row, key[i], s[nb][e], dp[nb][e], tile_lse[stage][c],
+                                       tile_D[stage][c], dropped, unused_slope_grad);
+          s[nb][e] = dr;
+          dp[nb][e] = dropped;
+        }
+    }
     products_with_columns<VALUE_DIM>(dv_acc, dp, douts, lane);  // dV += (P drop)^T dO: (16, TC_KEYS) (TC_KEYS, Hv)
     products_with_columns<HEAD_DIM>(dk_acc, s, queries, lane);   // dK += dR^T Q: (16, TC_KEYS) (TC_KEYS, H)
   };

@@ -75,18 +75,28 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     products_with_rows<HEAD_DIM>(s, q_frag, keys, lane);
     const KeyRange range = key_range(pb, rows, tile, end);
     float tile_max[2] = {minus_inf, minus_inf};
+    if (plain && sees_whole_tile(range)) {  // FlashAttention-2's common tile: no test per score
 #pragma unroll
-    for (int nb = 0; nb < TC_KEYS / 8; ++nb)
+      for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = e / 2;
-        const int offset = nb * 8 + 2 * t + e % 2;
-        float capped_tanh;
-        const float x =
-            plain ? s[nb][e] * scale_log2 : score(pb, rows[i], tile + offset, s[nb][e], capped_tanh) * LOG2_E;
-        s[nb][e] = sees(range, pb, rows, b, i, offset) ? x : minus_inf;  // the score in units of log 2
-        tile_max[i] = max(tile_max[i], s[nb][e]);
-      }
+        for (int e = 0; e < 4; ++e) {
+          s[nb][e] *= scale_log2;  // the score in units of log 2
+          tile_max[e / 2] = max(tile_max[e / 2], s[nb][e]);
+        }
+    } else {
+#pragma unroll
+      for (int nb = 0; nb < TC_KEYS / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = e / 2;
+          const int offset = nb * 8 + 2 * t + e % 2;
+          float capped_tanh;
+          const float x =
+              plain ? s[nb][e] * scale_log2 : score(pb, rows[i], tile + offset, s[nb][e], capped_tanh) * LOG2_E;
+          s[nb][e] = sees(range, pb, rows, b, i, offset) ? x : minus_inf;
+          tile_max[i] = max(tile_max[i], s[nb][e]);
+        }
+    }
     float reference[2];  // m, or 0 while no key is seen (so that -inf - m is not NaN)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -105,11 +115,14 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int i = e / 2;
-        const float p = fast_exp2(s[nb][e] - reference[i]);  // 0 where hidden
-        l[i] += p;
-        s[nb][e] = pb.dropout ? p * dropout_factor(pb, rows[i], tile + nb * 8 + 2 * t + e % 2) : p;
+        s[nb][e] = fast_exp2(s[nb][e] - reference[e / 2]);  // P, 0 where hidden
+        l[e / 2] += s[nb][e];
       }
+    if (pb.dropout)
+#pragma unroll
+      for (int nb = 0; nb < TC_KEYS / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nb][e] *= dropout_factor(pb, rows[e / 2], tile + nb * 8 + 2 * t + e % 2);
     products_with_columns<VALUE_DIM>(acc, s, values, lane);  // acc += P V: (16, TC_KEYS) (TC_KEYS, Hv)
   };
   pipelined_tiles<TC_KEYS>(first, end, issue, use);

@@ -86,6 +86,12 @@ __device__ __forceinline__ KeyRange key_range(const Problem& pb, const Row (&row
   return range;
 }
 
+// Whether both of this thread's rows see every key of a whole tile (no
+// test per score is needed).
+__device__ __forceinline__ bool sees_whole_tile(const KeyRange& range) {
+  return range.count == TC_KEYS && range.all[0] && range.all[1];
+}
+
 // Whether row i sees key first + offset of the tile.
 __device__ __forceinline__ bool sees(const KeyRange& range, const Problem& pb, const Row (&rows)[2], int b, int i,
                                      int offset) {
