@@ -427,8 +427,8 @@ def _tensor_module(runtime: Runtime, spec: AttentionSpec, precision: str, backwa
 
 
 #: Bytes of ``pipeline.cuh``'s ``Row`` in float32 at most (four int64, a
-#: float and a uint32), and the dK/dV kernel's lse and D beside each.
-TENSOR_ROW_BYTES = 40 + 8
+#: float and a uint32), and the dK/dV kernel's lse, D and row index beside each.
+TENSOR_ROW_BYTES = 40 + 8 + 8
 
 
 def tensor_stages(spec: AttentionSpec, precision: str, tile: int) -> int:

@@ -115,7 +115,8 @@ __device__ __forceinline__ FragA a_from_scores(const float (*c)[4]) {
 __device__ __forceinline__ FragB b_from_rows(const tile_t* tile, int stride, int n0, int k0, int lane) {
   FragB b;
   const int matrix = lane / 8 % 2;
-  const tile_t* row = tile + (n0 + lane % 8) * stride + k0 + matrix * (KSTEP / 2);
+  const int entry = (n0 + lane % 8) * stride + k0 + matrix * (KSTEP / 2);
+  const shared_address_t row = shared_address(tile) + entry * (int)sizeof(tile_t);
 #if PRECISION == PRECISION_F16
   load_matrices(b.r, row);
 #else
@@ -133,7 +134,8 @@ __device__ __forceinline__ FragB b_from_rows(const tile_t* tile, int stride, int
 __device__ __forceinline__ FragB b_from_columns(const tile_t* tile, int stride, int k0, int n0, int lane) {
   FragB b;
 #if PRECISION == PRECISION_F16
-  load_matrices_trans(b.r, tile + (k0 + lane % 16) * stride + n0);  // lanes 8-15: rows k0 + 8 ..
+  const int entry = (k0 + lane % 16) * stride + n0;  // lanes 8-15: rows k0 + 8 ..
+  load_matrices_trans(b.r, shared_address(tile) + entry * (int)sizeof(tile_t));
 #else
   const tile_t* column = tile + k0 * stride + n0 + lane / 4;
   b.r[0] = column[(2 * (lane % 4)) * stride];
@@ -145,16 +147,30 @@ __device__ __forceinline__ FragB b_from_columns(const tile_t* tile, int stride, 
 // Start copying rows [first, first + ROWS_) of a (rows, WIDTH) row-major
 // matrix into a tile, zeros past `end` (ptx.cuh's cp.async: complete after
 // async_wait and a barrier); `row_of(r)` gives the matrix row of tile row r.
-// Consecutive threads copy consecutive 16-byte pieces.
+// Consecutive threads copy consecutive 16-byte pieces: where the block's
+// threads cover whole rows, each thread the same column of every
+// THREADS_ / pieces-th row, so that its addresses step by constants.
 template <int WIDTH, int ROWS_, int THREADS_, class RowOf>
 __device__ __forceinline__ void load_tile(tile_t* tile, const tile_t* __restrict__ matrix, long long first,
                                           long long end, RowOf row_of) {
   constexpr int per_piece = 16 / (int)sizeof(tile_t), pieces = WIDTH / per_piece;  // WIDTH: whole pieces
-  for (int e = threadIdx.x; e < ROWS_ * pieces; e += THREADS_) {
-    const int r = e / pieces, c = (e % pieces) * per_piece;
-    const bool valid = first + r < end;
-    const tile_t* source = valid ? matrix + row_of(first + r) * WIDTH + c : matrix;
-    async_copy_16(tile + r * STRIDE(WIDTH) + c, source, valid);
+  constexpr int step = THREADS_ / pieces;  // rows between a thread's pieces
+  if constexpr (THREADS_ % pieces == 0 && step <= ROWS_ && ROWS_ % step == 0) {
+    const int r0 = threadIdx.x / pieces, c = threadIdx.x % pieces * per_piece;
+    const shared_address_t target = shared_address(tile) + (r0 * STRIDE(WIDTH) + c) * (int)sizeof(tile_t);
+#pragma unroll
+    for (int j = 0; j < ROWS_ / step; ++j) {
+      const long long r = first + r0 + j * step;
+      const tile_t* source = r < end ? matrix + row_of(r) * WIDTH + c : matrix;
+      async_copy_16(target + j * step * STRIDE(WIDTH) * (int)sizeof(tile_t), source, r < end);
+    }
+  } else {
+    for (int e = threadIdx.x; e < ROWS_ * pieces; e += THREADS_) {
+      const int r = e / pieces, c = (e % pieces) * per_piece;
+      const bool valid = first + r < end;
+      const tile_t* source = valid ? matrix + row_of(first + r) * WIDTH + c : matrix;
+      async_copy_16(shared_address(tile) + (r * STRIDE(WIDTH) + c) * (int)sizeof(tile_t), source, valid);
+    }
   }
 }
 

@@ -62,8 +62,13 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// The shared-memory address of a generic pointer into shared memory.
-__device__ __forceinline__ unsigned shared_address(const void* pointer) {
+// A byte address in shared memory (32 bits), as ldmatrix and cp.async take
+// it; the address of a generic pointer into shared memory. Offsets are added
+// to an address in bytes, so that a tile's address is converted once and
+// each access adds a constant (folded into the instruction).
+typedef unsigned shared_address_t;
+
+__device__ __forceinline__ shared_address_t shared_address(const void* pointer) {
   unsigned address;
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
   return address;
@@ -73,26 +78,25 @@ __device__ __forceinline__ unsigned shared_address(const void* pointer) {
 // lanes 0-7 giving the addresses of the first's rows, lanes 8-15 the
 // second's. Lane (g, t) receives in r[m] entries (g, 2t) and (g, 2t + 1) of
 // matrix m; with `trans`, entries (2t, g) and (2t + 1, g).
-__device__ __forceinline__ void load_matrices(unsigned (&r)[2], const void* row) {
+__device__ __forceinline__ void load_matrices(unsigned (&r)[2], shared_address_t row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
                : "=r"(r[0]), "=r"(r[1])
-               : "r"(shared_address(row))
+               : "r"(row)
                : "memory");
 }
 
-__device__ __forceinline__ void load_matrices_trans(unsigned (&r)[2], const void* row) {
+__device__ __forceinline__ void load_matrices_trans(unsigned (&r)[2], shared_address_t row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
                : "=r"(r[0]), "=r"(r[1])
-               : "r"(shared_address(row))
+               : "r"(row)
                : "memory");
 }
 
 // cp.async: 16 bytes from global memory to shared memory without passing
 // through registers (zeros where `valid` is false), in flight until
 // async_wait; async_commit closes a group of copies.
-__device__ __forceinline__ void async_copy_16(void* shared, const void* global, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(shared)), "l"(global),
-               "r"(valid ? 16 : 0));
+__device__ __forceinline__ void async_copy_16(shared_address_t shared, const void* global, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared), "l"(global), "r"(valid ? 16 : 0));
 }
 
 __device__ __forceinline__ void async_commit() { asm volatile("cp.async.commit_group;"); }

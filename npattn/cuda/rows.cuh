@@ -3,10 +3,26 @@
 // position-major (row r = i * G + g is query i of head n = h * G + g), and the
 // query rows a range of keys is seen by.
 
+// Query i and head g within the group of stacked row r = i * G + g: in
+// 32-bit arithmetic wherever r fits (a 64-bit division is a call of some
+// 70 instructions; a call has over 2^31 stacked rows per kv head only past
+// G * T = 2^31).
+__device__ __forceinline__ void split_stacked(const Problem& pb, long long r, int& i, int& g) {
+  if (r <= 0x7fffffffLL) {
+    i = (int)r / pb.G;
+    g = (int)r - i * pb.G;
+  } else {
+    i = (int)(r / pb.G);
+    g = (int)(r % pb.G);
+  }
+}
+
 // Index into (B, N, T) arrays of stacked row r of kv head h in batch
 // element b: row r = i * G + g is query i of head n = h * G + g.
 __device__ __forceinline__ long long stacked_index(const Problem& pb, int b, int h, long long r) {
-  return ((long long)b * pb.N + h * pb.G + r % pb.G) * pb.T + r / pb.G;
+  int i, g;
+  split_stacked(pb, r, i, g);
+  return ((long long)b * pb.N + h * pb.G + g) * pb.T + i;
 }
 
 // Stacked row r (as stacked_index) and its index. A row at or past `end`
@@ -15,8 +31,10 @@ __device__ __forceinline__ long long stacked_index(const Problem& pb, int b, int
 __device__ __forceinline__ Row stacked_row(const Problem& pb, int b, int h, long long r, long long end,
                                            long long& index) {
   const long long real = min(r, end - 1);
-  index = stacked_index(pb, b, h, real);
-  Row row = make_row(pb, b, h * pb.G + (int)(real % pb.G), (int)(real / pb.G));
+  int i, g;
+  split_stacked(pb, real, i, g);
+  index = ((long long)b * pb.N + h * pb.G + g) * pb.T + i;  // stacked_index
+  Row row = make_row(pb, b, h * pb.G + g, i);
   if (r >= end) row.end_key = row.first_key;
   return row;
 }

@@ -164,6 +164,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   __shared__ __align__(16) tile_t query_tile[TC_STAGES][TC_KEYS * STRIDE(HEAD_DIM)];
   __shared__ __align__(16) tile_t dout_tile[TC_STAGES][TC_KEYS * STRIDE(VALUE_DIM)];
   __shared__ Row tile_rows[TC_STAGES][TC_KEYS];
+  __shared__ long long tile_index[TC_STAGES][TC_KEYS];  // each row's index into (B, N, T) arrays
   __shared__ float tile_lse[TC_STAGES][TC_KEYS], tile_D[TC_STAGES][TC_KEYS];
   const Problem pb = read_problem(config, reals, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
@@ -190,20 +191,22 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   query_range(pb, b, key_first, key_last, first, end);
   const long long stacked_end = end * pb.G;
   float unused_slope_grad = 0;  // the dq kernel sums the slopes' gradient
-  auto stacked = [&](long long r) { return stacked_index(pb, b, h, r); };
 
   auto issue = [&](int it) {
     const long long tile = first * pb.G + (long long)it * TC_KEYS;
     const int stage = it % TC_STAGES;
-    load_tile<HEAD_DIM, TC_KEYS, TC_THREADS>(query_tile[stage], q, tile, stacked_end, stacked);
-    load_tile<VALUE_DIM, TC_KEYS, TC_THREADS>(dout_tile[stage], dout, tile, stacked_end, stacked);
-    async_commit();
-    for (int e = threadIdx.x; e < TC_KEYS; e += TC_THREADS) {
+    for (int e = threadIdx.x; e < TC_KEYS; e += TC_THREADS) {  // each row's index once (a division by G)
       long long index;
       tile_rows[stage][e] = stacked_row(pb, b, h, tile + e, stacked_end, index);
+      tile_index[stage][e] = index;
       tile_lse[stage][e] = lse[index];
       tile_D[stage][e] = D[index];
     }
+    __syncthreads();
+    auto indexed = [&](long long r) { return tile_index[stage][r - tile]; };
+    load_tile<HEAD_DIM, TC_KEYS, TC_THREADS>(query_tile[stage], q, tile, stacked_end, indexed);
+    load_tile<VALUE_DIM, TC_KEYS, TC_THREADS>(dout_tile[stage], dout, tile, stacked_end, indexed);
+    async_commit();
   };
   const long long warp_first = key_first + warp * 16, warp_last = warp_first + 15;  // this warp's keys
   auto use = [&](int it) {

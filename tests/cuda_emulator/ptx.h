@@ -79,6 +79,13 @@ inline void load_matrices_at(detail::Site site, unsigned (&r)[2], const void* ro
 
 }  // namespace cuda_emulator
 
+// A shared-memory address: the emulator's shared memory is host memory, so an
+// address is a byte pointer (offsets in bytes, as on the GPU).
+typedef unsigned char* shared_address_t;
+inline shared_address_t shared_address(const void* pointer) {
+  return static_cast<unsigned char*>(const_cast<void*>(pointer));
+}
+
 // cp.async, done at once: the emulator's threads run one after the other
 // between barriers, so a copy is complete before any thread could read it.
 inline void async_copy_16(void* shared, const void* global, bool valid) {
