@@ -260,6 +260,10 @@ TENSOR_CASES = {
 #: more: within the CPU tests' float32 tolerance (rtol 2e-4).
 TENSOR_TOLERANCE = {"f16": 3e-3, "tf32x3": 1e-4}
 
+#: How many times the generic path's own float32 error (against float64) a
+#: tensor-core result may be off, where that is above TENSOR_TOLERANCE.
+FLOAT32_LOSS = 4
+
 
 def _tensor_paths(case: str, dtype, cases=TENSOR_CASES):
     """The fused kernels (emulated; the tensor cores for TENSOR_CASES) on
@@ -470,7 +474,11 @@ def test_emulated_tensor_cores_on_drawn_problems(case, dtype, seed):
     against the generic path in float64 on the same rounded inputs: the
     forward on them, the backward on them and the kernels' own ``out`` and
     ``lse`` (so that float16's rounding of ``O``, which enters every
-    gradient through ``D = rowsum(dO * O)``, is checked once, in ``out``)."""
+    gradient through ``D = rowsum(dO * O)``, is checked once, in ``out``).
+    Within the precision's tolerance, or :data:`FLOAT32_LOSS` times what the
+    generic path itself loses in float32 where that is more: a negative ALiBi
+    slope makes scores of 50 over 70 keys, and the slope's gradient a small
+    sum of large terms (1.345 from terms of 70 |dS|: float32 loses 7e-4)."""
     q, k, v = case.arrays
     assume(q.size > 0 and q.shape[-3] // k.shape[-3] * q.shape[-2] > fast_cupy.FEW_ROWS)
     rng = np.random.default_rng(seed)
@@ -482,6 +490,7 @@ def test_emulated_tensor_cores_on_drawn_problems(case, dtype, seed):
     runtime = EmulatedRuntime()
     fused = _fused(q, k, v, dout, dlse, runtime=runtime, **case.options)
     assert [name for name, _ in runtime.launches][-1] == "npattn_backward_dkdv_tc"
+    in_float32 = _chunked(*(x.astype(np.float32) for x in (q, k, v, dout, dlse)), **case.options)
     q, k, v, dout, dlse = (x.astype(np.float64) for x in (q, k, v, dout, dlse))
     spec = make_spec(q, k, v, **{**case.options, "impl": "chunked"})
     out, lse, _ = apply_sinks(spec, *chunked_forward(spec, q, k, v))
@@ -490,14 +499,16 @@ def test_emulated_tensor_cores_on_drawn_problems(case, dtype, seed):
     dsinks = sinks_grad(spec, dout, fused_out, fused_lse, dlse)
     exact = (out, lse, dq, dk, dv, dbias, dsinks, params.get("alibi_slopes"))
     names = ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes")
-    for name, a, b in zip(names, fused, exact):
+    for name, a, b, c in zip(names, fused, exact, in_float32):
         if b is None:
             assert a is None, name
             continue
         seen = np.isfinite(b)
         assert np.array_equal(np.isfinite(a), seen), name
         scale = max(1.0, float(np.max(np.abs(b[seen]), initial=0.0)))
-        np.testing.assert_allclose(a[seen], b[seen], rtol=0, atol=TENSOR_TOLERANCE[precision] * scale, err_msg=name)
+        float32_loss = float(np.max(np.abs(c[seen] - b[seen]), initial=0.0))
+        atol = max(TENSOR_TOLERANCE[precision] * scale, FLOAT32_LOSS * float32_loss)
+        np.testing.assert_allclose(a[seen], b[seen], rtol=0, atol=atol, err_msg=name)
 
 
 @emulated

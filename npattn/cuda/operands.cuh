@@ -43,6 +43,20 @@ struct FragB {
 // b_from_columns.
 #define STRIDE(WIDTH) ((WIDTH) + 16 / (int)sizeof(tile_t))
 
+// x = big + small as the tensor cores read them (TensorFloat-32: the top 19
+// bits of each, the rest truncated), both rounded to nearest by half a TF32
+// ulp added to the bits (CUTLASS's round_half_ulp_truncate): big as
+// cvt.rna.tf32.f32 rounds (x - big is then exact), small left for the
+// tensor cores to truncate; |x - big - small| <= 2^-22 |x|. Four integer or
+// float instructions, where cvt.rna.tf32.f32 takes about five for each half.
+// Both halves round to nearest so that the dropped small * small terms
+// carry no sign bias (truncating big biased them, and long sums with them).
+// A NaN stays NaN in small (and so in the product).
+__device__ __forceinline__ void split_tf32(float x, unsigned& big, unsigned& small) {
+  big = (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u;
+  small = __float_as_uint(x - __uint_as_float(big)) + 0x1000u;
+}
+
 // c += A B on the tensor cores.
 __device__ __forceinline__ void mma(float (&c)[4], const FragA& a, const FragB& b) {
 #if PRECISION == PRECISION_F16
@@ -50,15 +64,9 @@ __device__ __forceinline__ void mma(float (&c)[4], const FragA& a, const FragB& 
 #else
   unsigned a_big[4], a_small[4], b_big[2], b_small[2];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    a_big[e] = tf32_bits(a.r[e]);
-    a_small[e] = tf32_bits(a.r[e] - __uint_as_float(a_big[e]));
-  }
+  for (int e = 0; e < 4; ++e) split_tf32(a.r[e], a_big[e], a_small[e]);
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    b_big[e] = tf32_bits(b.r[e]);
-    b_small[e] = tf32_bits(b.r[e] - __uint_as_float(b_big[e]));
-  }
+  for (int e = 0; e < 2; ++e) split_tf32(b.r[e], b_big[e], b_small[e]);
   mma_tf32(c, a_small, b_big);  // the small terms first, then the large
   mma_tf32(c, a_big, b_small);
   mma_tf32(c, a_big, b_big);

@@ -23,7 +23,9 @@
 //     B:  b[0] = B[t][g]  b[1] = B[t+4][g]
 //     each float32 x split into x = big + small, both TensorFloat-32 (10-bit
 //     mantissas), and A B ~ big_A big_B + big_A small_B + small_A big_B
-//     (NVIDIA's 3xTF32; CUTLASS's OpMultiplyAddFastF32).
+//     (NVIDIA's 3xTF32; CUTLASS's OpMultiplyAddFastF32). The tensor cores
+//     read a .tf32 operand's top 19 bits (they truncate the rest), so the
+//     split is integer arithmetic on the bits (operands.cuh's split_tf32).
 //
 // These layouts are PTX's (the ISA's "Matrix Fragments for mma.m16n8k16" and
 // "mma.m16n8k8"). The CPU tests replace this file with an emulation of the
@@ -39,13 +41,6 @@ __device__ __forceinline__ unsigned pack_halves(unsigned short low, unsigned sho
 
 __device__ __forceinline__ unsigned pack_floats(float low, float high) {
   return pack_halves(half_bits(low), half_bits(high));
-}
-
-// x rounded to TensorFloat-32 (nearest, ties away from zero), as float32 bits.
-__device__ __forceinline__ unsigned tf32_bits(float x) {
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
 }
 
 __device__ __forceinline__ void mma_f16(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {

@@ -11,13 +11,6 @@ inline unsigned pack_halves(unsigned short low, unsigned short high) { return (u
 
 inline unsigned pack_floats(float low, float high) { return pack_halves(half_bits(low), half_bits(high)); }
 
-// cvt.rna.tf32.f32: 10 mantissa bits, to nearest with ties away from zero.
-inline unsigned tf32_bits(float x) {
-  const unsigned bits = __float_as_uint(x);
-  if (!std::isfinite(x)) return bits;
-  return (bits + 0x1000u) & 0xFFFFE000u;
-}
-
 namespace cuda_emulator {
 
 struct MmaOperands {
