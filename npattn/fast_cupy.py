@@ -413,8 +413,13 @@ def operand_dtype(spec: AttentionSpec) -> Any:
 def _tensor_module(runtime: Runtime, spec: AttentionSpec, precision: str, backward: bool = False) -> Any:
     """The tensor-core kernels for ``spec``'s dims and ``precision``, with the
     forward's tiles (:func:`tensor_tile`, :func:`tensor_stages`) or the backward's."""
+    return _compiled(runtime, "tensor_cores", _tensor_defines(spec, precision, backward))
+
+
+def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tuple[tuple[str, str], ...]:
+    """The ``-D`` definitions of :func:`_tensor_module` (``benchmarks/count_sass.py`` compiles with them too)."""
     tile = tensor_tile(spec, precision, backward)
-    defines = (
+    return (
         ("scalar_t", "float"),
         ("OPERANDS_F16", str(int(precision == "f16"))),
         ("PRECISION", "PRECISION_F16" if precision == "f16" else "PRECISION_TF32X3"),
@@ -423,7 +428,6 @@ def _tensor_module(runtime: Runtime, spec: AttentionSpec, precision: str, backwa
         ("TC_KEYS", str(tile)),
         ("TC_STAGES", str(tensor_stages(spec, precision, tile))),
     )
-    return _compiled(runtime, "tensor_cores", defines)
 
 
 #: Bytes of ``pipeline.cuh``'s ``Row`` in float32 at most (four int64, a

@@ -167,6 +167,18 @@ def test_workloads_benchmark_prints_the_auto_rule_grid(capsys):
     assert all(float(row[4]) > 0 and float(row[5]) > 0 for row in rows)
 
 
+def test_sass_counts_run_or_say_why_not(capsys):
+    """``count_sass.py`` prints its table where NVIDIA's compiler wheels are
+    installed, else says what is missing; a bad head size exits with 2."""
+    assert _run_script("count_sass.py", []) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("f16 ", "tf32x3 "))]
+    kernels = ["npattn_forward_tc", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"] * 2  # f16, tf32x3
+    assert out.startswith("skipped: no ") or [row[1] for row in rows] == kernels
+    assert _run_script("count_sass.py", ["--head-dim", "20"]) == 2
+    assert "--head-dim must be a multiple of 16" in capsys.readouterr().err
+
+
 def test_gpu_benchmark_counts_the_fused_paths_memory_without_a_gpu(capsys):
     """``bench_gpu.py --count-memory`` runs the fused path's Python side on
     the CPU (kernels not run) and prints a row per dtype."""

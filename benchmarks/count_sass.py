@@ -1,0 +1,181 @@
+"""Static counts of the tensor-core kernels' machine code, without a GPU.
+
+    python benchmarks/count_sass.py             # float16 and float32 (3xTF32), H=Hv=64
+    python benchmarks/count_sass.py --head-dim 128
+
+Compiles ``npattn.fast_cupy``'s tensor-core kernels as CuPy would (NVRTC,
+``-arch=compute_90``), assembles them for an H100 (``ptxas -arch=sm_90 -v``)
+and disassembles them (``cuobjdump -sass``), with the tiles ``fast_cupy``
+picks for T=S=4096, and prints per kernel: the registers a thread takes and
+the bytes it spills (the shipped kernels), and the instructions of the loop
+over tiles on a plain call's path: the kernels built again with that call's
+runtime flags made compile-time (no softcap, ALiBi, dropout or segment ids;
+every key of a tile seen), so that the compiler drops the other branches and
+the loop holds what a whole tile of a plain call executes, with its HMMA
+(tensor-core) instructions counted apart. Fewer instructions per HMMA is
+what a kernel bound by instruction issue needs; whether a change makes the
+kernels faster is for ``bench_gpu.py --targets`` on a GPU to say.
+
+The tools come from NVIDIA's pip wheels (none of them a dependency of
+npattn): ``nvidia-cuda-nvrtc-cu12`` (libnvrtc), ``nvidia-cuda-nvcc-cu12``
+(ptxas) and ``nvidia-cuda-cuobjdump`` (cuobjdump), found in the Python
+path's ``nvidia`` packages or given by ``--nvrtc``, ``--ptxas`` and
+``--cuobjdump``. Without them it prints ``skipped: ...`` and exits with 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+try:
+    import npattn  # noqa: F401
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from npattn import fast_cupy
+from npattn.options import make_spec
+
+#: The runtime flags of a plain call, made compile-time: (text, replacement)
+#: in the kernels' source.
+PLAIN_CALL = (
+    ("const bool plain = pb.softcap == 0 && !pb.slopes;", "const bool plain = true;"),
+    ("sees(range, pb, rows, b, i, offset)", "true"),
+    ("pb.dropout ?", "false ?"),
+    ("if (pb.dropout)", "if (false)"),
+    ("!pb.dropout &&", ""),
+    ("!pb.kv_segments", "true"),
+    ("sees_whole_tile(range)", "true"),
+    ("seen && warp_last < pb.S", "true"),
+)
+
+
+def _find(pattern: str) -> str | None:
+    for folder in sys.path:
+        found = sorted(glob.glob(os.path.join(folder or ".", "nvidia", "**", pattern), recursive=True))
+        if found:
+            return found[-1]
+    return None
+
+
+class Tools:
+    """NVRTC through ctypes, ptxas and cuobjdump."""
+
+    def __init__(self, nvrtc: str, ptxas: str, cuobjdump: str):
+        self.lib, self.ptxas, self.cuobjdump = ctypes.CDLL(nvrtc), ptxas, cuobjdump
+
+    def ptx(self, source: str, options: list[str]) -> str:
+        lib, program, size = self.lib, ctypes.c_void_p(), ctypes.c_size_t()
+        if lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), b"kernels.cu", 0, None, None):
+            raise RuntimeError("nvrtcCreateProgram failed")
+        encoded = [o.encode() for o in options]
+        status = lib.nvrtcCompileProgram(program, len(encoded), (ctypes.c_char_p * len(encoded))(*encoded))
+        lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(program, log)
+        if status:
+            raise RuntimeError(f"NVRTC failed:\n{log.value.decode()}")
+        lib.nvrtcGetPTXSize(program, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetPTX(program, ptx)
+        return ptx.value.decode()
+
+    def assemble(self, ptx: str, folder: str) -> tuple[str, str]:
+        """``(ptxas -v's report, cuobjdump -sass's listing)``."""
+        ptx_path, cubin = os.path.join(folder, "kernels.ptx"), os.path.join(folder, "kernels.cubin")
+        with open(ptx_path, "w") as f:
+            f.write(ptx)
+        report = subprocess.run(
+            [self.ptxas, "-arch=sm_90", "-v", ptx_path, "-o", cubin], capture_output=True, text=True
+        )
+        if report.returncode:
+            raise RuntimeError(f"ptxas failed:\n{report.stderr}")
+        listing = subprocess.run([self.cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True)
+        return report.stderr, listing.stdout
+
+
+def registers(report: str) -> dict[str, tuple[int, int]]:
+    """``{kernel: (registers, bytes of spill stores)}`` from ptxas -v."""
+    found = {}
+    for block in report.split("Compiling entry function ")[1:]:
+        name = block.split("'")[1]
+        spills = re.search(r"(\d+) bytes spill stores", block)
+        found[name] = (int(re.search(r"Used (\d+) registers", block).group(1)), int(spills.group(1)) if spills else 0)
+    return found
+
+
+def tile_loops(listing: str) -> dict[str, tuple[int, int]]:
+    """``{kernel: (instructions, HMMA instructions)}`` of each kernel's
+    longest loop (the span of its longest backward branch)."""
+    loops = {}
+    for part in listing.split("Function : ")[1:]:
+        name = part.split()[0]
+        code = [
+            (int(a, 16), op)
+            for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", part)
+        ]
+        jumps = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA[^;]*?0x([0-9a-f]+)", part)
+        spans = [(int(to, 16), int(at, 16)) for at, to in jumps if int(to, 16) < int(at, 16)]
+        if spans:
+            first, last = max(spans, key=lambda s: s[1] - s[0])
+            body = [op for a, op in code if first <= a <= last]
+            loops[name] = (len(body), sum(op.startswith("HMMA") for op in body))
+    return loops
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--head-dim", type=int, default=64, help="H = Hv (default 64)")
+    parser.add_argument("--nvrtc", default=_find("libnvrtc.so*"), help="libnvrtc (default: the nvidia wheels')")
+    parser.add_argument("--ptxas", default=_find("ptxas"), help="ptxas (default: the nvidia wheels')")
+    parser.add_argument("--cuobjdump", default=_find("cuobjdump"), help="cuobjdump (default: the nvidia wheels')")
+    args = parser.parse_args(argv)
+    if not 0 < args.head_dim <= fast_cupy.TENSOR_MAX_HEAD_DIM or args.head_dim % 16:
+        parser.error(
+            f"--head-dim must be a multiple of 16 in [16, {fast_cupy.TENSOR_MAX_HEAD_DIM}], got {args.head_dim}"
+        )
+    missing = [name for name in ("nvrtc", "ptxas", "cuobjdump") if not getattr(args, name)]
+    if missing:
+        print(
+            f"skipped: no {', '.join(missing)} (pip install nvidia-cuda-nvrtc-cu12 nvidia-cuda-nvcc-cu12 "
+            "nvidia-cuda-cuobjdump, or give their paths)"
+        )
+        return 0
+    tools = Tools(args.nvrtc, args.ptxas, args.cuobjdump)
+    H, source = args.head_dim, fast_cupy.kernel_source("tensor_cores")
+    plain = source
+    for text, replacement in PLAIN_CALL:
+        plain = plain.replace(text, replacement)
+    print(f"tensor-core kernels, H=Hv={H}, sm_90: registers / spilled bytes (as shipped); the plain tile loop")
+    header = f"{'precision':<10} {'kernel':<26} {'registers':>9} {'spilled':>8}"
+    print(f"{header} {'loop instr':>11} {'HMMA':>5} {'per HMMA':>9}")
+    with tempfile.TemporaryDirectory() as folder:
+        for dtype in (np.float16, np.float32):
+            x = np.zeros((1, 8, 4096, H), dtype)
+            spec = make_spec(x, x, x)
+            precision = fast_cupy.tensor_precision(spec)
+            for backward in (False, True):
+                defines = dict(fast_cupy._tensor_defines(spec, precision, backward))
+                options = ["--std=c++17", "-arch=compute_90"] + [f"-D{k}={v}" for k, v in defines.items()]
+                shipped = registers(tools.assemble(tools.ptx(source, options), folder)[0])
+                loops = tile_loops(tools.assemble(tools.ptx(plain, options), folder)[1])
+                for name in (
+                    ("npattn_backward_dq_tc", "npattn_backward_dkdv_tc") if backward else ("npattn_forward_tc",)
+                ):
+                    count, hmma = loops[name]
+                    regs, spilled = shipped[name]
+                    print(
+                        f"{precision:<10} {name:<26} {regs:9d} {spilled:8d} {count:11d} {hmma:5d} {count / hmma:9.1f}"
+                    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
