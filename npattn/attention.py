@@ -73,9 +73,8 @@ class AttentionResiduals:
     q, k, v : arrays
         The inputs in the dtype the path reads them in (the caller's arrays
         themselves when no cast was needed; never modified): the compute
-        dtype, except on the CuPy fast path's float16 tensor cores, which
-        keep float16 inputs as they are
-        (:func:`npattn.fast_cupy.operand_dtype`).
+        dtype, except on the CuPy fast path, whose kernels read float16
+        inputs as they are (:func:`npattn.fast_cupy.operand_dtype`).
     out : array, (..., N, T, Hv)
         The output in the compute dtype.
     lse : array, (..., N, T)

@@ -637,8 +637,8 @@ def backward(
     runtime: Runtime | None = None,
 ) -> tuple[Any, Any, Any, Any | None, dict[str, Any]]:
     """FlashAttention-2 backward; same contract as :func:`npattn.chunked.chunked_backward`,
-    but for the gradients' dtype: :func:`operand_dtype` (float16 on the
-    float16 tensor cores, else the compute dtype).
+    but for the gradients' dtype: :func:`operand_dtype` (float16 for
+    float16 inputs, else the compute dtype).
 
     ``D = rowsum(dO * O) - dlse`` in ``npattn_backward_d``
     (``npattn/cuda/backward_d.cu``), then ``dQ`` (and the ALiBi slopes'

@@ -18,11 +18,13 @@
 // dq kernel, query rows per tile of the dkdv kernel).
 
 // dR_ij = dS_ij = P_ij (dP_ij - D_i) of an entry with a plain score (scale *
-// q . k: no softcap, no ALiBi) and no dropout: entry_backward's formula with
-// P = 2^(s log2(e) - lse log2(e)), the forward's base-2 exponentials.
+// q . k: no softcap, no ALiBi) and no dropout, and P_ij in `p`:
+// entry_backward's formula with P = 2^(s log2(e) - lse log2(e)), the
+// forward's base-2 exponentials.
 __device__ __forceinline__ float plain_entry_backward(const Problem& pb, float product, float dp, float row_lse,
-                                                      float row_D) {
-  return fast_exp2((product * pb.scale - row_lse) * LOG2_E) * (dp - row_D);
+                                                      float row_D, float& p) {
+  p = fast_exp2((product * pb.scale - row_lse) * LOG2_E);
+  return p * (dp - row_D);
 }
 
 // dR_ij of one entry, and P_ij drop_ij in `dropped`: entry_backward
@@ -101,7 +103,10 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 #pragma unroll
       for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nb][e] = plain_entry_backward(pb, s[nb][e], dp[nb][e], row_lse[e / 2], row_D[e / 2]);
+        for (int e = 0; e < 4; ++e) {
+          float p;
+          s[nb][e] = plain_entry_backward(pb, s[nb][e], dp[nb][e], row_lse[e / 2], row_D[e / 2], p);
+        }
     } else {
 #pragma unroll
       for (int nb = 0; nb < TC_KEYS / 8; ++nb)
@@ -216,15 +221,14 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     products_with_rows<HEAD_DIM>(s, k_frag, queries, lane);
     products_with_rows<VALUE_DIM>(dp, v_frag, douts, lane);
     const bool seen = rows_see_keys(tile_rows[stage], warp_first, warp_last, lane);  // every thread: it shuffles
-    if (plain && !pb.dropout && !pb.kv_segments && seen && warp_last < pb.S) {  // the common tile: dR = P (dP - D), dV's P
+    // The common tile: dR = P (dP - D), and P for dV.
+    if (plain && !pb.dropout && !pb.kv_segments && seen && warp_last < pb.S) {
 #pragma unroll
       for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = nb * 8 + 2 * t + e % 2;
-          const float p = fast_exp2((s[nb][e] * pb.scale - tile_lse[stage][c]) * LOG2_E);
-          s[nb][e] = p * (dp[nb][e] - tile_D[stage][c]);
-          dp[nb][e] = p;
+          s[nb][e] = plain_entry_backward(pb, s[nb][e], dp[nb][e], tile_lse[stage][c], tile_D[stage][c], dp[nb][e]);
         }
     } else {
 #pragma unroll
