@@ -143,11 +143,7 @@ __device__ __forceinline__ bool rows_see_keys(const Row* tile_rows, long long fi
     latest_first = max(latest_first, tile_rows[c].first_key);
     earliest_end = min(earliest_end, tile_rows[c].end_key);
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    latest_first = max(latest_first, __shfl_xor_sync(0xffffffffu, latest_first, offset));
-    earliest_end = min(earliest_end, __shfl_xor_sync(0xffffffffu, earliest_end, offset));
-  }
+  warp_min_max(earliest_end, latest_first);
   return latest_first <= first && last < earliest_end;
 }
 

@@ -11,6 +11,15 @@
 #define LOG2_E 1.4426950408889634f
 #define LN_2 0.6931471805599453f
 
+// `smallest` and `largest` become their minimum and maximum over the warp.
+__device__ __forceinline__ void warp_min_max(long long& smallest, long long& largest) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    smallest = min(smallest, __shfl_xor_sync(0xffffffffu, smallest, offset));
+    largest = max(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
+  }
+}
+
 // The union of the rows' key ranges [first_key, end_key) over the block
 // (two rows per thread); every thread gets the same answer.
 __device__ __forceinline__ void block_key_span(const Row (&rows)[2], long long* scratch, long long& first,
@@ -22,11 +31,7 @@ __device__ __forceinline__ void block_key_span(const Row (&rows)[2], long long* 
     mine_first = min(mine_first, rows[i].first_key);
     mine_end = max(mine_end, rows[i].end_key);
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    mine_first = min(mine_first, __shfl_xor_sync(0xffffffffu, mine_first, offset));
-    mine_end = max(mine_end, __shfl_xor_sync(0xffffffffu, mine_end, offset));
-  }
+  warp_min_max(mine_first, mine_end);
   const int warp = threadIdx.x / 32;
   if (threadIdx.x % 32 == 0) {
     scratch[warp] = mine_first;
