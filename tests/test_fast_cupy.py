@@ -250,6 +250,8 @@ TENSOR_CASES = {
         "many blocks window": dict(H=16, Hv=16),
         "whole tiles causal": dict(batch=(1,), N=2, K=1, T=150, S=150, causal=True),
         "whole tiles full": dict(batch=(1,), N=2, K=2, T=70, S=200),
+        # 64 stacked rows against 700 keys: too few blocks, so the keys split (merge.cu)
+        "key splits": dict(batch=(1,), N=4, K=1, T=16, S=700, causal=True, align="bottom_right"),
     }.items()
 }
 
@@ -313,7 +315,14 @@ def test_emulated_tensor_cores_match_float64(case, dtype, precision):
     float64: every option the kernels take, in both precisions."""
     fused, exact, launched, chosen = _tensor_paths(case, dtype)
     assert chosen == precision
-    assert launched == ["npattn_forward_tc", "npattn_backward_d", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"]
+    merged = ["npattn_merge_splits"] if case == "key splits" else []
+    assert launched == [
+        "npattn_forward_tc",
+        *merged,
+        "npattn_backward_d",
+        "npattn_backward_dq_tc",
+        "npattn_backward_dkdv_tc",
+    ]
     _assert_within(fused, exact, TENSOR_TOLERANCE[precision])
 
 
