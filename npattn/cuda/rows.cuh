@@ -3,26 +3,30 @@
 // position-major (row r = i * G + g is query i of head n = h * G + g), and the
 // query rows a range of keys is seen by.
 
-// Query i and head g within the group of stacked row r = i * G + g: in
-// 32-bit arithmetic wherever r fits (a 64-bit division is a call of some
+// Head n = h * G + g and query i of stacked row r = i * G + g of kv head h:
+// in 32-bit arithmetic wherever r fits (a 64-bit division is a call of some
 // 70 instructions; a call has over 2^31 stacked rows per kv head only past
 // G * T = 2^31).
-__device__ __forceinline__ void split_stacked(const Problem& pb, long long r, int& i, int& g) {
+__device__ __forceinline__ void stacked_position(const Problem& pb, int h, long long r, int& n, int& i) {
   if (r <= 0x7fffffffLL) {
     i = (int)r / pb.G;
-    g = (int)r - i * pb.G;
+    n = h * pb.G + ((int)r - i * pb.G);
   } else {
     i = (int)(r / pb.G);
-    g = (int)(r % pb.G);
+    n = h * pb.G + (int)(r % pb.G);
   }
 }
 
-// Index into (B, N, T) arrays of stacked row r of kv head h in batch
-// element b: row r = i * G + g is query i of head n = h * G + g.
+// Index into (B, N, T) arrays of query i of head n in batch element b.
+__device__ __forceinline__ long long row_index(const Problem& pb, int b, int n, int i) {
+  return ((long long)b * pb.N + n) * pb.T + i;
+}
+
+// Index into (B, N, T) arrays of stacked row r of kv head h in batch element b.
 __device__ __forceinline__ long long stacked_index(const Problem& pb, int b, int h, long long r) {
-  int i, g;
-  split_stacked(pb, r, i, g);
-  return ((long long)b * pb.N + h * pb.G + g) * pb.T + i;
+  int n, i;
+  stacked_position(pb, h, r, n, i);
+  return row_index(pb, b, n, i);
 }
 
 // Stacked row r (as stacked_index) and its index. A row at or past `end`
@@ -31,10 +35,10 @@ __device__ __forceinline__ long long stacked_index(const Problem& pb, int b, int
 __device__ __forceinline__ Row stacked_row(const Problem& pb, int b, int h, long long r, long long end,
                                            long long& index) {
   const long long real = min(r, end - 1);
-  int i, g;
-  split_stacked(pb, real, i, g);
-  index = ((long long)b * pb.N + h * pb.G + g) * pb.T + i;  // stacked_index
-  Row row = make_row(pb, b, h * pb.G + g, i);
+  int n, i;
+  stacked_position(pb, h, real, n, i);
+  index = row_index(pb, b, n, i);
+  Row row = make_row(pb, b, n, i);
   if (r >= end) row.end_key = row.first_key;
   return row;
 }

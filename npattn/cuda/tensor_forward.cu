@@ -59,14 +59,10 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   first = max(first, split * per_split);
   end = min(end, (split + 1) * per_split);
   const long long kv_base = ((long long)b * pb.KH + h) * pb.S;
-  auto same_row = [](long long r) { return r; };
 
   auto issue = [&](int it) {
-    const long long tile = first + (long long)it * TC_KEYS;
-    load_tile<HEAD_DIM, TC_KEYS, TC_THREADS>(key_tile[it % TC_STAGES], k + kv_base * HEAD_DIM, tile, end, same_row);
-    load_tile<VALUE_DIM, TC_KEYS, TC_THREADS>(value_tile[it % TC_STAGES], v + kv_base * VALUE_DIM, tile, end,
-                                              same_row);
-    async_commit();
+    const int stage = it % TC_STAGES;
+    load_key_tiles(key_tile[stage], value_tile[stage], k, v, kv_base, first + (long long)it * TC_KEYS, end);
   };
   auto use = [&](int it) {
     const long long tile = first + (long long)it * TC_KEYS;

@@ -47,6 +47,18 @@ __device__ __forceinline__ void block_key_span(const Row (&rows)[2], long long* 
   __syncthreads();
 }
 
+// Start copying key tile [tile, tile + TC_KEYS) of one kv head's keys and
+// values (rows from kv_base of k and v) into `keys` and `values`, zeros past
+// `end`: the forward's and the dQ kernel's `issue`.
+__device__ __forceinline__ void load_key_tiles(tile_t* keys, tile_t* values, const tile_t* __restrict__ k,
+                                               const tile_t* __restrict__ v, long long kv_base, long long tile,
+                                               long long end) {
+  auto same_row = [](long long r) { return r; };
+  load_tile<HEAD_DIM, TC_KEYS, TC_THREADS>(keys, k + kv_base * HEAD_DIM, tile, end, same_row);
+  load_tile<VALUE_DIM, TC_KEYS, TC_THREADS>(values, v + kv_base * VALUE_DIM, tile, end, same_row);
+  async_commit();
+}
+
 // The tiles of a loop over [first, end) in steps of TILE rows: tile `it`
 // copied into buffer it % TC_STAGES by `issue(it)`, the copy of the next one
 // started before `use(it)` runs on this one (with two stages).
@@ -111,7 +123,8 @@ __device__ __forceinline__ void products_with_rows(float (&c)[TC_KEYS / 8][4], c
 #pragma unroll
   for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll
-    for (int ks = 0; ks < WIDTH / KSTEP; ++ks) mma(c[nb], a[ks], b_from_rows(tile, STRIDE(WIDTH), nb * 8, ks * KSTEP, lane));
+    for (int ks = 0; ks < WIDTH / KSTEP; ++ks)
+      mma(c[nb], a[ks], b_from_rows(tile, STRIDE(WIDTH), nb * 8, ks * KSTEP, lane));
 }
 
 // acc += A tile: A = `scores` (16, TC_KEYS) as the C fragments hold them,
