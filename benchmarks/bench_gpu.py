@@ -422,9 +422,6 @@ class _NoKernels:
     def launch(self, module, name, grid, threads, args):
         return None
 
-    def to_device(self, host, like):
-        return host.copy()
-
     def multiprocessors(self, like):
         return 132  # an H100's
 

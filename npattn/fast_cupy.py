@@ -209,10 +209,9 @@ class Runtime(Protocol):
         """The compiled module of ``source`` with these ``-D`` definitions."""
 
     def launch(self, module: Any, name: str, grid: tuple[int, int, int], threads: int, args: tuple) -> None:
-        """Run kernel ``name`` of ``module``; ``args`` are arrays or None (a null pointer)."""
-
-    def to_device(self, host: np.ndarray, like: Any) -> Any:
-        """A copy of a small host array on ``like``'s device."""
+        """Run kernel ``name`` of ``module``; ``args`` are device arrays, None
+        (a null pointer) or a host NumPy array of one :data:`CONFIG_DTYPE`
+        entry (the ``Config`` struct, by value)."""
 
     def multiprocessors(self, like: Any) -> int:
         """Multiprocessors of ``like``'s device."""
@@ -234,12 +233,6 @@ class CupyRuntime:
         null = np.uint64(0)  # a NULL pointer (CuPy turns None into 0xffffffff)
         with args[0].device:  # the arrays' device, whichever is current
             module.get_function(name)(grid, (threads, 1, 1), tuple(null if a is None else a for a in args))
-
-    def to_device(self, host: np.ndarray, like: Any) -> Any:
-        import cupy
-
-        with like.device:
-            return cupy.asarray(host)
 
     def multiprocessors(self, like: Any) -> int:
         device = like.device.id
@@ -472,58 +465,69 @@ def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> 
 # --- one call's arguments ------------------------------------------------------------
 
 
-#: The entries of the kernels' int64 ``config`` array, in the order of
-#: ``pipeline.cuh``'s ``CFG_*`` indices (a test reads them there).
-CONFIG_ENTRIES = (
-    "B",
-    "N",
-    "KH",
-    "T",
-    "S",
-    "LEFT",
-    "RIGHT",
-    "Q_OFFSET",
-    "DROP_THRESHOLD",
-    "SEED_HASH",
-    "ROW0",
-    "COL0",
-    "SPLITS",
-    "DROPOUT",
+#: ``pipeline.cuh``'s ``struct Config``, field for field: the call's scalar
+#: options, which every kernel takes by value (a NumPy array of one entry is
+#: a by-value argument to CuPy), so that a call copies nothing to the device
+#: before its kernels run (a test reads the struct's fields there).
+CONFIG_DTYPE = np.dtype(
+    [
+        (name, np.int64)
+        for name in (
+            "B",
+            "N",
+            "KH",
+            "T",
+            "S",
+            "left",
+            "right",
+            "q_offset",
+            "drop_threshold",
+            "seed_hash",
+            "row0",
+            "col0",
+            "splits",
+            "dropout",
+        )
+    ]
+    + [(name, np.float64) for name in ("scale", "softcap", "keep_scale")]
 )
-
-#: The entries of the kernels' ``reals`` array (``REAL_*`` in ``pipeline.cuh``).
-REAL_ENTRIES = ("SCALE", "SOFTCAP", "KEEP_SCALE")
 
 
 class _Call:
-    """The kernels' shared arguments for one call: the ``config`` and
-    ``reals`` arrays of ``pipeline.cuh`` and the optional per-batch arrays,
-    each flattened over the batch axes and contiguous on the device."""
+    """The kernels' shared arguments for one call: ``pipeline.cuh``'s
+    ``Config`` (:data:`CONFIG_DTYPE`, one entry, passed by value) and the
+    optional per-batch arrays, each flattened over the batch axes and
+    contiguous on the device."""
 
-    def __init__(self, spec: AttentionSpec, runtime: Runtime, like: Any, splits: int = 1):
+    def __init__(self, spec: AttentionSpec, splits: int = 1):
         xp, B = spec.xp, spec.num_batch
         reach = window_reach(spec)  # a window side wider than this hides nothing
         offset = spec.q_offset if spec.q_offset is not None else 0
         per_batch_offset = hasattr(offset, "shape")  # bottom_right with lengths
-        config = dict(
-            B=B,
-            N=spec.num_heads,
-            KH=spec.num_kv_heads,
-            T=spec.q_len,
-            S=spec.kv_len,
-            LEFT=-1 if spec.window_left is None else min(spec.window_left, reach),
-            RIGHT=-1 if spec.window_right is None else min(spec.window_right, reach),
-            Q_OFFSET=0 if per_batch_offset else int(offset),
-            DROP_THRESHOLD=keep_threshold(spec.dropout_p) if spec.dropout_p else 0,
-            SEED_HASH=_seed_hash(spec.seed) if spec.dropout_p and spec.seed is not None else 0,
-            ROW0=spec.index_origin[0],
-            COL0=spec.index_origin[1],
-            SPLITS=splits,
-            DROPOUT=int(spec.dropout_p > 0),
+        self.config = np.array(
+            [
+                (
+                    B,
+                    spec.num_heads,
+                    spec.num_kv_heads,
+                    spec.q_len,
+                    spec.kv_len,
+                    -1 if spec.window_left is None else min(spec.window_left, reach),
+                    -1 if spec.window_right is None else min(spec.window_right, reach),
+                    0 if per_batch_offset else int(offset),
+                    keep_threshold(spec.dropout_p) if spec.dropout_p else 0,
+                    _seed_hash(spec.seed) if spec.dropout_p and spec.seed is not None else 0,
+                    spec.index_origin[0],
+                    spec.index_origin[1],
+                    splits,
+                    int(spec.dropout_p > 0),
+                    spec.scale,
+                    spec.softcap or 0.0,
+                    1.0 / (1.0 - spec.dropout_p),
+                )
+            ],
+            dtype=CONFIG_DTYPE,
         )
-        reals = dict(SCALE=spec.scale, SOFTCAP=spec.softcap or 0.0, KEEP_SCALE=1.0 / (1.0 - spec.dropout_p))
-        self.config = runtime.to_device(np.array([config[name] for name in CONFIG_ENTRIES], dtype=np.int64), like)
-        self.reals = runtime.to_device(np.array([reals[name] for name in REAL_ENTRIES], spec.compute_dtype), like)
 
         def flat(a: Any, shape: tuple[int, ...], dtype: Any) -> Any:
             return None if a is None else _contiguous(xp.reshape(xp.astype(a, dtype), shape))
@@ -543,7 +547,7 @@ class _Call:
         )
 
     def args(self) -> tuple:
-        return (self.config, self.reals, *self.optional)
+        return (self.config, *self.optional)
 
 
 #: Alignment of the arrays the kernels read, in bytes: they read rows in
@@ -607,7 +611,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None
         module = _tensor_module(runtime, spec, precision)
         name, threads, row_blocks = "npattn_forward_tc", TENSOR_THREADS, -(-spec.group_size * T // TENSOR_ROWS)
     splits = _splits(spec, row_blocks, runtime.multiprocessors(q))
-    call = _Call(spec, runtime, q, splits)
+    call = _Call(spec, splits)
     qc, kc, vc = _operands(spec, q, k, v)
     out = xp.empty((splits, B, N, T, Hv), dtype=spec.compute_dtype, device=spec.device)
     lse = xp.empty((splits, B, N, T), dtype=spec.compute_dtype, device=spec.device)
@@ -651,7 +655,7 @@ def backward(
     runtime = runtime or _CUPY_RUNTIME
     xp, B, N, K, T, S = spec.xp, spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.q_len, spec.kv_len
     H, Hv, bs = spec.head_dim, spec.value_dim, spec.batch_shape
-    call = _Call(spec, runtime, q)
+    call = _Call(spec)
     qc, kc, vc, doc = _operands(spec, q, k, v, dout)
     precision = tensor_precision(spec)
     if precision is None:

@@ -44,12 +44,12 @@ from npattn.scores.sinks import apply_sinks, sinks_grad
 KERNEL_ARITY = {
     "npattn_backward_d": 5,
     "npattn_merge_splits": 5,
-    "npattn_forward": 13,
-    "npattn_backward_dq": 16,
-    "npattn_backward_dkdv": 16,
-    "npattn_forward_tc": 13,
-    "npattn_backward_dq_tc": 16,
-    "npattn_backward_dkdv_tc": 16,
+    "npattn_forward": 12,
+    "npattn_backward_dq": 15,
+    "npattn_backward_dkdv": 15,
+    "npattn_forward_tc": 12,
+    "npattn_backward_dq_tc": 15,
+    "npattn_backward_dkdv_tc": 15,
 }
 #: The kernels of each kind of source (npattn.fast_cupy.SOURCES).
 KIND_KERNELS = {
@@ -75,11 +75,17 @@ EMULATED = {
     for name, stand_in in (("ptx.cuh", "ptx.h"), ("half.cuh", "half.h"))
 }
 
-#: One extern "C" launcher per kernel: casts the pointer array to the
-#: kernel's parameter types and runs the grid through the emulator.
+#: One extern "C" launcher per kernel: takes CUDA's kernelParams (a pointer
+#: to each argument: an array's address, or the Config struct itself) and
+#: runs the grid through the emulator.
 WRAPPER = r"""
+template <class P>
+P argument(void* a) {
+  if constexpr (std::is_pointer_v<P>) return *static_cast<P*>(a);
+  else return *static_cast<const std::remove_cv_t<P>*>(a);
+}
 template <class... P, std::size_t... I>
-void call_with(void (*kernel)(P...), void** a, std::index_sequence<I...>) { kernel(static_cast<P>(a[I])...); }
+void call_with(void (*kernel)(P...), void** a, std::index_sequence<I...>) { kernel(argument<P>(a[I])...); }
 #define EMULATED(name, arity)                                                                        \
   extern "C" void launch_##name(unsigned gx, unsigned gy, unsigned gz, unsigned threads, void** a) { \
     cuda_emulator::launch(dim3(gx, gy, gz), dim3(threads),                                           \
@@ -108,15 +114,18 @@ class EmulatedRuntime:
 
     def launch(self, module, name, grid, threads, args) -> None:
         assert len(args) == KERNEL_ARITY[name], f"{name} takes {KERNEL_ARITY[name]} arguments, got {len(args)}"
+        addresses = []  # each array's address, as a kernel argument of its own
         for a in args:
             assert a is None or (isinstance(a, np.ndarray) and a.flags.c_contiguous), "kernels read C-order arrays"
             assert a is None or a.ctypes.data % fast_cupy.ALIGNMENT == 0, "a GPU faults on misaligned 16-byte reads"
-        pointers = (ctypes.c_void_p * len(args))(*[None if a is None else a.ctypes.data for a in args])
+            addresses.append(ctypes.c_void_p(None if a is None else a.ctypes.data))
+        by_value = [a is not None and a.dtype == fast_cupy.CONFIG_DTYPE for a in args]
+        assert sum(by_value) <= 1 and all(a.shape == (1,) for a, v in zip(args, by_value) if v)
+        params = [a.ctypes.data if v else ctypes.addressof(x) for a, v, x in zip(args, by_value, addresses)]
         self.launches.append((name, grid))
-        getattr(module, f"launch_{name}")(*(ctypes.c_uint(x) for x in (*grid, threads)), pointers)
-
-    def to_device(self, host: np.ndarray, like) -> np.ndarray:
-        return host.copy()
+        getattr(module, f"launch_{name}")(
+            *(ctypes.c_uint(x) for x in (*grid, threads)), (ctypes.c_void_p * len(params))(*params)
+        )
 
     def multiprocessors(self, like) -> int:
         return self.count
@@ -588,14 +597,20 @@ def test_preferred_leaves_large_float64_calls_to_the_generic_path(monkeypatch):
     assert fast_cupy.preferred(make_spec(*(x.astype(np.float32) for x in large[:3])))
 
 
-def test_config_entries_follow_the_kernels_indices():
-    """The Python side writes ``config`` and ``reals`` in the order of ``pipeline.cuh``'s indices."""
+def test_config_dtype_follows_the_kernels_struct():
+    """:data:`fast_cupy.CONFIG_DTYPE` has ``pipeline.cuh``'s ``struct Config``
+    fields in its order and types, 8 bytes each, with no padding (the bytes
+    the kernels read by value)."""
     import re
 
     source = (resources.files("npattn") / "cuda" / "pipeline.cuh").read_text()
-    for prefix, names in (("CFG", fast_cupy.CONFIG_ENTRIES), ("REAL", fast_cupy.REAL_ENTRIES)):
-        indices = {name: int(i) for name, i in re.findall(rf"#define {prefix}_(\w+) (\d+)", source)}
-        assert indices == {name: i for i, name in enumerate(names)}, prefix
+    body = re.search(r"struct Config \{(.*?)\};", source, re.S).group(1)
+    fields = re.findall(r"^\s*(long long|double) (\w+);", body, re.M)
+    c_types = {"long long": np.dtype(np.int64), "double": np.dtype(np.float64)}
+    assert [(name, c_types[c]) for c, name in fields] == [
+        (name, fast_cupy.CONFIG_DTYPE.fields[name][0]) for name in fast_cupy.CONFIG_DTYPE.names
+    ]
+    assert fast_cupy.CONFIG_DTYPE.itemsize == 8 * len(fields)
 
 
 def test_splits_stay_within_the_grid():

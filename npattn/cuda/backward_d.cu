@@ -12,8 +12,8 @@ extern "C" __global__ void npattn_backward_d(const tile_t* __restrict__ dout,  /
                                              const scalar_t* __restrict__ out,  // (rows, Hv)
                                              const scalar_t* __restrict__ dlse,  // (rows,) or null
                                              scalar_t* __restrict__ D,           // (rows,)
-                                             const long long* config) {
-  const long long rows = config[CFG_B] * config[CFG_N] * config[CFG_T];
+                                             const Config config) {
+  const long long rows = config.B * config.N * config.T;
   const long long r = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const bool real = r < rows;  // every thread takes part in the shuffles

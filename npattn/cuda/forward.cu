@@ -15,7 +15,7 @@
 //     acc   = acc exp(m - m') + sum_j exp(s_j - m') drop_ij v_j
 //
 // and at the end  O_i = acc / l,  lse_i = m + log l  (O_i = 0, lse_i = -inf
-// where the row sees no key). With CFG_SPLITS > 1 (flash-decoding) the keys
+// where the row sees no key). With config.splits > 1 (flash-decoding) the keys
 // are cut into that many ranges, grid.z runs batch element * splits, and
 // each range writes its own (O, lse) into slice `split` of `out` and `lse`,
 // which npattn.fast_cupy merges through lse.
@@ -25,15 +25,15 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                    const tile_t* __restrict__ v,  // (B, KH, S, Hv)
                    scalar_t* __restrict__ out,      // (splits, B, N, T, Hv)
                    scalar_t* __restrict__ lse,      // (splits, B, N, T)
-                   const long long* config, const scalar_t* reals, const long long* q_offsets,
+                   const Config config, const long long* q_offsets,
                    const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
                    const long long* kv_segments, const scalar_t* slopes) {
   __shared__ __align__(16) scalar_t key_tile[KEYS * HEAD_DIM];
   __shared__ __align__(16) scalar_t value_tile[KEYS * VALUE_DIM];
   __shared__ long long scratch[2 * ROWS];
-  const Problem pb = read_problem(config, reals, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
+  const Problem pb = read_problem(config, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
   const int lane = threadIdx.x % LANES, group = threadIdx.x / LANES;
-  const int splits = (int)config[CFG_SPLITS];
+  const int splits = (int)config.splits;
   const int h = blockIdx.y, b = blockIdx.z / splits, split = blockIdx.z % splits;
   const int stacked = pb.G * pb.T;
   Row rows[TILE];

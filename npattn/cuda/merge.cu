@@ -13,9 +13,9 @@ extern "C" __global__ void npattn_merge_splits(const scalar_t* __restrict__ outs
                                                const scalar_t* __restrict__ lses,  // (splits, rows)
                                                scalar_t* __restrict__ out,         // (rows, Hv)
                                                scalar_t* __restrict__ lse,         // (rows,)
-                                               const long long* config) {
-  const long long rows = config[CFG_B] * config[CFG_N] * config[CFG_T];
-  const int splits = (int)config[CFG_SPLITS];
+                                               const Config config) {
+  const long long rows = config.B * config.N * config.T;
+  const int splits = (int)config.splits;
   const long long r = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= rows) return;

@@ -18,27 +18,27 @@
 // Compiled with scalar_t defined as float or double (the compute dtype).
 
 // ---------------------------------------------------------------- config
-// Entries of the int64 `config` array every kernel reads (npattn/fast_cupy.py
-// writes it in this order: its CONFIG_ENTRIES).
-#define CFG_B 0            // batch elements (the leading axes flattened)
-#define CFG_N 1            // query heads
-#define CFG_KH 2           // kv heads
-#define CFG_T 3            // query length
-#define CFG_S 4            // key length
-#define CFG_LEFT 5         // window's left side, -1: unbounded (clipped to T + S)
-#define CFG_RIGHT 6        // window's right side, -1: unbounded (causal: 0)
-#define CFG_Q_OFFSET 7     // position of query 0, when one offset serves every batch element
-#define CFG_DROP_THRESHOLD 8  // keep a hash >= this (npattn.dropout.keep_threshold)
-#define CFG_SEED_HASH 9    // the seed's hash (npattn.dropout._seed_hash)
-#define CFG_ROW0 10        // row index of query 0 in the dropout hash (index_origin)
-#define CFG_COL0 11        // column index of key 0 in the dropout hash
-#define CFG_SPLITS 12      // forward: key splits per (batch, kv head) (flash-decoding)
-#define CFG_DROPOUT 13     // 1 with dropout, else 0
-
-// Entries of the `reals` array (compute dtype; fast_cupy.py's REAL_ENTRIES).
-#define REAL_SCALE 0       // softmax scale
-#define REAL_SOFTCAP 1     // softcap c, 0: none
-#define REAL_KEEP_SCALE 2  // 1 / (1 - dropout_p)
+// The call's scalar options, passed to every kernel by value (no copy to the
+// device per call): npattn/fast_cupy.py's CONFIG_DTYPE, field for field.
+struct Config {
+  long long B;               // batch elements (the leading axes flattened)
+  long long N;               // query heads
+  long long KH;              // kv heads
+  long long T;               // query length
+  long long S;               // key length
+  long long left;            // window's left side, -1: unbounded (clipped to T + S)
+  long long right;           // window's right side, -1: unbounded (causal: 0)
+  long long q_offset;        // position of query 0, when one offset serves every batch element
+  long long drop_threshold;  // keep a hash >= this (npattn.dropout.keep_threshold)
+  long long seed_hash;       // the seed's hash (npattn.dropout._seed_hash)
+  long long row0;            // row index of query 0 in the dropout hash (index_origin)
+  long long col0;            // column index of key 0 in the dropout hash
+  long long splits;          // forward: key splits per (batch, kv head) (flash-decoding)
+  long long dropout;         // 1 with dropout, else 0
+  double scale;              // softmax scale (rounded to scalar_t by read_problem)
+  double softcap;            // softcap c, 0: none
+  double keep_scale;         // 1 / (1 - dropout_p)
+};
 
 __device__ __forceinline__ float fn_exp(float x) { return expf(x); }
 __device__ __forceinline__ double fn_exp(double x) { return exp(x); }
@@ -59,7 +59,7 @@ __device__ __forceinline__ unsigned int mix32(unsigned int x) {
 }
 
 // ---------------------------------------------------------------- one problem
-// The whole call's options, read once per thread from `config` and `reals`.
+// The whole call's options, read once per thread from `config`.
 struct Problem {
   int B, N, KH, G, T, S;
   long long left, right, q_offset, row0, col0;
@@ -75,28 +75,28 @@ struct Problem {
   const scalar_t* slopes;        // ALiBi (B, N), or null
 };
 
-__device__ __forceinline__ Problem read_problem(const long long* config, const scalar_t* reals,
-                                                const long long* q_offsets, const long long* q_lengths,
-                                                const long long* kv_lengths, const long long* q_segments,
-                                                const long long* kv_segments, const scalar_t* slopes) {
+__device__ __forceinline__ Problem read_problem(const Config& config, const long long* q_offsets,
+                                                const long long* q_lengths, const long long* kv_lengths,
+                                                const long long* q_segments, const long long* kv_segments,
+                                                const scalar_t* slopes) {
   Problem pb;
-  pb.B = (int)config[CFG_B];
-  pb.N = (int)config[CFG_N];
-  pb.KH = (int)config[CFG_KH];
+  pb.B = (int)config.B;
+  pb.N = (int)config.N;
+  pb.KH = (int)config.KH;
   pb.G = pb.N / pb.KH;
-  pb.T = (int)config[CFG_T];
-  pb.S = (int)config[CFG_S];
-  pb.left = config[CFG_LEFT];
-  pb.right = config[CFG_RIGHT];
-  pb.q_offset = config[CFG_Q_OFFSET];
-  pb.dropout = config[CFG_DROPOUT] != 0;
-  pb.drop_threshold = (unsigned long long)config[CFG_DROP_THRESHOLD];
-  pb.seed_hash = (unsigned int)config[CFG_SEED_HASH];
-  pb.row0 = config[CFG_ROW0];
-  pb.col0 = config[CFG_COL0];
-  pb.scale = reals[REAL_SCALE];
-  pb.softcap = reals[REAL_SOFTCAP];
-  pb.keep_scale = reals[REAL_KEEP_SCALE];
+  pb.T = (int)config.T;
+  pb.S = (int)config.S;
+  pb.left = config.left;
+  pb.right = config.right;
+  pb.q_offset = config.q_offset;
+  pb.dropout = config.dropout != 0;
+  pb.drop_threshold = (unsigned long long)config.drop_threshold;
+  pb.seed_hash = (unsigned int)config.seed_hash;
+  pb.row0 = config.row0;
+  pb.col0 = config.col0;
+  pb.scale = (scalar_t)config.scale;
+  pb.softcap = (scalar_t)config.softcap;
+  pb.keep_scale = (scalar_t)config.keep_scale;
   pb.q_offsets = q_offsets;
   pb.q_lengths = q_lengths;
   pb.kv_lengths = kv_lengths;

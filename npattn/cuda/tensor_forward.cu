@@ -22,15 +22,15 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                       const tile_t* __restrict__ v,  // (B, KH, S, Hv)
                       float* __restrict__ out,       // (splits, B, N, T, Hv)
                       float* __restrict__ lse,       // (splits, B, N, T)
-                      const long long* config, const float* reals, const long long* q_offsets,
+                      const Config config, const long long* q_offsets,
                       const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
                       const long long* kv_segments, const float* slopes) {
   __shared__ __align__(16) tile_t key_tile[TC_STAGES][TC_KEYS * STRIDE(HEAD_DIM)];
   __shared__ __align__(16) tile_t value_tile[TC_STAGES][TC_KEYS * STRIDE(VALUE_DIM)];
   __shared__ long long scratch[2 * TC_WARPS];
-  const Problem pb = read_problem(config, reals, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
+  const Problem pb = read_problem(config, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
-  const int splits = (int)config[CFG_SPLITS];
+  const int splits = (int)config.splits;
   const int h = blockIdx.y, b = blockIdx.z / splits, split = blockIdx.z % splits;
   const long long stacked = (long long)pb.G * pb.T;
   const float minus_inf = negative_infinity(0.f);
