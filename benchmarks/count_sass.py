@@ -6,7 +6,8 @@
 Compiles ``npattn.fast_cupy``'s tensor-core kernels as CuPy would (NVRTC,
 ``-arch=compute_90``), assembles them for an H100 (``ptxas -arch=sm_90 -v``)
 and disassembles them (``cuobjdump -sass``), with the tiles ``fast_cupy``
-picks for T=S=4096, and prints per kernel: the registers a thread takes and
+picks for T=S=4096 (and for a decode step's forward: T=1 at 32 query heads
+on 8 kv heads, in blocks of one warp), and prints per kernel: the registers a thread takes and
 the bytes it spills (the shipped kernels), and the instructions of the loop
 over tiles on a plain call's path: the kernels built again with that call's
 runtime flags made compile-time (no softcap, ALiBi, dropout or segment ids;
@@ -159,9 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         for dtype in (np.float16, np.float32):
             x = np.zeros((1, 8, 4096, H), dtype)
-            spec = make_spec(x, x, x)
-            precision = fast_cupy.tensor_precision(spec)
-            for backward in (False, True):
+            step = make_spec(np.zeros((1, 32, 1, H), dtype), x, x)  # a decode step: one-warp blocks
+            for spec, backward in ((make_spec(x, x, x), False), (make_spec(x, x, x), True), (step, False)):
+                precision = fast_cupy.tensor_precision(spec)
                 defines = dict(fast_cupy._tensor_defines(spec, precision, backward))
                 options = ["--std=c++17", "-arch=compute_90"] + [f"-D{k}={v}" for k, v in defines.items()]
                 shipped = registers(tools.assemble(tools.ptx(source, options), folder)[0])
@@ -171,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                 ):
                     count, hmma = loops[name]
                     regs, spilled = shipped[name]
+                    label = name + (" (decode)" if spec is step else "")
                     print(
-                        f"{precision:<10} {name:<26} {regs:9d} {spilled:8d} {count:11d} {hmma:5d} {count / hmma:9.1f}"
+                        f"{precision:<10} {label:<26} {regs:9d} {spilled:8d} {count:11d} {hmma:5d} {count / hmma:9.1f}"
                     )
     return 0
 

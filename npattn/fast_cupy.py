@@ -39,10 +39,10 @@ Two kinds of kernels, chosen per call (:func:`tensor_precision`):
   float16 inputs with their products exact and summed in float32, float32
   inputs in three TensorFloat-32 passes (3xTF32, float32's accuracy to
   about 2\ :sup:`-21`), for ``H`` and ``Hv`` up to
-  :data:`TENSOR_MAX_HEAD_DIM` in whole ``mma`` steps, when the call has
-  more than :data:`FEW_ROWS` stacked rows per kv head;
+  :data:`TENSOR_MAX_HEAD_DIM` in whole ``mma`` steps, decoding steps
+  included (:func:`tensor_warps`);
 - **on the CUDA cores** (``forward.cu``, ``backward.cu``): everything else
-  the path takes, float64 and decoding included, in the compute dtype.
+  the path takes, float64 included, in the compute dtype.
 
 The kernels are compiled at first use for each (kind, dtype, ``H``, ``Hv``,
 launch shape) by CuPy's ``RawModule`` (NVRTC) and cached for the process
@@ -156,10 +156,9 @@ SOURCES = {
 #: and accumulators live in registers).
 TENSOR_MAX_HEAD_DIM = 128
 
-#: Threads per block of the tensor-core kernels (4 warps of 16 rows or keys:
-#: ``TC_ROWS`` in ``tensor_forward.cu``).
-TENSOR_THREADS = 128
-TENSOR_ROWS = 64
+#: Stacked query rows (or keys, in dK/dV) per warp of the tensor-core
+#: kernels: an ``mma``'s 16 rows.
+TENSOR_WARP_ROWS = 16
 
 
 def supports(spec: AttentionSpec) -> bool:
@@ -364,9 +363,9 @@ def tensor_precision(spec: AttentionSpec) -> str | None:
       passes (big and small halves of each operand: float32's accuracy to
       about 2\ :sup:`-21`). ``H`` and ``Hv`` multiples of 8.
 
-    Both up to :data:`TENSOR_MAX_HEAD_DIM`, with more than :data:`FEW_ROWS`
-    stacked rows per kv head (a decode step keeps the CUDA-core kernels'
-    flash-decoding), and not with ``NPATTN_CUPY_TENSOR_CORES=0``.
+    Both up to :data:`TENSOR_MAX_HEAD_DIM`, for any number of rows (a
+    decode step's forward runs in blocks of one warp:
+    :func:`tensor_warps`), and not with ``NPATTN_CUPY_TENSOR_CORES=0``.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
@@ -377,12 +376,33 @@ def tensor_precision(spec: AttentionSpec) -> str | None:
     """
     if os.environ.get("NPATTN_CUPY_TENSOR_CORES", "1") == "0" or spec.compute_dtype != np.float32:
         return None
-    if spec.group_size * spec.q_len <= FEW_ROWS or max(spec.head_dim, spec.value_dim) > TENSOR_MAX_HEAD_DIM:
+    if max(spec.head_dim, spec.value_dim) > TENSOR_MAX_HEAD_DIM:
         return None
     step = {np.dtype(np.float16): 16, np.dtype(np.float32): 8}.get(np.dtype(spec.dtype))
     if step is None or spec.head_dim % step or spec.value_dim % step:
         return None
     return "f16" if step == 16 else "tf32x3"
+
+
+def tensor_warps(spec: AttentionSpec, backward: bool = False) -> int:
+    """Warps per block of the tensor-core kernels (``TC_WARPS``), each with
+    :data:`TENSOR_WARP_ROWS` stacked query rows (or keys, in dK/dV): 4; in
+    the forward of a call with at most 32 stacked rows ``G * T`` per kv head
+    (a decode step: ``G * T = 4`` at 32 query heads on 8 kv heads, ``T = 1``),
+    as few as hold them, so that no warp of a block idles and the blocks,
+    one or two warps each, split the keys among more of them
+    (flash-decoding, :func:`_splits`).
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> q, kv = np.zeros((1, 32, 1, 128), np.float16), np.zeros((1, 8, 4096, 128), np.float16)
+    >>> tensor_warps(make_spec(q, kv, kv)), tensor_warps(make_spec(kv, kv, kv))
+    (1, 4)
+    """
+    rows = spec.group_size * spec.q_len
+    if backward or rows > 2 * TENSOR_WARP_ROWS:
+        return 4
+    return 1 if rows <= TENSOR_WARP_ROWS else 2
 
 
 def operand_dtype(spec: AttentionSpec) -> Any:
@@ -420,6 +440,7 @@ def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tupl
         ("VALUE_DIM", str(spec.value_dim)),
         ("TC_KEYS", str(tile)),
         ("TC_STAGES", str(tensor_stages(spec, precision, tile))),
+        ("TC_WARPS", str(tensor_warps(spec, backward))),
     )
 
 
@@ -608,8 +629,9 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None
         module, name, threads = _module(runtime, spec, shape), "npattn_forward", BLOCK_THREADS
         row_blocks = _grid_rows(spec, shape)
     else:
-        module = _tensor_module(runtime, spec, precision)
-        name, threads, row_blocks = "npattn_forward_tc", TENSOR_THREADS, -(-spec.group_size * T // TENSOR_ROWS)
+        module, warps = _tensor_module(runtime, spec, precision), tensor_warps(spec)
+        name, threads = "npattn_forward_tc", 32 * warps
+        row_blocks = -(-spec.group_size * T // (TENSOR_WARP_ROWS * warps))
     splits = _splits(spec, row_blocks, runtime.multiprocessors(q))
     call = _Call(spec, splits)
     qc, kc, vc = _operands(spec, q, k, v)
@@ -664,8 +686,9 @@ def backward(
         row_blocks, key_blocks = _grid_rows(spec, shape), -(-S // (shape.rows * shape.tile))
     else:
         module = _tensor_module(runtime, spec, precision, backward=True)
-        threads, suffix = TENSOR_THREADS, "_tc"
-        row_blocks, key_blocks = -(-spec.group_size * T // TENSOR_ROWS), -(-S // TENSOR_ROWS)
+        warps = tensor_warps(spec, backward=True)
+        threads, suffix, block_rows = 32 * warps, "_tc", TENSOR_WARP_ROWS * warps
+        row_blocks, key_blocks = -(-spec.group_size * T // block_rows), -(-S // block_rows)
     D = xp.empty((B, N, T), dtype=spec.compute_dtype, device=spec.device)
     outc, lsec, dlsec = (None if x is None else _contiguous(x) for x in (out, lse, dlse))
     blocks = -(-B * N * T // (BLOCK_THREADS // 32))  # a warp per row

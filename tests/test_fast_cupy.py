@@ -103,7 +103,7 @@ class EmulatedRuntime:
 
     def __init__(self, multiprocessors: int = 4):
         self.count = multiprocessors
-        self.launches: list[tuple[str, tuple[int, int, int]]] = []
+        self.launches: list[tuple[str, tuple[int, int, int], int]] = []  # name, grid, threads
 
     def module(self, source: str, defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
         folder = resources.files("npattn") / "cuda"
@@ -122,7 +122,7 @@ class EmulatedRuntime:
         by_value = [a is not None and a.dtype == fast_cupy.CONFIG_DTYPE for a in args]
         assert sum(by_value) <= 1 and all(a.shape == (1,) for a, v in zip(args, by_value) if v)
         params = [a.ctypes.data if v else ctypes.addressof(x) for a, v, x in zip(args, by_value, addresses)]
-        self.launches.append((name, grid))
+        self.launches.append((name, grid, threads))
         getattr(module, f"launch_{name}")(
             *(ctypes.c_uint(x) for x in (*grid, threads)), (ctypes.c_void_p * len(params))(*params)
         )
@@ -239,11 +239,12 @@ def test_emulated_kernels_match_generic_float32(case):
     _assert_close(fused, generic, rtol=2e-4, atol=2e-5)
 
 
-#: The cases of CASES on the tensor-core kernels: ``H`` and ``Hv`` multiples
-#: of 16 and more than FEW_ROWS stacked rows per kv head; and two of their
-#: own, long enough for whole tiles (every key of a 64-key tile seen by a
-#: warp's rows, and a 64-row tile seeing a warp's 16 keys: the kernels' fast
-#: paths) beside the boundary tiles.
+#: The cases of CASES on the tensor-core kernels (``H`` and ``Hv`` multiples
+#: of 16), decoding steps among them (the forward in blocks of one warp,
+#: its keys split); and some of their own: long enough for whole tiles
+#: (every key of a 64-key tile seen by a warp's rows, and a 64-row tile
+#: seeing a warp's 16 keys: the kernels' fast paths) beside the boundary
+#: tiles, and a forward in blocks of two warps.
 TENSOR_CASES = {
     name: {**CASES.get(name, {}), "H": 16, "Hv": 32, **extra}
     for name, extra in {
@@ -257,10 +258,15 @@ TENSOR_CASES = {
         "dropout": dict(N=4, K=2),
         "wide heads": dict(H=80, Hv=48),
         "many blocks window": dict(H=16, Hv=16),
+        "decode splits": {},
+        "decode splits window": {},
+        "decode splits no keys": {},
         "whole tiles causal": dict(batch=(1,), N=2, K=1, T=150, S=150, causal=True),
         "whole tiles full": dict(batch=(1,), N=2, K=2, T=70, S=200),
         # 64 stacked rows against 700 keys: too few blocks, so the keys split (merge.cu)
         "key splits": dict(batch=(1,), N=4, K=1, T=16, S=700, causal=True, align="bottom_right"),
+        # 28 stacked rows a kv head: blocks of two warps, the second one's last rows past the end
+        "two warps": dict(N=4, K=1, T=7, S=90, window=(30, 0), align="bottom_right"),
     }.items()
 }
 
@@ -300,7 +306,7 @@ def _tensor_paths(case: str, dtype, cases=TENSOR_CASES):
     out, lse = chunked_forward(spec64, q64, k64, v64)
     dq, dk, dv, _, params = chunked_backward(spec64, q64, k64, v64, out, lse, dout, g_lse)
     exact = (out, lse, dq, dk, dv, params.get("alibi_slopes"))
-    return fused, exact, [name for name, _ in runtime.launches], fast_cupy.tensor_precision(spec)
+    return fused, exact, [name for name, *_ in runtime.launches], fast_cupy.tensor_precision(spec)
 
 
 def _assert_within(fused, exact, tolerance):
@@ -324,7 +330,7 @@ def test_emulated_tensor_cores_match_float64(case, dtype, precision):
     float64: every option the kernels take, in both precisions."""
     fused, exact, launched, chosen = _tensor_paths(case, dtype)
     assert chosen == precision
-    merged = ["npattn_merge_splits"] if case == "key splits" else []
+    merged = ["npattn_merge_splits"] if "splits" in case else []
     assert launched == [
         "npattn_forward_tc",
         *merged,
@@ -357,9 +363,36 @@ def test_tensor_precision_by_dtype_dims_and_rows(monkeypatch):
     assert precision(np.float64) is None  # the CUDA cores compute float64
     assert precision(np.float16, H=24) is None and precision(np.float32, H=24) == "tf32x3"
     assert precision(np.float32, Hv=12) is None and precision(np.float16, H=144, Hv=144) is None
-    assert precision(np.float16, T=32) is None and precision(np.float16, T=4, N=8) is None  # decoding: few rows
+    assert precision(np.float16, T=1, N=8) == "f16" and precision(np.float32, T=1) == "tf32x3"  # decoding
     monkeypatch.setenv("NPATTN_CUPY_TENSOR_CORES", "0")
     assert precision(np.float16) is None
+
+
+@emulated
+def test_decoding_on_the_tensor_cores_in_one_warp_blocks():
+    """A decode step's forward (2 stacked rows a kv head) in blocks of one
+    warp on the tensor cores, its keys split among them and merged (the
+    values: test_emulated_tensor_cores_match_float64's decode cases); the
+    backward in blocks of four."""
+    q, k, v, options = _problem(dtype=np.float16, **TENSOR_CASES["decode splits"])
+    runtime = EmulatedRuntime()
+    spec = _spec(q, k, v, options)
+    out, lse = fast_cupy.forward(spec, q, k, v, runtime=runtime)
+    fast_cupy.backward(spec, q, k, v, out, lse, np.ones(out.shape, np.float16), None, runtime=runtime)
+    (forward, grid, threads), (merge, *_), *backward = runtime.launches
+    assert (forward, merge, threads) == ("npattn_forward_tc", "npattn_merge_splits", 32) and grid[2] > 1
+    assert [threads for name, _, threads in backward if name.endswith("_tc")] == [128, 128]
+
+
+def test_tensor_warps_hold_the_forwards_rows():
+    """As many warps of 16 rows as a block's stacked rows need, up to 4; the backward's blocks always 4."""
+
+    def warps(T, N=1, backward=False):
+        q, k, v, _ = _problem(batch=(1,), N=N, K=1, T=T, S=8, H=16, Hv=16, dtype=np.float16)
+        return fast_cupy.tensor_warps(make_spec(q, k, v), backward)
+
+    assert [warps(1), warps(1, N=16), warps(17), warps(4, N=8), warps(33), warps(5000)] == [1, 1, 2, 2, 4, 4]
+    assert warps(1, backward=True) == 4
 
 
 def test_tensor_tiles_fit_static_shared_memory():
@@ -387,7 +420,7 @@ def test_tensor_tiles_fit_static_shared_memory():
 def test_decoding_splits_the_keys(case):
     """Several key ranges, merged by their own kernel (the values: the CASES tests)."""
     _, _, runtime = _both_paths(case)
-    (name, grid), (merge, _), *_ = runtime.launches
+    (name, grid, _), (merge, *_), *_ = runtime.launches
     assert name == "npattn_forward" and grid[2] > 1, f"one key range only: grid {grid}"
     assert merge == "npattn_merge_splits"
     assert fast_cupy.launch_shape(_spec(*_problem(**CASES["decode splits"])[:3], {})).lanes == fast_cupy.FEW_ROWS_LANES
@@ -498,7 +531,7 @@ def test_emulated_tensor_cores_on_drawn_problems(case, dtype, seed):
     slope makes scores of 50 over 70 keys, and the slope's gradient a small
     sum of large terms (1.345 from terms of 70 |dS|: float32 loses 7e-4)."""
     q, k, v = case.arrays
-    assume(q.size > 0 and q.shape[-3] // k.shape[-3] * q.shape[-2] > fast_cupy.FEW_ROWS)
+    assume(q.size > 0)
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal(x.shape[:-1] + (16,)).astype(dtype) for x in (q, k, v))
     dout = rng.standard_normal(q.shape).astype(dtype)
@@ -507,7 +540,7 @@ def test_emulated_tensor_cores_on_drawn_problems(case, dtype, seed):
     assert precision == ("f16" if dtype == np.float16 else "tf32x3")
     runtime = EmulatedRuntime()
     fused = _fused(q, k, v, dout, dlse, runtime=runtime, **case.options)
-    assert [name for name, _ in runtime.launches][-1] == "npattn_backward_dkdv_tc"
+    assert [name for name, *_ in runtime.launches][-1] == "npattn_backward_dkdv_tc"
     in_float32 = _chunked(*(x.astype(np.float32) for x in (q, k, v, dout, dlse)), **case.options)
     q, k, v, dout, dlse = (x.astype(np.float64) for x in (q, k, v, dout, dlse))
     spec = make_spec(q, k, v, **{**case.options, "impl": "chunked"})
@@ -730,7 +763,7 @@ def test_public_api_reads_float16_as_it_is_on_the_tensor_cores(fused_on_numpy):
     assert res.kernel == "cupy" and res.q is q and res.k is k and res.v is v
     assert out.dtype == np.float16 and res.out.dtype == res.lse.dtype == np.float32
     grads = npattn.attention_backward(dout, res)
-    assert [name for name, _ in fused_on_numpy.launches][-3:] == [
+    assert [name for name, *_ in fused_on_numpy.launches][-3:] == [
         "npattn_backward_d",
         "npattn_backward_dq_tc",
         "npattn_backward_dkdv_tc",
@@ -774,7 +807,7 @@ def test_backward_reads_kept_float16_residuals_on_the_cuda_cores(fused_on_numpy,
     tensor = npattn.attention_backward(dout, res)
     monkeypatch.setenv("NPATTN_CUPY_TENSOR_CORES", "0")
     cores = npattn.attention_backward(dout, res)
-    assert [name for name, _ in fused_on_numpy.launches][-1] == "npattn_backward_dkdv"
+    assert [name for name, *_ in fused_on_numpy.launches][-1] == "npattn_backward_dkdv"
     _assert_within([x.astype(np.float64) for x in cores[:3]], tensor[:3], TENSOR_TOLERANCE["f16"])
 
 

@@ -3,9 +3,10 @@
 // warp's 16 rows (operands.cuh's layouts): written once for the three kernels.
 //
 // Compile-time constants: TC_KEYS (keys, or query rows, per tile; a multiple
-// of 16), TC_STAGES (1 or 2), and operands.cuh's.
+// of 16), TC_STAGES (1 or 2), TC_WARPS (warps per block, 16 rows or keys
+// each: 4, or 1 or 2 in the forward of a few stacked rows, such as a decode
+// step's), and operands.cuh's.
 
-#define TC_WARPS 4
 #define TC_THREADS (32 * TC_WARPS)
 #define TC_ROWS (16 * TC_WARPS)
 #define LOG2_E 1.4426950408889634f
