@@ -4,6 +4,7 @@
     python benchmarks/bench_gpu.py --quick    # small shapes, a smoke run (seconds)
     python benchmarks/bench_gpu.py --targets  # issue 18's table: the fused CuPy path against torch
     python benchmarks/bench_gpu.py --count-memory  # the fused path's arrays, counted on the CPU
+    python benchmarks/bench_gpu.py --kernels  # where the fused path's time goes, kernel by kernel
 
 ``--targets`` prints, for each workload of the fused path's targets, torch
 SDPA, the fused CuPy kernels (``npattn.fast_cupy``, what ``impl="chunked"``
@@ -58,6 +59,18 @@ memory row's problem (B=1, N=8, H=64, causal, forward+backward) in float16
 and float32: what the GPU's pool holds at its peak, kernels aside (they
 allocate nothing). It counted 337.0 MiB for float16 at T=S=16384 where the
 H100 measured 337 MiB.
+
+``--kernels`` says where the fused path's time goes, for the float16 and
+float32 rows of ``--targets`` at T=S=4096 and the decode step: each
+kernel's device time (CUDA events around each launch, summed over the
+call; best of ``--repeats`` calls) with the TFLOP/s of its products
+(forward ``4 B N T S H``, dQ ``6``, dK/dV ``8``, halved when causal; a
+decode step's forward: the GB/s at which it reads ``k`` and ``v``), the
+whole call's wall time (synchronized before and after, as ``--targets``
+measures it), and the host's share: the wall time of ``DECODE_REPEATS``
+calls issued back to back without synchronizing, per call, against the
+host's own time to issue them (which the device time hides only where it
+is the longer).
 
 Without CuPy or a CUDA device the tables print ``skipped: ...`` and exit
 with 0; bad arguments exit with 2.
@@ -277,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--count-memory", action="store_true", help="the fused path's arrays at their peak, counted on the CPU"
     )
+    parser.add_argument("--kernels", action="store_true", help="the fused path's time, kernel by kernel")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -296,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     torch, why_no_torch = (None, "--no-torch") if args.no_torch else _torch_cuda()
     if args.targets:
         return targets(cp, torch, why_no_torch, args.repeats)
+    if args.kernels:
+        return kernels(cp, args.repeats)
 
     B, N, H = 1, 8, 64
     lengths = args.lengths or ([256, 512] if args.quick else [1024, 4096, 8192, 16384])
@@ -573,6 +589,100 @@ def targets(cp, torch, why_no_torch, repeats: int) -> int:
         _target_row(cp, torch, label, arguments, backward, with_generic, reps)
         _free_pools(cp, torch)
     return 0
+
+
+# --- where the time goes ------------------------------------------------------------
+
+#: Products per kernel, in units of ``2 B N T S H`` multiply-adds (before causal halves them).
+KERNEL_PRODUCTS = {"npattn_forward": 2, "npattn_backward_dq": 3, "npattn_backward_dkdv": 4}
+
+
+class _TimedLaunches:
+    """``npattn.fast_cupy.Runtime`` that records CUDA events around each
+    launch of another runtime, to sum each kernel's device time."""
+
+    def __init__(self, cp, inner):
+        self.cp, self.inner, self.events = cp, inner, []
+
+    def module(self, source, defines):
+        return self.inner.module(source, defines)
+
+    def multiprocessors(self, like):
+        return self.inner.multiprocessors(like)
+
+    def launch(self, module, name, grid, threads, args):
+        start, end = self.cp.cuda.Event(), self.cp.cuda.Event()
+        start.record()
+        self.inner.launch(module, name, grid, threads, args)
+        end.record()
+        self.events.append((name, start, end))
+
+    def kernel_ms(self) -> dict[str, float]:
+        """Each kernel's device ms since the last call, summed over its launches."""
+        self.cp.cuda.runtime.deviceSynchronize()
+        totals: dict[str, float] = {}
+        for name, start, end in self.events:
+            totals[name] = totals.get(name, 0.0) + self.cp.cuda.get_elapsed_time(start, end)
+        self.events = []
+        return totals
+
+
+def _kernel_rows():
+    """``(label, problem arguments, backward)`` of ``--kernels``."""
+    for dtype in ("float16", "float32"):
+        for causal in (False, True):
+            yield f"{dtype} T=S=4096 {'causal' if causal else 'full'}", (dtype, 1, 8, 8, 4096, 4096, 64, causal), True
+    yield "float16 decode T=1 S=32768 N=32 K=8 H=128", ("float16", 1, 32, 8, 1, 32768, 128, False), False
+
+
+def kernels(cp, repeats: int) -> int:
+    """Print the fused path's time kernel by kernel (see the module's docstring)."""
+    from npattn import fast_cupy
+
+    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+    print(f"npattn fused CuPy path on {name!s}: device ms per kernel (CUDA events), best of {repeats} calls")
+    timed = _TimedLaunches(cp, fast_cupy._CUPY_RUNTIME)
+    with mock.patch.object(fast_cupy, "_CUPY_RUNTIME", timed):
+        for label, arguments, backward in _kernel_rows():
+            print(label)
+            _kernel_row(cp, timed, _Problem(cp, None, *arguments), arguments, backward, repeats)
+            _free_pools(cp, None)
+    return 0
+
+
+def _kernel_row(cp, timed: _TimedLaunches, problem: _Problem, arguments: tuple, backward: bool, repeats: int) -> None:
+    dtype, B, N, K, T, S, H, causal = arguments
+    problem.npattn(backward)  # compiles
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        timed.kernel_ms()
+        problem.npattn(backward)
+        for kernel, ms in timed.kernel_ms().items():
+            best[kernel] = min(best.get(kernel, float("inf")), ms)
+    for kernel, ms in best.items():
+        units = KERNEL_PRODUCTS.get(kernel.removesuffix("_tc"))
+        rate = ""
+        if units and backward:
+            flops = 2 * units * 2 * B * N * T * S * H / (2 if causal else 1)
+            rate = f" {flops / ms / 1e9:8.1f} TFLOP/s"
+        elif units:  # a decode step reads k and v once
+            rate = f" {2 * B * K * S * H * np.dtype(dtype).itemsize / ms / 1e6:8.1f} GB/s of k and v"
+        print(f"  {kernel:<26} {ms:8.3f} ms{rate}")
+    sync = cp.cuda.runtime.deviceSynchronize
+    wall = _best_ms(lambda: problem.npattn(backward), sync, repeats)
+    sync()
+    start = time.perf_counter()
+    for _ in range(DECODE_REPEATS):
+        problem.npattn(backward)
+    issued = time.perf_counter() - start
+    sync()
+    streamed = time.perf_counter() - start
+    timed.kernel_ms()  # the back-to-back calls' events, dropped
+    print(
+        f"  call: {wall:.3f} ms synchronized; {DECODE_REPEATS} back to back: {streamed / DECODE_REPEATS * 1e3:.3f} ms "
+        f"a call, of which the host issued for {issued / DECODE_REPEATS * 1e3:.3f} ms",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

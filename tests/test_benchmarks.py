@@ -173,7 +173,7 @@ def test_sass_counts_run_or_say_why_not(capsys):
     assert _run_script("count_sass.py", []) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith(("f16 ", "tf32x3 "))]
-    kernels = ["npattn_forward_tc", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"] * 2  # f16, tf32x3
+    kernels = ["npattn_forward_tc", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc", "npattn_forward_tc"] * 2
     assert out.startswith("skipped: no ") or [row[1] for row in rows] == kernels
     assert _run_script("count_sass.py", ["--head-dim", "20"]) == 2
     assert "--head-dim must be a multiple of 16" in capsys.readouterr().err
@@ -187,3 +187,63 @@ def test_gpu_benchmark_counts_the_fused_paths_memory_without_a_gpu(capsys):
     expected = [("float16", "T=S=128", "f16)"), ("float32", "T=S=128", "tf32x3)")]
     assert [(row[0], row[1], row[-1]) for row in rows] == expected
     assert all(float(row[2]) > 0 for row in rows), rows
+
+
+class _FakeEvent:
+    """A CUDA event whose elapsed time counts the events recorded in between."""
+
+    recorded = 0
+
+    def record(self):
+        _FakeEvent.recorded += 1
+        self.at = _FakeEvent.recorded
+
+
+def test_gpu_benchmark_kernel_breakdown_runs_its_python_side(capsys, monkeypatch):
+    """``bench_gpu.py --kernels``'s own code (events around each launch, the
+    rates, the back-to-back calls) on NumPy in CuPy's place, kernels not run,
+    so that a GPU session's short device time is not lost to it."""
+    import types
+
+    import numpy as np
+
+    import npattn.fast_numpy
+    from npattn import fast_cupy
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    runtime = types.SimpleNamespace(deviceSynchronize=lambda: None, getDeviceProperties=lambda i: {"name": "fake"})
+    cuda = types.SimpleNamespace(
+        Event=_FakeEvent,
+        get_elapsed_time=lambda a, b: b.at - a.at,
+        runtime=runtime,
+        Device=lambda: types.SimpleNamespace(id=0),
+    )
+    pool = types.SimpleNamespace(free_all_blocks=lambda: None)
+    cp = types.SimpleNamespace(
+        asarray=np.asarray, float16=np.float16, float32=np.float32, cuda=cuda, get_default_memory_pool=lambda: pool
+    )
+    rows = [
+        ("float16 causal", ("float16", 1, 2, 2, 64, 64, 16, True), True),
+        ("decode", ("float16", 1, 8, 2, 1, 600, 16, False), False),
+    ]
+    monkeypatch.setattr(bench_gpu, "_kernel_rows", lambda: rows)
+    monkeypatch.setattr(npattn.fast_numpy, "supports", lambda spec: False)
+    monkeypatch.setattr(fast_cupy, "supports", fast_cupy._kernels_take)
+    monkeypatch.setattr(fast_cupy, "_CUPY_RUNTIME", bench_gpu._NoKernels())
+    with np.errstate(all="ignore"):  # the arrays the kernels would fill hold whatever was in memory
+        assert bench_gpu.kernels(cp, repeats=2) == 0
+    out = capsys.readouterr().out
+    kernels = [line.split()[0] for line in out.splitlines() if line.startswith("  npattn_")]
+    assert kernels == [
+        "npattn_forward_tc",
+        "npattn_backward_d",
+        "npattn_backward_dq_tc",
+        "npattn_backward_dkdv_tc",
+        "npattn_forward_tc",
+        "npattn_merge_splits",
+    ]
+    assert out.count("TFLOP/s") == 3 and out.count("GB/s of k and v") == 1 and out.count("back to back") == 2
