@@ -1,6 +1,6 @@
 """Static counts of the tensor-core kernels' machine code, without a GPU.
 
-    python benchmarks/count_sass.py             # float16 and float32 (3xTF32), H=Hv=64
+    python benchmarks/count_sass.py             # float16, float32 (3xTF32) and float64, H=Hv=64
     python benchmarks/count_sass.py --head-dim 128
 
 Compiles ``npattn.fast_cupy``'s tensor-core kernels as CuPy would (NVRTC,
@@ -12,9 +12,9 @@ the bytes it spills (the shipped kernels), and the instructions of the loop
 over tiles on a plain call's path: the kernels built again with that call's
 runtime flags made compile-time (no softcap, ALiBi, dropout or segment ids;
 every key of a tile seen), so that the compiler drops the other branches and
-the loop holds what a whole tile of a plain call executes, with its HMMA
-(tensor-core) instructions counted apart. Fewer instructions per HMMA is
-what a kernel bound by instruction issue needs; whether a change makes the
+the loop holds what a whole tile of a plain call executes, with its
+tensor-core instructions (HMMA; DMMA in float64) counted apart. Fewer
+instructions per MMA is what a kernel bound by instruction issue needs; whether a change makes the
 kernels faster is for ``bench_gpu.py --targets`` on a GPU to say.
 
 The tools come from NVIDIA's pip wheels (none of them a dependency of
@@ -113,7 +113,7 @@ def registers(report: str) -> dict[str, tuple[int, int]]:
 
 
 def tile_loops(listing: str) -> dict[str, tuple[int, int]]:
-    """``{kernel: (instructions, HMMA instructions)}`` of each kernel's
+    """``{kernel: (instructions, HMMA or DMMA instructions)}`` of each kernel's
     longest loop (the span of its longest backward branch)."""
     loops = {}
     for part in listing.split("Function : ")[1:]:
@@ -127,7 +127,7 @@ def tile_loops(listing: str) -> dict[str, tuple[int, int]]:
         if spans:
             first, last = max(spans, key=lambda s: s[1] - s[0])
             body = [op for a, op in code if first <= a <= last]
-            loops[name] = (len(body), sum(op.startswith("HMMA") for op in body))
+            loops[name] = (len(body), sum(op.startswith(("HMMA", "DMMA")) for op in body))
     return loops
 
 
@@ -156,13 +156,15 @@ def main(argv: list[str] | None = None) -> int:
         plain = plain.replace(text, replacement)
     print(f"tensor-core kernels, H=Hv={H}, sm_90: registers / spilled bytes (as shipped); the plain tile loop")
     header = f"{'precision':<10} {'kernel':<26} {'registers':>9} {'spilled':>8}"
-    print(f"{header} {'loop instr':>11} {'HMMA':>5} {'per HMMA':>9}")
+    print(f"{header} {'loop instr':>11} {'MMA':>5} {'per MMA':>9}")
     with tempfile.TemporaryDirectory() as folder:
-        for dtype in (np.float16, np.float32):
+        for dtype in (np.float16, np.float32, np.float64):
             x = np.zeros((1, 8, 4096, H), dtype)
             step = make_spec(np.zeros((1, 32, 1, H), dtype), x, x)  # a decode step: one-warp blocks
             for spec, backward in ((make_spec(x, x, x), False), (make_spec(x, x, x), True), (step, False)):
                 precision = fast_cupy.tensor_precision(spec)
+                if precision is None:  # float64 above TENSOR_F64_MAX_HEAD_DIM
+                    continue
                 defines = dict(fast_cupy._tensor_defines(spec, precision, backward))
                 options = ["--std=c++17", "-arch=compute_90"] + [f"-D{k}={v}" for k, v in defines.items()]
                 shipped = registers(tools.assemble(tools.ptx(source, options), folder)[0])

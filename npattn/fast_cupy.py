@@ -114,10 +114,11 @@ FEW_ROWS = 32
 SPLIT_BLOCKS_PER_SM = 4
 MIN_SPLIT_KEYS = 256
 
-#: In float64 the fused kernels run on the CUDA cores while cuBLAS's
-#: products run on the float64 tensor cores: from about this many scores
-#: (``B * N * T * S``) the generic chunked path is the faster (H100, B=1,
-#: N=8, H=64, forward+backward: the fused kernels 0.48-0.56x its time at
+#: Where the fused kernels run float64 on the CUDA cores (heads the float64
+#: tensor cores do not take: :func:`tensor_precision`), cuBLAS's products on
+#: the float64 tensor cores make the generic chunked path the faster from
+#: about this many scores (``B * N * T * S``; H100, B=1, N=8, H=64,
+#: forward+backward: the CUDA-core kernels took 0.48-0.56x its time at
 #: T=S=256, 1.16-1.44x at 1024, 1.82-2.26x at 2048 and 4096), and
 #: :func:`preferred` leaves such calls to it.
 FLOAT64_MAX_SCORES = 2**22
@@ -153,8 +154,13 @@ SOURCES = {
 }
 
 #: Largest ``H`` and ``Hv`` the tensor-core kernels take (their operands
-#: and accumulators live in registers).
+#: and accumulators live in registers), and in float64, whose entries take
+#: two registers each.
 TENSOR_MAX_HEAD_DIM = 128
+TENSOR_F64_MAX_HEAD_DIM = 64
+
+#: The ``PRECISION`` (``ptx.cuh``) and the entries' bytes of each precision.
+TENSOR_PRECISIONS = {"f16": ("PRECISION_F16", 2), "tf32x3": ("PRECISION_TF32X3", 4), "f64": ("PRECISION_F64", 8)}
 
 #: Stacked query rows (or keys, in dK/dV) per warp of the tensor-core
 #: kernels: an ``mma``'s 16 rows.
@@ -176,10 +182,14 @@ def supports(spec: AttentionSpec) -> bool:
 
 def preferred(spec: AttentionSpec) -> bool:
     """Whether the chunked path runs ``spec`` on the fused kernels: where
-    they take it (:func:`supports`), except float64 calls of more than
-    :data:`FLOAT64_MAX_SCORES` scores, which the generic path runs faster."""
+    they take it (:func:`supports`), except float64 calls on the CUDA cores
+    of more than :data:`FLOAT64_MAX_SCORES` scores, which the generic path
+    runs faster."""
+    if not supports(spec):
+        return False
     scores = spec.num_batch * spec.num_heads * spec.q_len * spec.kv_len
-    return supports(spec) and (spec.compute_dtype != np.float64 or scores <= FLOAT64_MAX_SCORES)
+    on_cuda_cores = spec.compute_dtype == np.float64 and tensor_precision(spec) is None
+    return not on_cuda_cores or scores <= FLOAT64_MAX_SCORES
 
 
 def _kernels_take(spec: AttentionSpec) -> bool:
@@ -362,26 +372,34 @@ def tensor_precision(spec: AttentionSpec) -> str | None:
     - ``"tf32x3"``: float32 inputs, each product in three TensorFloat-32
       passes (big and small halves of each operand: float32's accuracy to
       about 2\ :sup:`-21`). ``H`` and ``Hv`` multiples of 8.
+    - ``"f64"``: float64 inputs on the float64 tensor cores (IEEE float64
+      products and sums, as the CUDA cores'). ``H`` and ``Hv`` multiples of 8
+      up to :data:`TENSOR_F64_MAX_HEAD_DIM`.
 
-    Both up to :data:`TENSOR_MAX_HEAD_DIM`, for any number of rows (a
-    decode step's forward runs in blocks of one warp:
-    :func:`tensor_warps`), and not with ``NPATTN_CUPY_TENSOR_CORES=0``.
+    Both float32 kinds up to :data:`TENSOR_MAX_HEAD_DIM`, for any number of
+    rows (a decode step's forward runs in blocks of one warp:
+    :func:`tensor_warps`); none with ``NPATTN_CUPY_TENSOR_CORES=0``.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
     >>> x = np.zeros((1, 8, 1024, 64), np.float16)
-    >>> y = x.astype(np.float64)
-    >>> tensor_precision(make_spec(x, x, x)), tensor_precision(make_spec(y, y, y))
-    ('f16', None)
+    >>> y, wide = x.astype(np.float64), np.zeros((1, 8, 1024, 128))
+    >>> [tensor_precision(make_spec(a, a, a)) for a in (x, y, wide)]
+    ['f16', 'f64', None]
     """
-    if os.environ.get("NPATTN_CUPY_TENSOR_CORES", "1") == "0" or spec.compute_dtype != np.float32:
+    if os.environ.get("NPATTN_CUPY_TENSOR_CORES", "1") == "0":
         return None
-    if max(spec.head_dim, spec.value_dim) > TENSOR_MAX_HEAD_DIM:
+    if spec.compute_dtype == np.float64:
+        precision, step, widest = "f64", 8, TENSOR_F64_MAX_HEAD_DIM
+    elif np.dtype(spec.dtype) == np.float16:
+        precision, step, widest = "f16", 16, TENSOR_MAX_HEAD_DIM
+    elif np.dtype(spec.dtype) == np.float32:
+        precision, step, widest = "tf32x3", 8, TENSOR_MAX_HEAD_DIM
+    else:
         return None
-    step = {np.dtype(np.float16): 16, np.dtype(np.float32): 8}.get(np.dtype(spec.dtype))
-    if step is None or spec.head_dim % step or spec.value_dim % step:
+    if max(spec.head_dim, spec.value_dim) > widest or spec.head_dim % step or spec.value_dim % step:
         return None
-    return "f16" if step == 16 else "tf32x3"
+    return precision
 
 
 def tensor_warps(spec: AttentionSpec, backward: bool = False) -> int:
@@ -433,9 +451,9 @@ def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tupl
     """The ``-D`` definitions of :func:`_tensor_module` (``benchmarks/count_sass.py`` compiles with them too)."""
     tile = tensor_tile(spec, precision, backward)
     return (
-        ("scalar_t", "float"),
+        ("scalar_t", "double" if precision == "f64" else "float"),
         ("OPERANDS_F16", str(int(precision == "f16"))),
-        ("PRECISION", "PRECISION_F16" if precision == "f16" else "PRECISION_TF32X3"),
+        ("PRECISION", TENSOR_PRECISIONS[precision][0]),
         ("HEAD_DIM", str(spec.head_dim)),
         ("VALUE_DIM", str(spec.value_dim)),
         ("TC_KEYS", str(tile)),
@@ -444,9 +462,10 @@ def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tupl
     )
 
 
-#: Bytes of ``pipeline.cuh``'s ``Row`` in float32 at most (four int64, a
-#: float and a uint32), and the dK/dV kernel's lse, D and row index beside each.
-TENSOR_ROW_BYTES = 40 + 8 + 8
+#: Bytes of ``pipeline.cuh``'s ``Row`` at most (four int64, a scalar_t and
+#: a uint32), and the dK/dV kernel's lse, D (scalar_t) and row index beside
+#: each, by precision.
+TENSOR_ROW_BYTES = {"f16": 40 + 8 + 8, "tf32x3": 40 + 8 + 8, "f64": 48 + 16 + 8}
 
 
 def tensor_stages(spec: AttentionSpec, precision: str, tile: int) -> int:
@@ -462,16 +481,20 @@ def tensor_stages(spec: AttentionSpec, precision: str, tile: int) -> int:
     >>> tensor_stages(make_spec(x, x, x), "f16", 64), tensor_stages(make_spec(wide, wide, wide), "f16", 64)
     (2, 1)
     """
-    item = 2 if precision == "f16" else 4
+    item = TENSOR_PRECISIONS[precision][1]
     padded = spec.head_dim + spec.value_dim + 2 * 16 // item  # STRIDE(H) + STRIDE(Hv), operands.cuh
-    per_stage = tile * (padded * item + TENSOR_ROW_BYTES)
+    per_stage = tile * (padded * item + TENSOR_ROW_BYTES[precision])
     return 2 if 2 * per_stage <= 48 * 1024 - 256 else 1
 
 
 def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> int:
     """Keys per shared-memory tile of the tensor-core forward (query rows in
     the backward's dK/dV kernel): 64, or 32 in float32 where a thread's
-    operands would not fit its registers (the backward, and heads over 64).
+    operands would not fit its registers (the backward, and heads over 64);
+    in float64 32 in the forward and 16 in the backward (whose operands
+    and accumulators take 255 registers and spill some even so: ptxas
+    reports 440 and 600 bytes for dQ and dK/dV at H=64, against 936 and 1568
+    with 32-row tiles).
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
@@ -479,6 +502,8 @@ def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> 
     >>> tensor_tile(make_spec(x, x, x), "tf32x3"), tensor_tile(make_spec(x, x, x), "tf32x3", backward=True)
     (64, 32)
     """
+    if precision == "f64":
+        return 16 if backward else 32
     wide = max(spec.head_dim, spec.value_dim) > 64
     return 32 if precision == "tf32x3" and (backward or wide) else 64
 
@@ -591,8 +616,8 @@ def _contiguous(a: Any) -> Any:
 def _operands(spec: AttentionSpec, *arrays: Any) -> tuple[Any, ...]:
     """``arrays`` (``q``, ``k``, ``v``, ``dO``) as the kernels read them: in
     :func:`operand_dtype`, C order, aligned; each the array itself where it is."""
-    dtype = operand_dtype(spec)
-    return tuple(_contiguous(spec.xp.astype(a, dtype, copy=False)) for a in arrays)
+    dtype = operand_dtype(spec)  # a test of the dtype first: the namespace's astype wrapper costs ~2 µs a call
+    return tuple(_contiguous(a if a.dtype == dtype else spec.xp.astype(a, dtype)) for a in arrays)
 
 
 def _grid_rows(spec: AttentionSpec, shape: LaunchShape) -> int:

@@ -172,8 +172,8 @@ def test_sass_counts_run_or_say_why_not(capsys):
     installed, else says what is missing; a bad head size exits with 2."""
     assert _run_script("count_sass.py", []) == 0
     out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines() if line.startswith(("f16 ", "tf32x3 "))]
-    kernels = ["npattn_forward_tc", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc", "npattn_forward_tc"] * 2
+    rows = [line.split() for line in out.splitlines() if line.startswith(("f16 ", "tf32x3 ", "f64 "))]
+    kernels = ["npattn_forward_tc", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc", "npattn_forward_tc"] * 3
     assert out.startswith("skipped: no ") or [row[1] for row in rows] == kernels
     assert _run_script("count_sass.py", ["--head-dim", "20"]) == 2
     assert "--head-dim must be a multiple of 16" in capsys.readouterr().err

@@ -275,7 +275,7 @@ TENSOR_CASES = {
 #: dS to 11 bits; 3xTF32 keeps about 21 bits a product, and float32's sums
 #: over thousands of terms (the ALiBi slopes' gradient sums T * S) lose some
 #: more: within the CPU tests' float32 tolerance (rtol 2e-4).
-TENSOR_TOLERANCE = {"f16": 3e-3, "tf32x3": 1e-4}
+TENSOR_TOLERANCE = {"f16": 3e-3, "tf32x3": 1e-4, "f64": 1e-12}
 
 #: How many times the generic path's own float32 error (against float64) a
 #: tensor-core result may be off, where that is above TENSOR_TOLERANCE.
@@ -297,9 +297,9 @@ def _tensor_paths(case: str, dtype, cases=TENSOR_CASES):
     assert q.dtype == operand
     out, lse = fast_cupy.forward(spec, q, k, v, runtime=runtime)
     dq, dk, dv, _, params = fast_cupy.backward(
-        spec, q, k, v, out, lse, dout.astype(operand), g_lse.astype(np.float32), runtime=runtime
+        spec, q, k, v, out, lse, dout.astype(operand), g_lse.astype(spec.compute_dtype), runtime=runtime
     )
-    assert out.dtype == lse.dtype == np.float32 and dq.dtype == dk.dtype == dv.dtype == operand
+    assert out.dtype == lse.dtype == spec.compute_dtype and dq.dtype == dk.dtype == dv.dtype == operand
     fused = (out, lse, dq, dk, dv, params.get("alibi_slopes"))
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
     spec64 = _spec(q64, k64, v64, options)
@@ -321,13 +321,24 @@ def _assert_within(fused, exact, tolerance):
         np.testing.assert_allclose(a[seen], b[seen], rtol=0, atol=tolerance * scale, err_msg=name)
 
 
+#: Each precision of the tensor cores by input dtype, and the widest head it takes.
+TENSOR_DTYPES = [(np.float16, "f16", 128), (np.float32, "tf32x3", 128), (np.float64, "f64", 64)]
+
+#: The (case, dtype, precision) of every tensor-core kernel the cases reach.
+TENSOR_MATRIX = [
+    (case, dtype, precision)
+    for case, options in TENSOR_CASES.items()
+    for dtype, precision, widest in TENSOR_DTYPES
+    if max(options["H"], options["Hv"]) <= widest
+]
+
+
 @emulated
-@pytest.mark.parametrize("dtype, precision", [(np.float16, "f16"), (np.float32, "tf32x3")])
-@pytest.mark.parametrize("case", list(TENSOR_CASES))
+@pytest.mark.parametrize("case, dtype, precision", TENSOR_MATRIX)
 def test_emulated_tensor_cores_match_float64(case, dtype, precision):
     """The tensor-core kernels' operand layouts, key order and score
     pipeline, through the emulated mma.sync, against the generic path in
-    float64: every option the kernels take, in both precisions."""
+    float64: every option the kernels take, in each precision."""
     fused, exact, launched, chosen = _tensor_paths(case, dtype)
     assert chosen == precision
     merged = ["npattn_merge_splits"] if "splits" in case else []
@@ -359,8 +370,8 @@ def test_tensor_precision_by_dtype_dims_and_rows(monkeypatch):
         q, k, v, _ = _problem(batch=(1,), N=N, K=1, T=T, S=8, H=H, Hv=Hv, dtype=dtype)
         return fast_cupy.tensor_precision(make_spec(q, k, v))
 
-    assert precision(np.float16) == "f16" and precision(np.float32) == "tf32x3"
-    assert precision(np.float64) is None  # the CUDA cores compute float64
+    assert precision(np.float16) == "f16" and precision(np.float32) == "tf32x3" and precision(np.float64) == "f64"
+    assert precision(np.float64, H=72, Hv=72) is None and precision(np.float64, Hv=12) is None
     assert precision(np.float16, H=24) is None and precision(np.float32, H=24) == "tf32x3"
     assert precision(np.float32, Hv=12) is None and precision(np.float16, H=144, Hv=144) is None
     assert precision(np.float16, T=1, N=8) == "f16" and precision(np.float32, T=1) == "tf32x3"  # decoding
@@ -400,10 +411,9 @@ def test_tensor_tiles_fit_static_shared_memory():
     TC_STAGES query and dO tiles with padded rows, and a ``Row``, lse, D and
     row index per query row; ptxas reports 44032 bytes for float16 at
     H=Hv=64, as computed here) stays within CUDA's 48 KiB for every head size they take."""
-    for dtype, step in ((np.float16, 16), (np.float32, 8)):
-        precision = "f16" if dtype == np.float16 else "tf32x3"
-        item = np.dtype(dtype).itemsize
-        for H, Hv in itertools.product(range(step, fast_cupy.TENSOR_MAX_HEAD_DIM + 1, step), repeat=2):
+    for dtype, precision, widest in TENSOR_DTYPES:
+        step, item = (16 if precision == "f16" else 8), np.dtype(dtype).itemsize
+        for H, Hv in itertools.product(range(step, widest + 1, step), repeat=2):
             q, k, v, _ = _problem(batch=(1,), N=1, K=1, T=64, S=8, H=H, Hv=Hv, dtype=dtype)
             spec = make_spec(q, k, v)
             assert fast_cupy.tensor_precision(spec) == precision
@@ -411,7 +421,8 @@ def test_tensor_tiles_fit_static_shared_memory():
                 tile = fast_cupy.tensor_tile(spec, precision, backward)
                 stages = fast_cupy.tensor_stages(spec, precision, tile)
                 rows = tile * ((H + 16 // item) + (Hv + 16 // item)) * item
-                assert stages * (rows + tile * fast_cupy.TENSOR_ROW_BYTES) <= 48 * 1024, (dtype, H, Hv, backward)
+                per_row = fast_cupy.TENSOR_ROW_BYTES[precision]
+                assert stages * (rows + tile * per_row) <= 48 * 1024, (dtype, H, Hv, backward)
                 assert tile % 16 == 0 and stages in (1, 2)
 
 
@@ -434,12 +445,14 @@ def test_fully_masked_rows():
 
 
 @emulated
+@pytest.mark.parametrize("heads", [dict(), dict(H=16, Hv=8)], ids=["cuda cores", "tensor cores"])
 @pytest.mark.parametrize("case", ["plain", "softcap alibi sinks", "dropout", "lengths bottom_right"])
-def test_emulated_kernels_central_differences(case):
+def test_emulated_kernels_central_differences(case, heads):
     """<dout, d out> + <dlse, d lse> along random directions of q, k, v (and
     the ALiBi slopes), from the kernels' backward and from central
-    differences of their forward, float64."""
-    shape = dict(CASES[case])
+    differences of their forward, float64: on the CUDA cores (CASES' heads,
+    ``Hv=6``) and on the float64 tensor cores."""
+    shape = dict(CASES[case], **heads)
     shape.update(T=9, S=10 if "align" in shape else 9)  # T != S needs an alignment
     if "q_lengths" in shape:
         shape.update(q_lengths=np.array([9, 0]), kv_lengths=np.array([6, 10]))
@@ -457,6 +470,7 @@ def test_emulated_kernels_central_differences(case):
         return np.sum(out * dout) + np.sum(np.where(finite, lse, 0) * dlse)
 
     spec = _spec(q, k, v, options)
+    assert fast_cupy.tensor_precision(spec) == ("f64" if heads else None)
     out, lse = fast_cupy.forward(spec, q, k, v, runtime=runtime)
     dlse_used = np.where(np.isfinite(lse), dlse, 0)
     dq, dk, dv, _, params = fast_cupy.backward(spec, q, k, v, out, lse, dout, dlse_used, runtime=runtime)
@@ -515,7 +529,7 @@ def test_emulated_kernels_match_generic_on_drawn_problems(case, use_dlse):
 @settings(max_examples=30, deadline=None)
 @given(
     case=attention_cases(max_len=70, features=tuple(f for f in FEATURES + VARIANTS if f not in ("mask", "bias"))),
-    dtype=st.sampled_from([np.float16, np.float32]),
+    dtype=st.sampled_from([np.float16, np.float32, np.float64]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_emulated_tensor_cores_on_drawn_problems(case, dtype, seed):
@@ -529,7 +543,8 @@ def test_emulated_tensor_cores_on_drawn_problems(case, dtype, seed):
     Within the precision's tolerance, or :data:`FLOAT32_LOSS` times what the
     generic path itself loses in float32 where that is more: a negative ALiBi
     slope makes scores of 50 over 70 keys, and the slope's gradient a small
-    sum of large terms (1.345 from terms of 70 |dS|: float32 loses 7e-4)."""
+    sum of large terms (1.345 from terms of 70 |dS|: float32 loses 7e-4).
+    float64 on its tensor cores: within 1e-12 of the largest entry."""
     q, k, v = case.arrays
     assume(q.size > 0)
     rng = np.random.default_rng(seed)
@@ -537,7 +552,7 @@ def test_emulated_tensor_cores_on_drawn_problems(case, dtype, seed):
     dout = rng.standard_normal(q.shape).astype(dtype)
     dlse = rng.standard_normal(q.shape[:-1]).astype(dtype)
     precision = fast_cupy.tensor_precision(_spec(q, k, v, case.options))
-    assert precision == ("f16" if dtype == np.float16 else "tf32x3")
+    assert precision == {kind: name for kind, name, _ in TENSOR_DTYPES}[dtype]
     runtime = EmulatedRuntime()
     fused = _fused(q, k, v, dout, dlse, runtime=runtime, **case.options)
     assert [name for name, *_ in runtime.launches][-1] == "npattn_backward_dkdv_tc"
@@ -557,7 +572,7 @@ def test_emulated_tensor_cores_on_drawn_problems(case, dtype, seed):
         seen = np.isfinite(b)
         assert np.array_equal(np.isfinite(a), seen), name
         scale = max(1.0, float(np.max(np.abs(b[seen]), initial=0.0)))
-        float32_loss = float(np.max(np.abs(c[seen] - b[seen]), initial=0.0))
+        float32_loss = float(np.max(np.abs(c[seen] - b[seen]), initial=0.0)) if precision != "f64" else 0.0
         atol = max(TENSOR_TOLERANCE[precision] * scale, FLOAT32_LOSS * float32_loss)
         np.testing.assert_allclose(a[seen], b[seen], rtol=0, atol=atol, err_msg=name)
 
@@ -622,12 +637,16 @@ def test_supports_only_cupy_and_the_kernels_options():
     assert not fast_cupy._kernels_take(make_spec(q, k, v, score_mods=[mod], align="top_left"))
 
 
-def test_preferred_leaves_large_float64_calls_to_the_generic_path(monkeypatch):
+def test_preferred_leaves_large_float64_calls_on_the_cuda_cores_to_the_generic_path(monkeypatch):
+    """Hv=6 keeps float64 off the tensor cores: a large call then goes to
+    the generic path; on the float64 tensor cores (Hv=8), or in float32, not."""
     monkeypatch.setattr(fast_cupy, "supports", lambda spec: True)  # as if on CuPy
     small, large = (_problem(T=T, S=T, N=1, K=1, batch=(1,)) for T in (64, 4096))
     assert fast_cupy.preferred(make_spec(*small[:3]))
     assert not fast_cupy.preferred(make_spec(*large[:3]))
     assert fast_cupy.preferred(make_spec(*(x.astype(np.float32) for x in large[:3])))
+    q, k, v, _ = _problem(T=4096, S=4096, N=1, K=1, batch=(1,), Hv=8)
+    assert fast_cupy.tensor_precision(make_spec(q, k, v)) == "f64" and fast_cupy.preferred(make_spec(q, k, v))
 
 
 def test_config_dtype_follows_the_kernels_struct():
@@ -830,8 +849,7 @@ def test_gpu_low_precision_within_tolerance(backend, dtype, tol):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cupy"], indirect=True)
-@pytest.mark.parametrize("dtype, precision", [(np.float16, "f16"), (np.float32, "tf32x3")])
-@pytest.mark.parametrize("case", list(TENSOR_CASES))
+@pytest.mark.parametrize("case, dtype, precision", TENSOR_MATRIX)
 def test_gpu_tensor_cores_match_float64(backend, case, dtype, precision):
     """The tensor-core kernels on the GPU, through the public API, against
     NumPy in float64 on the same values (dropout's keep mask included)."""
@@ -851,10 +869,11 @@ def test_gpu_tensor_cores_match_float64(backend, case, dtype, precision):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cupy"], indirect=True)
-def test_gpu_fused_is_deterministic(backend):
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gpu_fused_is_deterministic(backend, dtype):
     q, k, v, options = _problem(N=8, K=2, T=500, S=700, H=64, Hv=64, causal=True, align="bottom_right")
     dout = np.random.default_rng(1).standard_normal((*q.shape[:-1], 64))
-    args = [backend.asarray(x.astype(np.float32)) for x in (q, k, v, dout)]
+    args = [backend.asarray(x.astype(dtype)) for x in (q, k, v, dout)]
     first = _public(*args[:3], options, args[3])[1]
     second = _public(*args[:3], options, args[3])[1]
     for a, b in zip(first, second):

@@ -16,7 +16,9 @@
 // in the same order, so the product sums the same pairs.
 //
 // Compile-time constants: PRECISION (ptx.cuh), HEAD_DIM, VALUE_DIM; tile_t
-// (entries.cuh) is float16 in PRECISION_F16, float32 in PRECISION_TF32X3.
+// (entries.cuh) is float16 in PRECISION_F16, float32 in PRECISION_TF32X3,
+// float64 in PRECISION_F64; scalar_t, the C fragments' and every sum's type,
+// float64 in PRECISION_F64, else float32.
 
 #if PRECISION == PRECISION_F16
 #define KSTEP 16  // the product's inner dimension per mma
@@ -26,16 +28,16 @@ struct FragA {
 struct FragB {
   unsigned r[2];
 };
-#elif PRECISION == PRECISION_TF32X3
+#elif PRECISION == PRECISION_TF32X3 || PRECISION == PRECISION_F64
 #define KSTEP 8
 struct FragA {
-  float r[4];
+  scalar_t r[4];
 };
 struct FragB {
-  float r[2];
+  scalar_t r[2];
 };
 #else
-#error "PRECISION must be PRECISION_F16 or PRECISION_TF32X3"
+#error "PRECISION must be PRECISION_F16, PRECISION_TF32X3 or PRECISION_F64"
 #endif
 
 // Row stride of a tile of WIDTH entries in shared memory: 16 bytes of padding,
@@ -58,9 +60,11 @@ __device__ __forceinline__ void split_tf32(float x, unsigned& big, unsigned& sma
 }
 
 // c += A B on the tensor cores.
-__device__ __forceinline__ void mma(float (&c)[4], const FragA& a, const FragB& b) {
+__device__ __forceinline__ void mma(scalar_t (&c)[4], const FragA& a, const FragB& b) {
 #if PRECISION == PRECISION_F16
   mma_f16(c, a.r, b.r);
+#elif PRECISION == PRECISION_F64
+  mma_f64(c, a.r, b.r);
 #else
   unsigned a_big[4], a_small[4], b_big[2], b_small[2];
 #pragma unroll
@@ -90,17 +94,17 @@ __device__ __forceinline__ void a_from_rows(FragA (&a)[WIDTH / KSTEP], const til
       a[ks].r[e] = row ? *reinterpret_cast<const unsigned*>(row + k0 + 2 * t + 8 * (e / 2)) : 0u;
     }
 #else
-    a[ks].r[0] = upper ? upper[k0 + t] : 0.f;
-    a[ks].r[1] = lower ? lower[k0 + t] : 0.f;
-    a[ks].r[2] = upper ? upper[k0 + t + 4] : 0.f;
-    a[ks].r[3] = lower ? lower[k0 + t + 4] : 0.f;
+    a[ks].r[0] = upper ? upper[k0 + t] : (scalar_t)0;
+    a[ks].r[1] = lower ? lower[k0 + t] : (scalar_t)0;
+    a[ks].r[2] = upper ? upper[k0 + t + 4] : (scalar_t)0;
+    a[ks].r[3] = lower ? lower[k0 + t + 4] : (scalar_t)0;
 #endif
   }
 }
 
 // A = the scores of keys [n0, n0 + KSTEP) as the C fragments hold them
 // (c points at block n0 / 8).
-__device__ __forceinline__ FragA a_from_scores(const float (*c)[4]) {
+__device__ __forceinline__ FragA a_from_scores(const scalar_t (*c)[4]) {
   FragA a;
 #if PRECISION == PRECISION_F16
   a.r[0] = pack_floats(c[0][0], c[0][1]);
@@ -119,9 +123,14 @@ __device__ __forceinline__ FragA a_from_scores(const float (*c)[4]) {
 // B[k][n] = tile[n0 + n][k0 + k]: the transpose of 8 rows of a tile (keys
 // as the columns of K^T in Q K^T), by ldmatrix (ptx.cuh): in float16 its
 // matrix m is columns k0 + 8m ..; in float32 (two 16-bit halves an entry),
-// columns k0 + 4m ..
+// columns k0 + 4m ..; in float64 entry by entry (b[0] = B[t][g], b[1] = B[t + 4][g]).
 __device__ __forceinline__ FragB b_from_rows(const tile_t* tile, int stride, int n0, int k0, int lane) {
   FragB b;
+#if PRECISION == PRECISION_F64
+  const tile_t* entries = tile + (n0 + lane / 4) * stride + k0 + lane % 4;
+  b.r[0] = entries[0];
+  b.r[1] = entries[4];
+#else
   const int matrix = lane / 8 % 2;
   const int entry = (n0 + lane % 8) * stride + k0 + matrix * (KSTEP / 2);
   const shared_address_t row = shared_address(tile) + entry * (int)sizeof(tile_t);
@@ -133,12 +142,13 @@ __device__ __forceinline__ FragB b_from_rows(const tile_t* tile, int stride, int
   b.r[0] = __uint_as_float(bits[0]);
   b.r[1] = __uint_as_float(bits[1]);
 #endif
+#endif
   return b;
 }
 
 // B[k][n] = tile[k0 + k][n0 + n]: 8 columns of a tile (V in P V), rows in
 // the order a_from_scores gives the keys: in float16 by ldmatrix.trans
-// (matrix m is rows k0 + 8m ..), in float32 entry by entry.
+// (matrix m is rows k0 + 8m ..), in float32 and float64 entry by entry.
 __device__ __forceinline__ FragB b_from_columns(const tile_t* tile, int stride, int k0, int n0, int lane) {
   FragB b;
 #if PRECISION == PRECISION_F16
@@ -183,12 +193,12 @@ __device__ __forceinline__ void load_tile(tile_t* tile, const tile_t* __restrict
 }
 
 // Sum of x over the 4 lanes of a row's group (lanes 4g .. 4g + 3).
-__device__ __forceinline__ float group_sum(float x) {
+__device__ __forceinline__ scalar_t group_sum(scalar_t x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-__device__ __forceinline__ float group_max(float x) {
+__device__ __forceinline__ scalar_t group_max(scalar_t x) {
   x = max(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return max(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }

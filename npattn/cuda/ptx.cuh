@@ -4,7 +4,7 @@
 //
 // mma.sync: one warp computes
 //
-//     C (16 x 8, float32)  +=  A (16 x KSTEP)  B (KSTEP x 8)
+//     C (16 x 8, float32; float64 in PRECISION_F64)  +=  A (16 x KSTEP)  B (KSTEP x 8)
 //
 // with each operand spread over the warp's 32 lanes in registers. Lane
 // `lane` has group g = lane / 4 and thread t = lane % 4, and holds
@@ -27,12 +27,19 @@
 //     read a .tf32 operand's top 19 bits (they truncate the rest), so the
 //     split is integer arithmetic on the bits (operands.cuh's split_tf32).
 //
+//   PRECISION_F64 (m16n8k8 in float64: the float64 tensor cores, each
+//   product and sum IEEE float64; A, B and C as in TF32X3, one double per
+//   register pair): sm_90's mma.m16n8k8.f64, or on sm_80 the four
+//   mma.m8n8k4.f64 it is made of (rows g of one, g + 8 of another; columns
+//   t, then t + 4), whose fragments are the same lanes' entries.
+//
 // These layouts are PTX's (the ISA's "Matrix Fragments for mma.m16n8k16" and
 // "mma.m16n8k8"). The CPU tests replace this file with an emulation of the
 // same functions and layouts (tests/cuda_emulator/ptx.h).
 
 #define PRECISION_F16 1
 #define PRECISION_TF32X3 2
+#define PRECISION_F64 3
 
 // Two float16 in one register: `low` in bits 0-15 (the lower column or row).
 __device__ __forceinline__ unsigned pack_halves(unsigned short low, unsigned short high) {
@@ -55,6 +62,23 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], 
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ void mma_f64(double (&c)[4], const double (&a)[4], const double (&b)[2]) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
+      : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b[0]), "d"(b[1]));
+#else
+#pragma unroll
+  for (int half = 0; half < 2; ++half)  // columns t (a[0], a[1] and b[0]), then t + 4 (a[2], a[3] and b[1])
+#pragma unroll
+    for (int rows = 0; rows < 2; ++rows)  // rows g (c[0], c[1]), then g + 8 (c[2], c[3])
+      asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};"
+                   : "+d"(c[2 * rows]), "+d"(c[2 * rows + 1])
+                   : "d"(a[2 * half + rows]), "d"(b[half]));
+#endif
 }
 
 // A byte address in shared memory (32 bits), as ldmatrix and cp.async take
@@ -102,9 +126,11 @@ __device__ __forceinline__ void async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
 }
 
-// 2^x (ex2.approx: about 2 ulp; the softmax's exponentials in base 2).
+// 2^x (ex2.approx: about 2 ulp; the softmax's exponentials in base 2); in
+// float64, exp2 to float64's accuracy.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+__device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }

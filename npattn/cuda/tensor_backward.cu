@@ -21,20 +21,20 @@
 // q . k: no softcap, no ALiBi) and no dropout, and P_ij in `p`:
 // entry_backward's formula with P = 2^(s log2(e) - lse log2(e)), the
 // forward's base-2 exponentials.
-__device__ __forceinline__ float plain_entry_backward(const Problem& pb, float product, float dp, float row_lse,
-                                                      float row_D, float& p) {
+__device__ __forceinline__ scalar_t plain_entry_backward(const Problem& pb, scalar_t product, scalar_t dp, scalar_t row_lse,
+                                                      scalar_t row_D, scalar_t& p) {
   p = fast_exp2((product * pb.scale - row_lse) * LOG2_E);
   return p * (dp - row_D);
 }
 
 // dR_ij of one entry, and P_ij drop_ij in `dropped`: entry_backward
 // (pipeline.cuh), or, where the scores are plain, its formulas in base 2.
-__device__ __forceinline__ float tensor_entry_backward(const Problem& pb, bool plain, const Row& row, long long j,
-                                                       float product, float dp, float row_lse, float row_D,
-                                                       float& dropped, float& slope_grad) {
+__device__ __forceinline__ scalar_t tensor_entry_backward(const Problem& pb, bool plain, const Row& row, long long j,
+                                                       scalar_t product, scalar_t dp, scalar_t row_lse, scalar_t row_D,
+                                                       scalar_t& dropped, scalar_t& slope_grad) {
   if (!plain) return entry_backward(pb, row, j, product, dp, row_lse, row_D, dropped, slope_grad);
-  const float p = fast_exp2((product * pb.scale - row_lse) * LOG2_E);
-  const float drop = pb.dropout ? dropout_factor(pb, row, j) : 1.f;
+  const scalar_t p = fast_exp2((product * pb.scale - row_lse) * LOG2_E);
+  const scalar_t drop = pb.dropout ? dropout_factor(pb, row, j) : (scalar_t)1;
   dropped = p * drop;
   return p * (dp * drop - row_D);
 }
@@ -44,13 +44,13 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                           const tile_t* __restrict__ k,     // (B, KH, S, H)
                           const tile_t* __restrict__ v,     // (B, KH, S, Hv)
                           const tile_t* __restrict__ dout,  // (B, N, T, Hv)
-                          const float* __restrict__ lse,   // (B, N, T)
-                          const float* __restrict__ D,     // (B, N, T)
+                          const scalar_t* __restrict__ lse,   // (B, N, T)
+                          const scalar_t* __restrict__ D,     // (B, N, T)
                           tile_t* __restrict__ dq,         // (B, N, T, H)
-                          float* __restrict__ slope_rows,  // (B, N, T): -sum_j dS_ij |p_i - j|, with ALiBi
+                          scalar_t* __restrict__ slope_rows,  // (B, N, T): -sum_j dS_ij |p_i - j|, with ALiBi
                           const Config config, const long long* q_offsets,
                           const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
-                          const long long* kv_segments, const float* slopes) {
+                          const long long* kv_segments, const scalar_t* slopes) {
   __shared__ __align__(16) tile_t key_tile[TC_STAGES][TC_KEYS * STRIDE(HEAD_DIM)];
   __shared__ __align__(16) tile_t value_tile[TC_STAGES][TC_KEYS * STRIDE(VALUE_DIM)];
   __shared__ long long scratch[2 * TC_WARPS];
@@ -63,7 +63,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   long long row_index[2];
   const tile_t *q_rows[2], *dout_rows[2];
   const bool plain = pb.softcap == 0 && !pb.slopes;
-  float row_lse[2], row_D[2], slope_grad[2] = {0.f, 0.f};
+  scalar_t row_lse[2], row_D[2], slope_grad[2] = {(scalar_t)0, (scalar_t)0};
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const long long r = (long long)blockIdx.x * TC_ROWS + warp * 16 + g + 8 * i;
@@ -78,7 +78,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   FragA q_frag[HEAD_DIM / KSTEP], dout_frag[VALUE_DIM / KSTEP];
   a_from_rows<HEAD_DIM>(q_frag, q_rows[0], q_rows[1], t);
   a_from_rows<VALUE_DIM>(dout_frag, dout_rows[0], dout_rows[1], t);
-  float dq_acc[HEAD_DIM / 8][4] = {};
+  scalar_t dq_acc[HEAD_DIM / 8][4] = {};
 
   long long first, end;
   block_key_span(rows, scratch, first, end);
@@ -91,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   auto use = [&](int it) {
     const long long tile = first + (long long)it * TC_KEYS;
     const tile_t *keys = key_tile[it % TC_STAGES], *values = value_tile[it % TC_STAGES];
-    float s[TC_KEYS / 8][4] = {}, dp[TC_KEYS / 8][4] = {};  // Q K^T and dO V^T: (16, TC_KEYS) per warp
+    scalar_t s[TC_KEYS / 8][4] = {}, dp[TC_KEYS / 8][4] = {};  // Q K^T and dO V^T: (16, TC_KEYS) per warp
     products_with_rows<HEAD_DIM>(s, q_frag, keys, lane);
     products_with_rows<VALUE_DIM>(dp, dout_frag, values, lane);
     const KeyRange range = key_range(pb, rows, tile, end);
@@ -100,7 +100,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
       for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float p;
+          scalar_t p;
           s[nb][e] = plain_entry_backward(pb, s[nb][e], dp[nb][e], row_lse[e / 2], row_D[e / 2], p);
         }
     } else {
@@ -109,11 +109,11 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int i = e / 2, offset = nb * 8 + 2 * t + e % 2;
-          float dropped;
+          scalar_t dropped;
           s[nb][e] = sees(range, pb, rows, b, i, offset)
                          ? tensor_entry_backward(pb, plain, rows[i], tile + offset, s[nb][e], dp[nb][e], row_lse[i],
                                                  row_D[i], dropped, slope_grad[i])
-                         : 0.f;  // dR
+                         : (scalar_t)0;  // dR
         }
     }
     products_with_columns<HEAD_DIM>(dq_acc, s, keys, lane);  // dQ += dR K: (16, TC_KEYS) (TC_KEYS, H)
@@ -122,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const float row_slope_grad = group_sum(slope_grad[i]);
+    const scalar_t row_slope_grad = group_sum(slope_grad[i]);
     if (row_index[i] < 0) continue;
     store_row<HEAD_DIM>(dq + row_index[i] * HEAD_DIM, dq_acc, i, t, pb.scale);
     if (pb.slopes && t == 0) slope_rows[row_index[i]] = row_slope_grad;
@@ -151,18 +151,18 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                             const tile_t* __restrict__ k,     // (B, KH, S, H)
                             const tile_t* __restrict__ v,     // (B, KH, S, Hv)
                             const tile_t* __restrict__ dout,  // (B, N, T, Hv)
-                            const float* __restrict__ lse,   // (B, N, T)
-                            const float* __restrict__ D,     // (B, N, T)
+                            const scalar_t* __restrict__ lse,   // (B, N, T)
+                            const scalar_t* __restrict__ D,     // (B, N, T)
                             tile_t* __restrict__ dk,         // (B, KH, S, H)
                             tile_t* __restrict__ dv,         // (B, KH, S, Hv)
                             const Config config, const long long* q_offsets,
                             const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
-                            const long long* kv_segments, const float* slopes) {
+                            const long long* kv_segments, const scalar_t* slopes) {
   __shared__ __align__(16) tile_t query_tile[TC_STAGES][TC_KEYS * STRIDE(HEAD_DIM)];
   __shared__ __align__(16) tile_t dout_tile[TC_STAGES][TC_KEYS * STRIDE(VALUE_DIM)];
   __shared__ Row tile_rows[TC_STAGES][TC_KEYS];
   __shared__ long long tile_index[TC_STAGES][TC_KEYS];  // each row's index into (B, N, T) arrays
-  __shared__ float tile_lse[TC_STAGES][TC_KEYS], tile_D[TC_STAGES][TC_KEYS];
+  __shared__ scalar_t tile_lse[TC_STAGES][TC_KEYS], tile_D[TC_STAGES][TC_KEYS];
   const Problem pb = read_problem(config, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
   const int h = blockIdx.y, b = blockIdx.z;
@@ -180,14 +180,14 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   FragA k_frag[HEAD_DIM / KSTEP], v_frag[VALUE_DIM / KSTEP];
   a_from_rows<HEAD_DIM>(k_frag, k_rows[0], k_rows[1], t);
   a_from_rows<VALUE_DIM>(v_frag, v_rows[0], v_rows[1], t);
-  float dk_acc[HEAD_DIM / 8][4] = {}, dv_acc[VALUE_DIM / 8][4] = {};
+  scalar_t dk_acc[HEAD_DIM / 8][4] = {}, dv_acc[VALUE_DIM / 8][4] = {};
 
   const long long key_first = (long long)blockIdx.x * TC_ROWS;
   const long long key_last = min(key_first + TC_ROWS, (long long)pb.S) - 1;
   long long first, end;  // query positions i, then stacked rows i * G + g
   query_range(pb, b, key_first, key_last, first, end);
   const long long stacked_end = end * pb.G;
-  float unused_slope_grad = 0;  // the dq kernel sums the slopes' gradient
+  scalar_t unused_slope_grad = 0;  // the dq kernel sums the slopes' gradient
 
   auto issue = [&](int it) {
     const long long tile = first * pb.G + (long long)it * TC_KEYS;
@@ -209,7 +209,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   auto use = [&](int it) {
     const int stage = it % TC_STAGES;
     const tile_t *queries = query_tile[stage], *douts = dout_tile[stage];
-    float s[TC_KEYS / 8][4] = {}, dp[TC_KEYS / 8][4] = {};  // K Q^T and V dO^T: (16, TC_KEYS) per warp
+    scalar_t s[TC_KEYS / 8][4] = {}, dp[TC_KEYS / 8][4] = {};  // K Q^T and V dO^T: (16, TC_KEYS) per warp
     products_with_rows<HEAD_DIM>(s, k_frag, queries, lane);
     products_with_rows<VALUE_DIM>(dp, v_frag, douts, lane);
     const bool seen = rows_see_keys(tile_rows[stage], warp_first, warp_last, lane);  // every thread: it shuffles
@@ -229,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
         for (int e = 0; e < 4; ++e) {
           const int i = e / 2, c = nb * 8 + 2 * t + e % 2;
           const Row& row = tile_rows[stage][c];
-          float dropped = 0.f, dr = 0.f;
+          scalar_t dropped = (scalar_t)0, dr = (scalar_t)0;
           if (key[i] < pb.S && visible(pb, row, b, key[i]))
             dr = tensor_entry_backward(pb, plain, row, key[i], s[nb][e], dp[nb][e], tile_lse[stage][c],
                                        tile_D[stage][c], dropped, unused_slope_grad);
@@ -247,6 +247,6 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     if (key[i] >= pb.S) continue;
     const long long index = ((long long)b * pb.KH + h) * pb.S + key[i];
     store_row<HEAD_DIM>(dk + index * HEAD_DIM, dk_acc, i, t, pb.scale);
-    store_row<VALUE_DIM>(dv + index * VALUE_DIM, dv_acc, i, t, 1.f);
+    store_row<VALUE_DIM>(dv + index * VALUE_DIM, dv_acc, i, t, (scalar_t)1);
   }
 }

@@ -20,11 +20,11 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     npattn_forward_tc(const tile_t* __restrict__ q,  // (B, N, T, H)
                       const tile_t* __restrict__ k,  // (B, KH, S, H)
                       const tile_t* __restrict__ v,  // (B, KH, S, Hv)
-                      float* __restrict__ out,       // (splits, B, N, T, Hv)
-                      float* __restrict__ lse,       // (splits, B, N, T)
+                      scalar_t* __restrict__ out,       // (splits, B, N, T, Hv)
+                      scalar_t* __restrict__ lse,       // (splits, B, N, T)
                       const Config config, const long long* q_offsets,
                       const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
-                      const long long* kv_segments, const float* slopes) {
+                      const long long* kv_segments, const scalar_t* slopes) {
   __shared__ __align__(16) tile_t key_tile[TC_STAGES][TC_KEYS * STRIDE(HEAD_DIM)];
   __shared__ __align__(16) tile_t value_tile[TC_STAGES][TC_KEYS * STRIDE(VALUE_DIM)];
   __shared__ long long scratch[2 * TC_WARPS];
@@ -33,9 +33,9 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   const int splits = (int)config.splits;
   const int h = blockIdx.y, b = blockIdx.z / splits, split = blockIdx.z % splits;
   const long long stacked = (long long)pb.G * pb.T;
-  const float minus_inf = negative_infinity(0.f);
+  const scalar_t minus_inf = negative_infinity((scalar_t)0);
   const bool plain = pb.softcap == 0 && !pb.slopes;  // scores are scale * q . k: no unit of the pipeline to run
-  const float scale_log2 = pb.scale * LOG2_E;
+  const scalar_t scale_log2 = pb.scale * LOG2_E;
 
   // This thread's rows: g and g + 8 of its warp's 16.
   Row rows[2];
@@ -51,7 +51,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   }
   FragA q_frag[HEAD_DIM / KSTEP];
   a_from_rows<HEAD_DIM>(q_frag, q_rows[0], q_rows[1], t);
-  float acc[VALUE_DIM / 8][4] = {}, m[2] = {minus_inf, minus_inf}, l[2] = {0.f, 0.f};  // l: this lane's share
+  scalar_t acc[VALUE_DIM / 8][4] = {}, m[2] = {minus_inf, minus_inf}, l[2] = {(scalar_t)0, (scalar_t)0};  // l: this lane's share
 
   long long first, end;
   block_key_span(rows, scratch, first, end);
@@ -67,10 +67,10 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   auto use = [&](int it) {
     const long long tile = first + (long long)it * TC_KEYS;
     const tile_t *keys = key_tile[it % TC_STAGES], *values = value_tile[it % TC_STAGES];
-    float s[TC_KEYS / 8][4] = {};  // S = Q K^T: (16, TC_KEYS) per warp
+    scalar_t s[TC_KEYS / 8][4] = {};  // S = Q K^T: (16, TC_KEYS) per warp
     products_with_rows<HEAD_DIM>(s, q_frag, keys, lane);
     const KeyRange range = key_range(pb, rows, tile, end);
-    float tile_max[2] = {minus_inf, minus_inf};
+    scalar_t tile_max[2] = {minus_inf, minus_inf};
     if (plain && sees_whole_tile(range)) {  // FlashAttention-2's common tile: no test per score
 #pragma unroll
       for (int nb = 0; nb < TC_KEYS / 8; ++nb)
@@ -86,18 +86,18 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
         for (int e = 0; e < 4; ++e) {
           const int i = e / 2;
           const int offset = nb * 8 + 2 * t + e % 2;
-          float capped_tanh;
-          const float x =
+          scalar_t capped_tanh;
+          const scalar_t x =
               plain ? s[nb][e] * scale_log2 : score(pb, rows[i], tile + offset, s[nb][e], capped_tanh) * LOG2_E;
           s[nb][e] = sees(range, pb, rows, b, i, offset) ? x : minus_inf;
           tile_max[i] = max(tile_max[i], s[nb][e]);
         }
     }
-    float reference[2];  // m, or 0 while no key is seen (so that -inf - m is not NaN)
+    scalar_t reference[2];  // m, or 0 while no key is seen (so that -inf - m is not NaN)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const float new_m = max(m[i], group_max(tile_max[i]));
-      const float alpha = new_m == minus_inf ? 1.f : fast_exp2(m[i] - new_m);  // 0 while m = -inf
+      const scalar_t new_m = max(m[i], group_max(tile_max[i]));
+      const scalar_t alpha = new_m == minus_inf ? (scalar_t)1 : fast_exp2(m[i] - new_m);  // 0 while m = -inf
       l[i] *= alpha;
 #pragma unroll
       for (int nd = 0; nd < VALUE_DIM / 8; ++nd) {
@@ -105,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
         acc[nd][2 * i + 1] *= alpha;
       }
       m[i] = new_m;
-      reference[i] = new_m == minus_inf ? 0.f : new_m;
+      reference[i] = new_m == minus_inf ? (scalar_t)0 : new_m;
     }
 #pragma unroll
     for (int nb = 0; nb < TC_KEYS / 8; ++nb)
@@ -125,10 +125,10 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const float row_l = group_sum(l[i]);
+    const scalar_t row_l = group_sum(l[i]);
     if (row_index[i] < 0) continue;
     const long long slot = (long long)split * pb.B * pb.N * pb.T + row_index[i];
-    store_row<VALUE_DIM>(out + slot * VALUE_DIM, acc, i, t, row_l > 0 ? 1 / row_l : 0.f);
+    store_row<VALUE_DIM>(out + slot * VALUE_DIM, acc, i, t, row_l > 0 ? 1 / row_l : (scalar_t)0);
     if (t == 0) lse[slot] = row_l > 0 ? m[i] * LN_2 + fn_log(row_l) : minus_inf;
   }
 }

@@ -9,8 +9,8 @@
 
 #define TC_THREADS (32 * TC_WARPS)
 #define TC_ROWS (16 * TC_WARPS)
-#define LOG2_E 1.4426950408889634f
-#define LN_2 0.6931471805599453f
+#define LOG2_E ((scalar_t)1.4426950408889634)
+#define LN_2 ((scalar_t)0.6931471805599453)
 
 // `smallest` and `largest` become their minimum and maximum over the warp.
 __device__ __forceinline__ void warp_min_max(long long& smallest, long long& largest) {
@@ -119,7 +119,7 @@ __device__ __forceinline__ bool sees(const KeyRange& range, const Problem& pb, c
 // c += A tile^T: A (16, WIDTH) in fragments, the tile's TC_KEYS rows of WIDTH
 // entries as B's columns (S = Q K^T, dP = dO V^T, and their transposes).
 template <int WIDTH>
-__device__ __forceinline__ void products_with_rows(float (&c)[TC_KEYS / 8][4], const FragA (&a)[WIDTH / KSTEP],
+__device__ __forceinline__ void products_with_rows(scalar_t (&c)[TC_KEYS / 8][4], const FragA (&a)[WIDTH / KSTEP],
                                                    const tile_t* tile, int lane) {
 #pragma unroll
   for (int nb = 0; nb < TC_KEYS / 8; ++nb)
@@ -131,7 +131,7 @@ __device__ __forceinline__ void products_with_rows(float (&c)[TC_KEYS / 8][4], c
 // acc += A tile: A = `scores` (16, TC_KEYS) as the C fragments hold them,
 // the tile (TC_KEYS, WIDTH) (P V, dR K, (P drop)^T dO, dR^T Q).
 template <int WIDTH>
-__device__ __forceinline__ void products_with_columns(float (&acc)[WIDTH / 8][4], const float (&scores)[TC_KEYS / 8][4],
+__device__ __forceinline__ void products_with_columns(scalar_t (&acc)[WIDTH / 8][4], const scalar_t (&scores)[TC_KEYS / 8][4],
                                                       const tile_t* tile, int lane) {
 #pragma unroll
   for (int kk = 0; kk < TC_KEYS / KSTEP; ++kk) {
@@ -144,10 +144,10 @@ __device__ __forceinline__ void products_with_columns(float (&acc)[WIDTH / 8][4]
 
 // row[c] = factor * acc's entry (row g + 8i, column c) for this thread's
 // columns c = 8 nd + 2t, 8 nd + 2t + 1 of a (16, WIDTH) accumulator, into a
-// row of float32 (O) or of tile_t (the gradients: operands.cuh's store_entry).
+// row of scalar_t (O) or of tile_t (the gradients: operands.cuh's store_entry).
 template <int WIDTH, class Entry>
-__device__ __forceinline__ void store_row(Entry* __restrict__ row, const float (&acc)[WIDTH / 8][4], int i, int t,
-                                          float factor) {
+__device__ __forceinline__ void store_row(Entry* __restrict__ row, const scalar_t (&acc)[WIDTH / 8][4], int i, int t,
+                                          scalar_t factor) {
 #pragma unroll
   for (int nd = 0; nd < WIDTH / 8; ++nd) {
     store_entry(row + nd * 8 + 2 * t, acc[nd][2 * i] * factor);

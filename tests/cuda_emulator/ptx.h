@@ -3,9 +3,11 @@
 // gathers the warp's operands (emulator.h's warp_gather) and each lane sums
 // its own four entries of C from them, the products exact and summed in
 // double, then rounded to float32 (the hardware sums in at least float32, in
-// an order PTX leaves open).
+// an order PTX leaves open); in float64, each product and sum rounded to
+// float64 (fused multiply-adds, in k's order).
 #define PRECISION_F16 1
 #define PRECISION_TF32X3 2
+#define PRECISION_F64 3
 
 inline unsigned pack_halves(unsigned short low, unsigned short high) { return (unsigned)low | ((unsigned)high << 16); }
 
@@ -55,6 +57,24 @@ inline void mma_tf32_at(detail::Site site, float (&c)[4], const unsigned (&a)[4]
       [](const MmaOperands* all, int k, int n) { return __uint_as_float(all[n * 4 + k % 4].b[k / 4] & 0xFFFFE000u); });
 }
 
+struct MmaOperands64 {
+  double a[4], b[2];
+};
+
+// m16n8k8 in float64, with the TF32 layouts of ptx.cuh (one double an entry).
+inline void mma_f64_at(detail::Site site, double (&c)[4], const double (&a)[4], const double (&b)[2]) {
+  MmaOperands64 mine{}, all[32];
+  std::memcpy(mine.a, a, sizeof mine.a);
+  std::memcpy(mine.b, b, sizeof mine.b);
+  detail::warp_gather(site, mine, all);
+  const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  for (int e = 0; e < 4; ++e) {
+    const int r = g + 8 * (e / 2), n = 2 * t + e % 2;
+    for (int k = 0; k < 8; ++k)
+      c[e] = std::fma(all[(r % 8) * 4 + k % 4].a[(r / 8) + 2 * (k / 4)], all[n * 4 + k % 4].b[k / 4], c[e]);
+  }
+}
+
 // ldmatrix .x2: the warp's row addresses gathered, then each lane's entries.
 inline void load_matrices_at(detail::Site site, unsigned (&r)[2], const void* row, bool trans) {
   const void* rows[32];
@@ -90,6 +110,7 @@ template <int PENDING>
 inline void async_wait() {}
 
 inline float fast_exp2(float x) { return std::exp2(x); }
+inline double fast_exp2(double x) { return std::exp2(x); }
 
 #define load_matrices(r, row) \
   ::cuda_emulator::load_matrices_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, r, row, false)
@@ -97,3 +118,4 @@ inline float fast_exp2(float x) { return std::exp2(x); }
   ::cuda_emulator::load_matrices_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, r, row, true)
 #define mma_f16(c, a, b) ::cuda_emulator::mma_f16_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, c, a, b)
 #define mma_tf32(c, a, b) ::cuda_emulator::mma_tf32_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, c, a, b)
+#define mma_f64(c, a, b) ::cuda_emulator::mma_f64_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, c, a, b)
