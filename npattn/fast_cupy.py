@@ -28,7 +28,8 @@ with either alignment, lengths, segment ids, and dropout with the hashed
 keep mask of :mod:`npattn.dropout`, bit for bit. Sinks are merged outside
 the kernels as on every path. A call with a boolean ``mask``, a ``bias``,
 score or mask modifications runs the generic chunked path instead
-(:func:`supports`), as do large float64 calls (:func:`preferred`), every
+(:func:`supports`), as do large float64 calls on the CUDA cores
+(:func:`preferred`), every
 namespace but CuPy, and CuPy with ``NPATTN_FAST_CUPY=0``. ``block_q`` and
 ``block_k`` do not apply here.
 
@@ -39,19 +40,22 @@ Two kinds of kernels, chosen per call (:func:`tensor_precision`):
   float16 inputs with their products exact and summed in float32, float32
   inputs in three TensorFloat-32 passes (3xTF32, float32's accuracy to
   about 2\ :sup:`-21`), for ``H`` and ``Hv`` up to
-  :data:`TENSOR_MAX_HEAD_DIM` in whole ``mma`` steps, decoding steps
-  included (:func:`tensor_warps`);
+  :data:`TENSOR_MAX_HEAD_DIM` in whole ``mma`` steps; float64 inputs on the
+  float64 tensor cores for ``H`` and ``Hv`` up to
+  :data:`TENSOR_F64_MAX_HEAD_DIM`; decoding steps included
+  (:func:`tensor_warps`);
 - **on the CUDA cores** (``forward.cu``, ``backward.cu``): everything else
-  the path takes, float64 included, in the compute dtype.
+  the path takes, in the compute dtype.
 
 The kernels are compiled at first use for each (kind, dtype, ``H``, ``Hv``,
 launch shape) by CuPy's ``RawModule`` (NVRTC) and cached for the process
 (and on disk by CuPy).
 
 The module talks to the GPU through a small :class:`Runtime` (compile,
-launch, copy a small array to the device), so that the tests can run the
-same kernels on the CPU through a C++ emulator of CUDA's thread model
-(``tests/cuda_emulator``).
+launch), so that the tests can run the same kernels on the CPU through a
+C++ emulator of CUDA's thread model (``tests/cuda_emulator``). A call
+copies nothing to the device before its kernels: its scalar options reach
+them by value, as one struct (:data:`CONFIG_DTYPE`).
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ __all__ = [
     "launch_shape",
     "kernel_source",
     "tensor_precision",
+    "tensor_warps",
     "operand_dtype",
 ]
 
