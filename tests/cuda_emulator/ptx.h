@@ -15,19 +15,29 @@ inline unsigned pack_floats(float low, float high) { return pack_halves(half_bit
 
 namespace cuda_emulator {
 
-struct MmaOperands {
-  unsigned a[4], b[2];
+// One lane's A and B fragments (32-bit words, or doubles in float64).
+template <class Word>
+struct Fragments {
+  Word a[4], b[2];
 };
+using MmaOperands = Fragments<unsigned>;
+
+// Every lane's fragments, gathered from the warp.
+template <class Word>
+inline void gather_fragments(detail::Site site, const Word (&a)[4], const Word (&b)[2], Fragments<Word> (&all)[32]) {
+  Fragments<Word> mine{};
+  std::memcpy(mine.a, a, sizeof mine.a);
+  std::memcpy(mine.b, b, sizeof mine.b);
+  detail::warp_gather(site, mine, all);
+}
 
 // Each lane's C entries from every lane's operands; `a_entry(ops, r, k)` and
 // `b_entry(ops, k, n)` read A[r][k] and B[k][n] out of the gathered fragments.
 template <int K, class AEntry, class BEntry>
 inline void mma_lane(detail::Site site, float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2], AEntry a_entry,
                      BEntry b_entry) {
-  MmaOperands mine{}, all[32];
-  std::memcpy(mine.a, a, sizeof mine.a);
-  std::memcpy(mine.b, b, sizeof mine.b);
-  detail::warp_gather(site, mine, all);
+  MmaOperands all[32];
+  gather_fragments(site, a, b, all);
   const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   for (int e = 0; e < 4; ++e) {
     const int r = g + 8 * (e / 2), n = 2 * t + e % 2;
@@ -57,16 +67,10 @@ inline void mma_tf32_at(detail::Site site, float (&c)[4], const unsigned (&a)[4]
       [](const MmaOperands* all, int k, int n) { return __uint_as_float(all[n * 4 + k % 4].b[k / 4] & 0xFFFFE000u); });
 }
 
-struct MmaOperands64 {
-  double a[4], b[2];
-};
-
 // m16n8k8 in float64, with the TF32 layouts of ptx.cuh (one double an entry).
 inline void mma_f64_at(detail::Site site, double (&c)[4], const double (&a)[4], const double (&b)[2]) {
-  MmaOperands64 mine{}, all[32];
-  std::memcpy(mine.a, a, sizeof mine.a);
-  std::memcpy(mine.b, b, sizeof mine.b);
-  detail::warp_gather(site, mine, all);
+  Fragments<double> all[32];
+  gather_fragments(site, a, b, all);
   const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   for (int e = 0; e < 4; ++e) {
     const int r = g + 8 * (e / 2), n = 2 * t + e % 2;
