@@ -164,6 +164,11 @@ SOURCES = {
 TENSOR_MAX_HEAD_DIM = 128
 TENSOR_F64_MAX_HEAD_DIM = 64
 
+#: Compute capability from which the tensor-core kernels run (``cp.async``
+#: and the ``mma.sync`` shapes of ``ptx.cuh`` need sm_80); older GPUs run
+#: every call on the CUDA cores.
+TENSOR_MIN_CAPABILITY = 80
+
 #: The ``PRECISION`` (``ptx.cuh``) and the entries' bytes of each precision.
 TENSOR_PRECISIONS = {"f16": ("PRECISION_F16", 2), "tf32x3": ("PRECISION_TF32X3", 4), "f64": ("PRECISION_F64", 8)}
 
@@ -383,7 +388,8 @@ def tensor_precision(spec: AttentionSpec) -> str | None:
 
     Both float32 kinds up to :data:`TENSOR_MAX_HEAD_DIM`, for any number of
     rows (a decode step's forward runs in blocks of one warp:
-    :func:`tensor_warps`); none with ``NPATTN_CUPY_TENSOR_CORES=0``.
+    :func:`tensor_warps`); none on a GPU of compute capability below
+    :data:`TENSOR_MIN_CAPABILITY`, nor with ``NPATTN_CUPY_TENSOR_CORES=0``.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
@@ -392,7 +398,7 @@ def tensor_precision(spec: AttentionSpec) -> str | None:
     >>> [tensor_precision(make_spec(a, a, a)) for a in (x, y, wide)]
     ['f16', 'f64', None]
     """
-    if os.environ.get("NPATTN_CUPY_TENSOR_CORES", "1") == "0":
+    if os.environ.get("NPATTN_CUPY_TENSOR_CORES", "1") == "0" or not _tensor_capable(spec.device):
         return None
     if spec.compute_dtype == np.float64:
         precision, step, widest = "f64", 8, TENSOR_F64_MAX_HEAD_DIM
@@ -405,6 +411,15 @@ def tensor_precision(spec: AttentionSpec) -> str | None:
     if max(spec.head_dim, spec.value_dim) > widest or spec.head_dim % step or spec.value_dim % step:
         return None
     return precision
+
+
+def _tensor_capable(device: Any) -> bool:
+    """Whether ``device`` runs the tensor-core kernels: a CuPy device of
+    compute capability :data:`TENSOR_MIN_CAPABILITY` or more (CuPy's
+    ``Device.compute_capability``: ``"90"`` on an H100, cached by CuPy), or
+    any other (the tests' emulator, on NumPy's ``"cpu"``)."""
+    capability = getattr(device, "compute_capability", None)
+    return capability is None or int(capability) >= TENSOR_MIN_CAPABILITY
 
 
 def tensor_warps(spec: AttentionSpec, backward: bool = False) -> int:

@@ -395,6 +395,25 @@ def test_decoding_on_the_tensor_cores_in_one_warp_blocks():
     assert [threads for name, _, threads in backward if name.endswith("_tc")] == [128, 128]
 
 
+class _Device:
+    """A CuPy device's ``compute_capability`` and nothing else."""
+
+    def __init__(self, capability: str):
+        self.compute_capability = capability
+
+
+def test_tensor_cores_need_compute_capability_80():
+    """A GPU before sm_80 (a V100: "70", a T4: "75") runs every call on the
+    CUDA cores: the tensor-core kernels use cp.async and sm_80's mma shapes."""
+    q, k, v, _ = _problem(batch=(1,), N=1, K=1, T=64, S=8, H=16, Hv=16, dtype=np.float16)
+    spec = make_spec(q, k, v)
+    precisions = [fast_cupy.tensor_precision(spec.replace(device=_Device(cc))) for cc in ("70", "75", "80", "90")]
+    assert precisions == [None, None, "f16", "f16"]
+    in_float64 = make_spec(*_problem(batch=(1,), N=1, K=1, T=64, S=8, H=16, Hv=16)[:3])
+    assert fast_cupy.tensor_precision(in_float64) == "f64"
+    assert fast_cupy.tensor_precision(in_float64.replace(device=_Device("75"))) is None
+
+
 def test_tensor_warps_hold_the_forwards_rows():
     """As many warps of 16 rows as a block's stacked rows need, up to 4; the backward's blocks always 4."""
 
