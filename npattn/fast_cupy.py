@@ -237,10 +237,13 @@ class Runtime(Protocol):
 
 
 class CupyRuntime:
-    """:class:`Runtime` on CuPy: NVRTC through ``cupy.RawModule``."""
+    """:class:`Runtime` on CuPy: NVRTC through ``cupy.RawModule``, each
+    kernel looked up once (``RawModule.get_function`` makes a new
+    ``RawKernel`` and asks the driver for the function on every call)."""
 
     def __init__(self) -> None:
         self._multiprocessors: dict[int, int] = {}
+        self._kernels: dict[tuple[Any, str], Any] = {}
 
     def module(self, source: str, defines: tuple[tuple[str, str], ...]) -> Any:
         import cupy  # the optional GPU extra: only reached with CuPy arrays
@@ -249,9 +252,12 @@ class CupyRuntime:
         return cupy.RawModule(code=source, options=options)
 
     def launch(self, module: Any, name: str, grid: tuple[int, int, int], threads: int, args: tuple) -> None:
+        kernel = self._kernels.get((module, name))
+        if kernel is None:
+            kernel = self._kernels[(module, name)] = module.get_function(name)
         null = np.uint64(0)  # a NULL pointer (CuPy turns None into 0xffffffff)
         with args[0].device:  # the arrays' device, whichever is current
-            module.get_function(name)(grid, (threads, 1, 1), tuple(null if a is None else a for a in args))
+            kernel(grid, (threads, 1, 1), tuple(null if a is None else a for a in args))
 
     def multiprocessors(self, like: Any) -> int:
         device = like.device.id

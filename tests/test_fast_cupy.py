@@ -684,6 +684,27 @@ def test_config_dtype_follows_the_kernels_struct():
     assert fast_cupy.CONFIG_DTYPE.itemsize == 8 * len(fields)
 
 
+def test_cupy_runtime_looks_each_kernel_up_once():
+    """CupyRuntime asks a module for a kernel once, then reuses it (without
+    CuPy: a module and arrays that record what they are asked)."""
+    import contextlib
+    import types
+
+    asked, launched = [], []
+
+    class Module:
+        def get_function(self, name):
+            asked.append(name)
+            return lambda grid, block, args: launched.append((name, grid, block, args))
+
+    array = types.SimpleNamespace(device=contextlib.nullcontext())
+    runtime, module = fast_cupy.CupyRuntime(), Module()
+    for name in ("npattn_forward_tc", "npattn_merge_splits", "npattn_forward_tc"):
+        runtime.launch(module, name, (1, 2, 3), 32, (array, None))
+    assert asked == ["npattn_forward_tc", "npattn_merge_splits"] and len(launched) == 3
+    assert launched[0][1:3] == ((1, 2, 3), (32, 1, 1)) and launched[0][3][1] == 0  # None: a null pointer
+
+
 def test_splits_stay_within_the_grid():
     q, k, v, _ = _problem(batch=(6000,), N=1, K=1, T=1, S=4096, H=2, Hv=2)
     spec = make_spec(q, k, v)
