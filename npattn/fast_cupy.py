@@ -392,8 +392,8 @@ def tensor_precision(spec: AttentionSpec) -> str | None:
       products and sums, as the CUDA cores'). ``H`` and ``Hv`` multiples of 8
       up to :data:`TENSOR_F64_MAX_HEAD_DIM`.
 
-    Both float32 kinds up to :data:`TENSOR_MAX_HEAD_DIM`, for any number of
-    rows (a decode step's forward runs in blocks of one warp:
+    float16 and float32 up to :data:`TENSOR_MAX_HEAD_DIM`; every precision
+    for any number of rows (a decode step's forward runs in blocks of one warp:
     :func:`tensor_warps`); none on a GPU of compute capability below
     :data:`TENSOR_MIN_CAPABILITY`, nor with ``NPATTN_CUPY_TENSOR_CORES=0``.
 
