@@ -322,7 +322,11 @@ def _assert_within(fused, exact, tolerance):
 
 
 #: Each precision of the tensor cores by input dtype, and the widest head it takes.
-TENSOR_DTYPES = [(np.float16, "f16", 128), (np.float32, "tf32x3", 128), (np.float64, "f64", 64)]
+TENSOR_DTYPES = [
+    (np.float16, "f16", fast_cupy.TENSOR_MAX_HEAD_DIM),
+    (np.float32, "tf32x3", fast_cupy.TENSOR_MAX_HEAD_DIM),
+    (np.float64, "f64", fast_cupy.TENSOR_F64_MAX_HEAD_DIM),
+]
 
 #: The (case, dtype, precision) of every tensor-core kernel the cases reach.
 TENSOR_MATRIX = [
