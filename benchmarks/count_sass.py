@@ -7,15 +7,16 @@ Compiles ``npattn.fast_cupy``'s tensor-core kernels as CuPy would (NVRTC,
 ``-arch=compute_90``), assembles them for an H100 (``ptxas -arch=sm_90 -v``)
 and disassembles them (``cuobjdump -sass``), with the tiles ``fast_cupy``
 picks for T=S=4096 (and for a decode step's forward: T=1 at 32 query heads
-on 8 kv heads, in blocks of one warp), and prints per kernel: the registers a thread takes and
-the bytes it spills (the shipped kernels), and the instructions of the loop
-over tiles on a plain call's path: the kernels built again with that call's
-runtime flags made compile-time (no softcap, ALiBi, dropout or segment ids;
-every key of a tile seen), so that the compiler drops the other branches and
-the loop holds what a whole tile of a plain call executes, with its
-tensor-core instructions (HMMA; DMMA in float64) counted apart. Fewer
-instructions per MMA is what a kernel bound by instruction issue needs; whether a change makes the
-kernels faster is for ``bench_gpu.py --targets`` on a GPU to say.
+on 8 kv heads, in blocks of one warp), and prints per kernel: the registers
+a thread takes and the bytes it spills (the shipped kernels), and the
+instructions of the loop over tiles on a plain call's path: the kernels
+built again with that call's runtime flags made compile-time (no softcap,
+ALiBi, dropout or segment ids; every key of a tile seen), so that the
+compiler drops the other branches and the loop holds what a whole tile of a
+plain call executes, with its tensor-core instructions (HMMA; DMMA in
+float64) counted apart. Fewer instructions per MMA is what a kernel bound
+by instruction issue needs; whether a change makes the kernels faster is
+for ``bench_gpu.py --targets`` on a GPU to say.
 
 The tools come from NVIDIA's pip wheels (none of them a dependency of
 npattn): ``nvidia-cuda-nvrtc-cu12`` (libnvrtc), ``nvidia-cuda-nvcc-cu12``
@@ -160,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         for dtype in (np.float16, np.float32, np.float64):
             x = np.zeros((1, 8, 4096, H), dtype)
-            step = make_spec(np.zeros((1, 32, 1, H), dtype), x, x)  # a decode step: one-warp blocks
-            for spec, backward in ((make_spec(x, x, x), False), (make_spec(x, x, x), True), (step, False)):
+            full, step = make_spec(x, x, x), make_spec(np.zeros((1, 32, 1, H), dtype), x, x)  # step: one-warp blocks
+            for spec, backward in ((full, False), (full, True), (step, False)):
                 precision = fast_cupy.tensor_precision(spec)
                 if precision is None:  # float64 above TENSOR_F64_MAX_HEAD_DIM
                     continue
@@ -172,12 +173,10 @@ def main(argv: list[str] | None = None) -> int:
                 for name in (
                     ("npattn_backward_dq_tc", "npattn_backward_dkdv_tc") if backward else ("npattn_forward_tc",)
                 ):
-                    count, hmma = loops[name]
+                    count, mma = loops[name]
                     regs, spilled = shipped[name]
                     label = name + (" (decode)" if spec is step else "")
-                    print(
-                        f"{precision:<10} {label:<26} {regs:9d} {spilled:8d} {count:11d} {hmma:5d} {count / hmma:9.1f}"
-                    )
+                    print(f"{precision:<10} {label:<26} {regs:9d} {spilled:8d} {count:11d} {mma:5d} {count / mma:9.1f}")
     return 0
 
 
