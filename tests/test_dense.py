@@ -756,6 +756,43 @@ def test_a_repeated_plain_call_looks_up_its_spec_with_the_path_chosen_by_size(mo
     assert 0 < len(_PLAIN_CALLS) <= PLAIN_CALL_CACHE_SIZE
 
 
+def test_a_repeated_call_with_scalar_options_looks_up_make_specs_answer():
+    """``scalar_call_spec``: make_spec's spec, one object per arrays' types,
+    dtypes, shapes and devices and options with their types (so ``causal=1``,
+    which equals True, still gets make_spec's TypeError); a call make_spec
+    rejects raises every time and is not kept; options that are not plain
+    scalars, and inputs that are not arrays, go to make_spec; the table
+    stays bounded."""
+    from npattn.attention import _SCALAR_CALLS, SCALAR_CALL_CACHE_SIZE, scalar_call_spec
+    from npattn.options import make_spec
+
+    q, kv = np.zeros((1, 4, 1, 8)), np.zeros((1, 4, 100, 8))
+    options = dict(causal=True, align="bottom_right", window=(16, 0), impl="chunked")
+    spec = scalar_call_spec(q, kv, kv, **options)
+    assert spec.__dict__ == make_spec(q, kv, kv, **options).__dict__
+    assert scalar_call_spec(q.copy(), kv.copy(), kv.copy(), **options) is spec
+    size = len(_SCALAR_CALLS)
+    public = npattn.attention_forward(q, kv, kv, **options)[1].spec  # the public call looks its spec up
+    assert npattn.attention_forward(q, kv, kv, **options)[1].spec is public and len(_SCALAR_CALLS) == size + 1
+    narrow = scalar_call_spec(*(x.astype(np.float32) for x in (q, kv, kv)), **options)
+    assert narrow is not spec and narrow.dtype == np.float32
+    assert scalar_call_spec(q, kv, kv, **dict(options, window=(15, 0))).window_left == 15
+    for _ in range(2):
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            npattn.attention_forward(q, kv, kv, causal=1, align="bottom_right")
+        with pytest.raises(ValueError, match="align"):
+            npattn.attention_forward(q, kv, kv, causal=True)
+    size = len(_SCALAR_CALLS)
+    numpy_scale = scalar_call_spec(q, kv, kv, scale=np.float64(0.5))  # a NumPy scalar: make_spec, not kept
+    assert numpy_scale.scale == 0.5 and len(_SCALAR_CALLS) == size
+    with pytest.raises(TypeError):
+        scalar_call_spec(q.tolist(), kv, kv, causal=False)
+    for T in range(1, SCALAR_CALL_CACHE_SIZE + 2):
+        y = np.zeros((1, 1, T, 2))
+        assert scalar_call_spec(y, y, y, causal=True).q_len == T
+    assert 0 < len(_SCALAR_CALLS) <= SCALAR_CALL_CACHE_SIZE
+
+
 def test_inputs_the_plain_lane_does_not_take_still_get_make_specs_checks():
     """``plain_spec`` returns None for anything but NumPy float32/float64
     arrays of one dtype whose shapes fit, and ``attention_forward`` then
