@@ -301,54 +301,13 @@ def attention_forward(
         spec = plain_call_spec(q, k, v, causal)  # no option but causal: the same spec from fewer checks, or None
         if spec is not None and spec.impl == "dense" and not causal:
             return _plain_dense_forward(spec, q, k, v)
-    if spec is None and (  # scalar options only: make_spec's answer looked up (a decode step's, a window's)
-        (mask is None and bias is None and q_lengths is None and kv_lengths is None and xp is None)
-        and (alibi_slopes is None and sinks is None and score_mods is None and mask_mod is None)
-        and (q_segment_ids is None and kv_segment_ids is None and block_mask is None)
-    ):
-        spec = scalar_call_spec(
-            q,
-            k,
-            v,
-            causal=causal,
-            window=window,
-            align=align,
-            scale=scale,
-            dropout_p=dropout_p,
-            seed=seed,
-            impl=impl,
-            block_q=block_q,
-            block_k=block_k,
-            softcap=softcap,
-        )
     if spec is None:
-        spec = make_spec(
-            q,
-            k,
-            v,
-            mask=mask,
-            bias=bias,
-            causal=causal,
-            window=window,
-            align=align,
-            q_lengths=q_lengths,
-            kv_lengths=kv_lengths,
-            scale=scale,
-            dropout_p=dropout_p,
-            seed=seed,
-            impl=impl,
-            block_q=block_q,
-            block_k=block_k,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            sinks=sinks,
-            q_segment_ids=q_segment_ids,
-            kv_segment_ids=kv_segment_ids,
-            score_mods=score_mods,
-            mask_mod=mask_mod,
-            block_mask=block_mask,
-            xp=xp,
-        )
+        scalars = dict(causal=causal, window=window, align=align, scale=scale, dropout_p=dropout_p, seed=seed)
+        scalars.update(impl=impl, block_q=block_q, block_k=block_k, softcap=softcap)
+        others = dict(mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths, alibi_slopes=alibi_slopes)
+        others.update(sinks=sinks, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, score_mods=score_mods)
+        others.update(mask_mod=mask_mod, block_mask=block_mask, xp=xp)
+        spec = _call_spec(q, k, v, scalars, others)
     out, residuals = forward_from_spec(spec, q, k, v)
     return _in_dtype(spec.xp, out, spec.dtype), residuals
 
@@ -514,6 +473,15 @@ def plain_call_spec(q: Any, k: Any, v: Any, causal: bool = False) -> AttentionSp
         _PLAIN_CALLS.clear()
     _PLAIN_CALLS[key] = spec
     return spec
+
+
+def _call_spec(q: Any, k: Any, v: Any, scalars: dict[str, Any], others: dict[str, Any]) -> AttentionSpec:
+    """:func:`~npattn.options.make_spec`'s answer for a call with these
+    options: looked up by :func:`scalar_call_spec` where every option but
+    the ``scalars`` is None."""
+    if all(value is None for value in others.values()):
+        return scalar_call_spec(q, k, v, **scalars)
+    return make_spec(q, k, v, **scalars, **others)
 
 
 #: :func:`scalar_call_spec`'s answers by the arrays' types, dtypes, shapes
