@@ -1,7 +1,7 @@
 // Rows of the stacked layout shared by every kernel of npattn.fast_cupy (on
 // CUDA cores and on tensor cores): the G query heads of kv head h stacked
 // position-major (row r = i * G + g is query i of head n = h * G + g), and the
-// query rows a range of keys is seen by.
+// query rows a range of keys is seen by, and the keys a block's rows see.
 
 // Head n = h * G + g and query i of stacked row r = i * G + g of kv head h:
 // in 32-bit arithmetic wherever r fits (a 64-bit division is a call of some
@@ -54,4 +54,36 @@ __device__ __forceinline__ void query_range(const Problem& pb, int b, long long 
   if (pb.right >= 0) first = max(first, key_first - pb.right - offset);  // j <= p + right
   if (pb.left >= 0) end = min(end, key_last + pb.left - offset + 1);      // j >= p - left
   if (end < first) end = first;
+}
+
+// The union [first, end) of `count` rows' key ranges [first_key, end_key)
+// (none: first = 2^62, end = 0).
+__device__ __forceinline__ void rows_key_union(const Row* rows, int count, long long& first, long long& end) {
+  first = (long long)1 << 62;
+  end = 0;
+#pragma unroll
+  for (int i = 0; i < count; ++i) {
+    if (rows[i].end_key <= rows[i].first_key) continue;
+    first = min(first, rows[i].first_key);
+    end = max(end, rows[i].end_key);
+  }
+}
+
+// The union over the block of `slots` partial unions [first, end), which
+// each slot's `leader` thread writes into `scratch` (2 * slots entries):
+// every thread gets it in `first` and `end`.
+__device__ __forceinline__ void block_key_union(long long* scratch, int slot, int slots, bool leader,
+                                                long long& first, long long& end) {
+  if (leader) {
+    scratch[slot] = first;
+    scratch[slots + slot] = end;
+  }
+  __syncthreads();
+  first = (long long)1 << 62;
+  end = 0;
+  for (int s = 0; s < slots; ++s) {
+    first = min(first, scratch[s]);
+    end = max(end, scratch[slots + s]);
+  }
+  __syncthreads();
 }

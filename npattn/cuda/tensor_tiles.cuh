@@ -25,27 +25,9 @@ __device__ __forceinline__ void warp_min_max(long long& smallest, long long& lar
 // (two rows per thread); every thread gets the same answer.
 __device__ __forceinline__ void block_key_span(const Row (&rows)[2], long long* scratch, long long& first,
                                                long long& end) {
-  long long mine_first = (long long)1 << 62, mine_end = 0;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    if (rows[i].end_key <= rows[i].first_key) continue;
-    mine_first = min(mine_first, rows[i].first_key);
-    mine_end = max(mine_end, rows[i].end_key);
-  }
-  warp_min_max(mine_first, mine_end);
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 == 0) {
-    scratch[warp] = mine_first;
-    scratch[TC_WARPS + warp] = mine_end;
-  }
-  __syncthreads();
-  first = (long long)1 << 62;
-  end = 0;
-  for (int w = 0; w < TC_WARPS; ++w) {
-    first = min(first, scratch[w]);
-    end = max(end, scratch[TC_WARPS + w]);
-  }
-  __syncthreads();
+  rows_key_union(rows, 2, first, end);
+  warp_min_max(first, end);
+  block_key_union(scratch, threadIdx.x / 32, TC_WARPS, threadIdx.x % 32 == 0, first, end);
 }
 
 // Start copying key tile [tile, tile + TC_KEYS) of one kv head's keys and

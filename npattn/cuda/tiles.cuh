@@ -111,23 +111,6 @@ __device__ __forceinline__ void lane_axpy(scalar_t* acc, scalar_t weight, const 
 template <int COUNT>
 __device__ __forceinline__ void block_key_range(const Row* rows, long long* scratch, long long& first,
                                                 long long& end) {
-  const int group = threadIdx.x / LANES;
-  if (threadIdx.x % LANES == 0) {
-    long long mine_first = (long long)1 << 62, mine_end = 0;
-    for (int t = 0; t < COUNT; ++t) {
-      if (rows[t].end_key <= rows[t].first_key) continue;
-      mine_first = min(mine_first, rows[t].first_key);
-      mine_end = max(mine_end, rows[t].end_key);
-    }
-    scratch[group] = mine_first;
-    scratch[ROWS + group] = mine_end;
-  }
-  __syncthreads();
-  first = (long long)1 << 62;
-  end = 0;
-  for (int g = 0; g < ROWS; ++g) {
-    first = min(first, scratch[g]);
-    end = max(end, scratch[ROWS + g]);
-  }
-  __syncthreads();
+  rows_key_union(rows, COUNT, first, end);  // the same in every lane of a group
+  block_key_union(scratch, threadIdx.x / LANES, ROWS, threadIdx.x % LANES == 0, first, end);
 }
