@@ -118,6 +118,14 @@ __device__ __forceinline__ void async_copy_16(shared_address_t shared, const voi
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared), "l"(global), "r"(valid ? 16 : 0));
 }
 
+// cp.async of one 4- or 8-byte entry (.ca: the form for copies under 16
+// bytes), so that a tile's per-row scalars travel with its rows.
+template <class T>
+__device__ __forceinline__ void async_copy_entry(shared_address_t shared, const T* global) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "cp.async copies 4, 8 or 16 bytes");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(shared), "l"(global), "n"((int)sizeof(T)));
+}
+
 __device__ __forceinline__ void async_commit() { asm volatile("cp.async.commit_group;"); }
 
 // Wait until at most `PENDING` groups of copies are in flight.

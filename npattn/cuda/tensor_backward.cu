@@ -196,8 +196,9 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
       long long index;
       tile_rows[stage][e] = stacked_row(pb, b, h, tile + e, stacked_end, index);
       tile_index[stage][e] = index;
-      tile_lse[stage][e] = lse[index];
-      tile_D[stage][e] = D[index];
+      // lse and D copied as the rows are (no wait for global memory before the barrier)
+      async_copy_entry(shared_address(&tile_lse[stage][e]), lse + index);
+      async_copy_entry(shared_address(&tile_D[stage][e]), D + index);
     }
     __syncthreads();
     auto indexed = [&](long long r) { return tile_index[stage][r - tile]; };

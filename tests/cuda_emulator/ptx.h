@@ -109,6 +109,10 @@ inline void async_copy_16(void* shared, const void* global, bool valid) {
   if (valid) std::memcpy(shared, global, 16);
   else std::memset(shared, 0, 16);
 }
+template <class T>
+inline void async_copy_entry(void* shared, const T* global) {
+  std::memcpy(shared, global, sizeof(T));
+}
 inline void async_commit() {}
 template <int PENDING>
 inline void async_wait() {}
