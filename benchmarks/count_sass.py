@@ -55,6 +55,7 @@ PLAIN_CALL = (
     ("!pb.dropout &&", ""),
     ("!pb.kv_segments", "true"),
     ("sees_whole_tile(range)", "true"),
+    ("scale_log2 > 0 &&", ""),
     ("seen && warp_last < pb.S", "true"),
 )
 

@@ -257,6 +257,12 @@ TENSOR_CASES = {
         "softcap alibi sinks": {},
         "dropout": dict(N=4, K=2),
         "wide heads": dict(H=80, Hv=48),
+        # an odd number of 8-column blocks (float32 and float64): the last one's B loaded alone
+        "odd eighths": dict(H=24, Hv=40),
+        # forward tiles halved so that two fit (tensor_tile): 32 keys in float32, 16 in float64
+        "big heads": dict(batch=(1,), N=2, K=1, T=40, S=100, H=64, Hv=64, causal=True, align="bottom_right"),
+        # 32 keys in float16, 16 in float32
+        "widest heads": dict(batch=(1,), N=2, K=1, T=20, S=90, H=128, Hv=128),
         "many blocks window": dict(H=16, Hv=16),
         "decode splits": {},
         "decode splits window": {},
@@ -328,12 +334,14 @@ TENSOR_DTYPES = [
     (np.float64, "f64", fast_cupy.TENSOR_F64_MAX_HEAD_DIM),
 ]
 
-#: The (case, dtype, precision) of every tensor-core kernel the cases reach.
+#: The (case, dtype, precision) of every tensor-core kernel the cases reach
+#: (float16 takes heads in steps of 16).
 TENSOR_MATRIX = [
     (case, dtype, precision)
     for case, options in TENSOR_CASES.items()
     for dtype, precision, widest in TENSOR_DTYPES
     if max(options["H"], options["Hv"]) <= widest
+    and not (precision == "f16" and (options["H"] % 16 or options["Hv"] % 16))
 ]
 
 

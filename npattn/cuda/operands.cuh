@@ -41,8 +41,8 @@ struct FragB {
 #endif
 
 // Row stride of a tile of WIDTH entries in shared memory: 16 bytes of padding,
-// so that the lanes of a warp read different banks in both b_from_rows and
-// b_from_columns.
+// so that the lanes of a warp read different banks in both b_pair_from_rows
+// and b_pair_from_columns.
 #define STRIDE(WIDTH) ((WIDTH) + 16 / (int)sizeof(tile_t))
 
 // x = big + small as the tensor cores read them (TensorFloat-32: the top 19
@@ -120,46 +120,70 @@ __device__ __forceinline__ FragA a_from_scores(const scalar_t (*c)[4]) {
   return a;
 }
 
-// B[k][n] = tile[n0 + n][k0 + k]: the transpose of 8 rows of a tile (keys
-// as the columns of K^T in Q K^T), by ldmatrix (ptx.cuh): in float16 its
-// matrix m is columns k0 + 8m ..; in float32 (two 16-bit halves an entry),
-// columns k0 + 4m ..; in float64 entry by entry (b[0] = B[t][g], b[1] = B[t + 4][g]).
-__device__ __forceinline__ FragB b_from_rows(const tile_t* tile, int stride, int n0, int k0, int lane) {
-  FragB b;
+// B of two blocks of 8 keys: b[m][k][n] = tile[n0 + 8m + n][k0 + k], the
+// transpose of 16 rows of a tile (keys as the columns of K^T in Q K^T), by
+// one ldmatrix.x4 (ptx.cuh): lanes 16m .. 16m + 15 address rows n0 + 8m ..;
+// in float16 their matrices are columns k0 .. and k0 + 8 ..; in float32
+// (two 16-bit halves an entry) columns k0 .. and k0 + 4 ..; in float64
+// entry by entry (b[m].r[0] = b[m][t][g], b[m].r[1] = b[m][t + 4][g]).
+__device__ __forceinline__ void b_pair_from_rows(FragB (&b)[2], const tile_t* tile, int stride, int n0, int k0,
+                                                 int lane) {
 #if PRECISION == PRECISION_F64
-  const tile_t* entries = tile + (n0 + lane / 4) * stride + k0 + lane % 4;
-  b.r[0] = entries[0];
-  b.r[1] = entries[4];
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    const tile_t* entries = tile + (n0 + 8 * m + lane / 4) * stride + k0 + lane % 4;
+    b[m].r[0] = entries[0];
+    b[m].r[1] = entries[4];
+  }
 #else
-  const int matrix = lane / 8 % 2;
-  const int entry = (n0 + lane % 8) * stride + k0 + matrix * (KSTEP / 2);
-  const shared_address_t row = shared_address(tile) + entry * (int)sizeof(tile_t);
+  const int entry = (n0 + lane / 16 * 8 + lane % 8) * stride + k0 + lane / 8 % 2 * (KSTEP / 2);
+  unsigned bits[4];
+  load_matrices(bits, shared_address(tile) + entry * (int)sizeof(tile_t));
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
 #if PRECISION == PRECISION_F16
-  load_matrices(b.r, row);
+    b[m].r[0] = bits[2 * m];
+    b[m].r[1] = bits[2 * m + 1];
 #else
-  unsigned bits[2];
-  load_matrices(bits, row);
-  b.r[0] = __uint_as_float(bits[0]);
-  b.r[1] = __uint_as_float(bits[1]);
+    b[m].r[0] = __uint_as_float(bits[2 * m]);
+    b[m].r[1] = __uint_as_float(bits[2 * m + 1]);
 #endif
+  }
 #endif
-  return b;
 }
 
+#if PRECISION != PRECISION_F16
 // B[k][n] = tile[k0 + k][n0 + n]: 8 columns of a tile (V in P V), rows in
-// the order a_from_scores gives the keys: in float16 by ldmatrix.trans
-// (matrix m is rows k0 + 8m ..), in float32 and float64 entry by entry.
+// the order a_from_scores gives the keys, entry by entry (float32, float64;
+// float16 takes them in pairs, its widths being multiples of 16).
 __device__ __forceinline__ FragB b_from_columns(const tile_t* tile, int stride, int k0, int n0, int lane) {
   FragB b;
-#if PRECISION == PRECISION_F16
-  const int entry = (k0 + lane % 16) * stride + n0;  // lanes 8-15: rows k0 + 8 ..
-  load_matrices_trans(b.r, shared_address(tile) + entry * (int)sizeof(tile_t));
-#else
   const tile_t* column = tile + k0 * stride + n0 + lane / 4;
   b.r[0] = column[(2 * (lane % 4)) * stride];
   b.r[1] = column[(2 * (lane % 4) + 1) * stride];
-#endif
   return b;
+}
+#endif
+
+// The B of columns n0 .. n0 + 7 and n0 + 8 .. n0 + 15 (b_from_columns'):
+// in float16 by one ldmatrix.x4.trans, whose matrices are rows k0 .. and
+// k0 + 8 .. of each (lanes 16m .. 16m + 15 address rows k0 .. k0 + 15 at
+// column n0 + 8m).
+__device__ __forceinline__ void b_pair_from_columns(FragB (&b)[2], const tile_t* tile, int stride, int k0, int n0,
+                                                    int lane) {
+#if PRECISION == PRECISION_F16
+  const int entry = (k0 + lane % 16) * stride + n0 + lane / 16 * 8;
+  unsigned bits[4];
+  load_matrices_trans(bits, shared_address(tile) + entry * (int)sizeof(tile_t));
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    b[m].r[0] = bits[2 * m];
+    b[m].r[1] = bits[2 * m + 1];
+  }
+#else
+  b[0] = b_from_columns(tile, stride, k0, n0, lane);
+  b[1] = b_from_columns(tile, stride, k0, n0 + 8, lane);
+#endif
 }
 
 // Start copying rows [first, first + ROWS_) of a (rows, WIDTH) row-major

@@ -93,20 +93,20 @@ __device__ __forceinline__ shared_address_t shared_address(const void* pointer) 
   return address;
 }
 
-// ldmatrix (.x2): two 8 x 8 matrices of 16-bit entries from shared memory,
-// lanes 0-7 giving the addresses of the first's rows, lanes 8-15 the
-// second's. Lane (g, t) receives in r[m] entries (g, 2t) and (g, 2t + 1) of
-// matrix m; with `trans`, entries (2t, g) and (2t + 1, g).
-__device__ __forceinline__ void load_matrices(unsigned (&r)[2], shared_address_t row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
-               : "=r"(r[0]), "=r"(r[1])
+// ldmatrix (.x4): four 8 x 8 matrices of 16-bit entries from shared memory,
+// lanes 8m .. 8m + 7 giving the addresses of matrix m's rows. Lane (g, t)
+// receives in r[m] entries (g, 2t) and (g, 2t + 1) of matrix m; with
+// `trans`, entries (2t, g) and (2t + 1, g).
+__device__ __forceinline__ void load_matrices(unsigned (&r)[4], shared_address_t row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(row)
                : "memory");
 }
 
-__device__ __forceinline__ void load_matrices_trans(unsigned (&r)[2], shared_address_t row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
-               : "=r"(r[0]), "=r"(r[1])
+__device__ __forceinline__ void load_matrices_trans(unsigned (&r)[4], shared_address_t row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(row)
                : "memory");
 }

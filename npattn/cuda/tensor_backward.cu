@@ -19,11 +19,12 @@
 
 // dR_ij = dS_ij = P_ij (dP_ij - D_i) of an entry with a plain score (scale *
 // q . k: no softcap, no ALiBi) and no dropout, and P_ij in `p`:
-// entry_backward's formula with P = 2^(s log2(e) - lse log2(e)), the
-// forward's base-2 exponentials.
-__device__ __forceinline__ scalar_t plain_entry_backward(const Problem& pb, scalar_t product, scalar_t dp, scalar_t row_lse,
-                                                      scalar_t row_D, scalar_t& p) {
-  p = fast_exp2((product * pb.scale - row_lse) * LOG2_E);
+// entry_backward's formula with P = 2^(q . k scale log2(e) - lse log2(e)),
+// the forward's base-2 exponentials, one fma with scale_log2 = scale log2(e)
+// and lse_log2 = lse log2(e).
+__device__ __forceinline__ scalar_t plain_entry_backward(scalar_t product, scalar_t dp, scalar_t scale_log2,
+                                                         scalar_t lse_log2, scalar_t row_D, scalar_t& p) {
+  p = fast_exp2(product * scale_log2 - lse_log2);
   return p * (dp - row_D);
 }
 
@@ -63,6 +64,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   long long row_index[2];
   const tile_t *q_rows[2], *dout_rows[2];
   const bool plain = pb.softcap == 0 && !pb.slopes;
+  const scalar_t scale_log2 = pb.scale * LOG2_E;
   scalar_t row_lse[2], row_D[2], slope_grad[2] = {(scalar_t)0, (scalar_t)0};
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -101,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           scalar_t p;
-          s[nb][e] = plain_entry_backward(pb, s[nb][e], dp[nb][e], row_lse[e / 2], row_D[e / 2], p);
+          s[nb][e] = plain_entry_backward(s[nb][e], dp[nb][e], scale_log2, row_lse[e / 2] * LOG2_E, row_D[e / 2], p);
         }
     } else {
 #pragma unroll
@@ -170,6 +172,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   long long key[2];  // this thread's keys: g and g + 8 of its warp's 16
   const tile_t *k_rows[2], *v_rows[2];
   const bool plain = pb.softcap == 0 && !pb.slopes;
+  const scalar_t scale_log2 = pb.scale * LOG2_E;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     key[i] = (long long)blockIdx.x * TC_ROWS + warp * 16 + g + 8 * i;
@@ -221,7 +224,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = nb * 8 + 2 * t + e % 2;
-          s[nb][e] = plain_entry_backward(pb, s[nb][e], dp[nb][e], tile_lse[stage][c], tile_D[stage][c], dp[nb][e]);
+          s[nb][e] = plain_entry_backward(s[nb][e], dp[nb][e], scale_log2, tile_lse[stage][c] * LOG2_E, tile_D[stage][c],
+                                          dp[nb][e]);
         }
     } else {
 #pragma unroll

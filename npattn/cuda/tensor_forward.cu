@@ -71,14 +71,16 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     products_with_rows<HEAD_DIM>(s, q_frag, keys, lane);
     const KeyRange range = key_range(pb, rows, tile, end);
     scalar_t tile_max[2] = {minus_inf, minus_inf};
-    if (plain && sees_whole_tile(range)) {  // FlashAttention-2's common tile: no test per score
+    scalar_t to_log2 = 1;  // s * to_log2: the score in units of log 2
+    if (plain && scale_log2 > 0 && sees_whole_tile(range)) {  // FlashAttention-2's common tile: no test per score
 #pragma unroll
       for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[nb][e] *= scale_log2;  // the score in units of log 2
-          tile_max[e / 2] = max(tile_max[e / 2], s[nb][e]);
-        }
+        for (int e = 0; e < 4; ++e) tile_max[e / 2] = max(tile_max[e / 2], s[nb][e]);
+      // s stays q . k, scaled inside the exponentials' fma; the max scales exactly (rounding is monotone)
+      to_log2 = scale_log2;
+      tile_max[0] *= scale_log2;
+      tile_max[1] *= scale_log2;
     } else {
 #pragma unroll
       for (int nb = 0; nb < TC_KEYS / 8; ++nb)
@@ -111,7 +113,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[nb][e] = fast_exp2(s[nb][e] - reference[e / 2]);  // P, 0 where hidden
+        s[nb][e] = fast_exp2(s[nb][e] * to_log2 - reference[e / 2]);  // P, 0 where hidden
         l[e / 2] += s[nb][e];
       }
     if (pb.dropout)

@@ -99,19 +99,26 @@ __device__ __forceinline__ bool sees(const KeyRange& range, const Problem& pb, c
 }
 
 // c += A tile^T: A (16, WIDTH) in fragments, the tile's TC_KEYS rows of WIDTH
-// entries as B's columns (S = Q K^T, dP = dO V^T, and their transposes).
+// entries as B's columns (S = Q K^T, dP = dO V^T, and their transposes),
+// two blocks of 8 keys per load of B.
 template <int WIDTH>
 __device__ __forceinline__ void products_with_rows(scalar_t (&c)[TC_KEYS / 8][4], const FragA (&a)[WIDTH / KSTEP],
                                                    const tile_t* tile, int lane) {
 #pragma unroll
-  for (int nb = 0; nb < TC_KEYS / 8; ++nb)
+  for (int nb = 0; nb < TC_KEYS / 8; nb += 2)
 #pragma unroll
-    for (int ks = 0; ks < WIDTH / KSTEP; ++ks)
-      mma(c[nb], a[ks], b_from_rows(tile, STRIDE(WIDTH), nb * 8, ks * KSTEP, lane));
+    for (int ks = 0; ks < WIDTH / KSTEP; ++ks) {
+      FragB b[2];
+      b_pair_from_rows(b, tile, STRIDE(WIDTH), nb * 8, ks * KSTEP, lane);
+      mma(c[nb], a[ks], b[0]);
+      mma(c[nb + 1], a[ks], b[1]);
+    }
 }
 
 // acc += A tile: A = `scores` (16, TC_KEYS) as the C fragments hold them,
-// the tile (TC_KEYS, WIDTH) (P V, dR K, (P drop)^T dO, dR^T Q).
+// the tile (TC_KEYS, WIDTH) (P V, dR K, (P drop)^T dO, dR^T Q), two blocks
+// of 8 columns per load of B (and the last alone where WIDTH / 8 is odd, in
+// float32 and float64).
 template <int WIDTH>
 __device__ __forceinline__ void products_with_columns(scalar_t (&acc)[WIDTH / 8][4], const scalar_t (&scores)[TC_KEYS / 8][4],
                                                       const tile_t* tile, int lane) {
@@ -119,8 +126,16 @@ __device__ __forceinline__ void products_with_columns(scalar_t (&acc)[WIDTH / 8]
   for (int kk = 0; kk < TC_KEYS / KSTEP; ++kk) {
     const FragA a = a_from_scores(scores + kk * (KSTEP / 8));
 #pragma unroll
-    for (int nd = 0; nd < WIDTH / 8; ++nd)
-      mma(acc[nd], a, b_from_columns(tile, STRIDE(WIDTH), kk * KSTEP, nd * 8, lane));
+    for (int nd = 0; nd + 1 < WIDTH / 8; nd += 2) {
+      FragB b[2];
+      b_pair_from_columns(b, tile, STRIDE(WIDTH), kk * KSTEP, nd * 8, lane);
+      mma(acc[nd], a, b[0]);
+      mma(acc[nd + 1], a, b[1]);
+    }
+#if PRECISION != PRECISION_F16
+    if constexpr (WIDTH / 8 % 2 == 1)
+      mma(acc[WIDTH / 8 - 1], a, b_from_columns(tile, STRIDE(WIDTH), kk * KSTEP, WIDTH - 8, lane));
+#endif
   }
 }
 

@@ -79,12 +79,12 @@ inline void mma_f64_at(detail::Site site, double (&c)[4], const double (&a)[4], 
   }
 }
 
-// ldmatrix .x2: the warp's row addresses gathered, then each lane's entries.
-inline void load_matrices_at(detail::Site site, unsigned (&r)[2], const void* row, bool trans) {
+// ldmatrix .x4: the warp's row addresses gathered, then each lane's entries.
+inline void load_matrices_at(detail::Site site, unsigned (&r)[4], const void* row, bool trans) {
   const void* rows[32];
   detail::warp_gather(site, row, rows);
   const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  for (int m = 0; m < 2; ++m) {
+  for (int m = 0; m < 4; ++m) {
     unsigned short entry[2];
     for (int e = 0; e < 2; ++e) {  // (g, 2t + e), or transposed (2t + e, g)
       const unsigned row_index = trans ? 2 * t + e : g, column = trans ? g : 2 * t + e;
