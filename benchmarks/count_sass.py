@@ -152,10 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     tools = Tools(args.nvrtc, args.ptxas, args.cuobjdump)
-    H, source = args.head_dim, fast_cupy.kernel_source("tensor_cores")
-    plain = source
-    for text, replacement in PLAIN_CALL:
-        plain = plain.replace(text, replacement)
+    H = args.head_dim
     print(f"tensor-core kernels, H=Hv={H}, sm_90: registers / spilled bytes (as shipped); the plain tile loop")
     header = f"{'precision':<10} {'kernel':<26} {'registers':>9} {'spilled':>8}"
     print(f"{header} {'loop instr':>11} {'MMA':>5} {'per MMA':>9}")
@@ -167,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                 precision = fast_cupy.tensor_precision(spec)
                 if precision is None:  # float64 above TENSOR_F64_MAX_HEAD_DIM
                     continue
+                source = fast_cupy.kernel_source("tensor_backward" if backward else "tensor_forward")
+                plain = source
+                for text, replacement in PLAIN_CALL:
+                    plain = plain.replace(text, replacement)
                 defines = dict(fast_cupy._tensor_defines(spec, precision, backward))
                 options = ["--std=c++17", "-arch=compute_90"] + [f"-D{k}={v}" for k, v in defines.items()]
                 shipped = registers(tools.assemble(tools.ptx(source, options), folder)[0])

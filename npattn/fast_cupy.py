@@ -143,7 +143,18 @@ SOURCES = {
         "forward.cu",
         "backward.cu",
     ),
-    "tensor_cores": (
+    "tensor_forward": (
+        "pipeline.cuh",
+        "rows.cuh",
+        "half.cuh",
+        "entries.cuh",
+        "ptx.cuh",
+        "operands.cuh",
+        "merge.cu",
+        "tensor_tiles.cuh",
+        "tensor_forward.cu",
+    ),
+    "tensor_backward": (
         "pipeline.cuh",
         "rows.cuh",
         "half.cuh",
@@ -151,9 +162,7 @@ SOURCES = {
         "ptx.cuh",
         "operands.cuh",
         "backward_d.cu",
-        "merge.cu",
         "tensor_tiles.cuh",
-        "tensor_forward.cu",
         "tensor_backward.cu",
     ),
 }
@@ -468,9 +477,11 @@ def operand_dtype(spec: AttentionSpec) -> Any:
 
 
 def _tensor_module(runtime: Runtime, spec: AttentionSpec, precision: str, backward: bool = False) -> Any:
-    """The tensor-core kernels for ``spec``'s dims and ``precision``, with the
-    forward's tiles (:func:`tensor_tile`, :func:`tensor_stages`) or the backward's."""
-    return _compiled(runtime, "tensor_cores", _tensor_defines(spec, precision, backward))
+    """The tensor-core forward (with the merge of key ranges) or backward
+    (with ``D``) for ``spec``'s dims and ``precision``, each with its own
+    tiles (:func:`tensor_tile`, :func:`tensor_stages`)."""
+    kind = "tensor_backward" if backward else "tensor_forward"
+    return _compiled(runtime, kind, _tensor_defines(spec, precision, backward))
 
 
 def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tuple[tuple[str, str], ...]:
@@ -483,7 +494,7 @@ def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tupl
         ("HEAD_DIM", str(spec.head_dim)),
         ("VALUE_DIM", str(spec.value_dim)),
         ("TC_KEYS", str(tile)),
-        ("TC_STAGES", str(tensor_stages(spec, precision, tile))),
+        ("TC_STAGES", str(tensor_stages(spec, precision, tile, backward))),
         ("TC_WARPS", str(tensor_warps(spec, backward))),
     )
 
@@ -494,11 +505,12 @@ def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tupl
 TENSOR_ROW_BYTES = {"f16": 40 + 8 + 8, "tf32x3": 40 + 8 + 8, "f64": 48 + 16 + 8}
 
 
-def tensor_stages(spec: AttentionSpec, precision: str, tile: int) -> int:
+def tensor_stages(spec: AttentionSpec, precision: str, tile: int, backward: bool = False) -> int:
     """Tiles in shared memory at once (``TC_STAGES``): 2, the next one's copy
-    in flight while the tensor cores work on this one, where two of the
-    largest kernel's (dK/dV's) fit CUDA's 48 KiB of static shared memory;
-    else 1.
+    in flight while the tensor cores work on this one, where two fit CUDA's
+    48 KiB of static shared memory (a key and a value tile of padded rows;
+    in the backward, the largest kernel's, dK/dV's: a query and a ``dO``
+    tile, with :data:`TENSOR_ROW_BYTES` per query row); else 1.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
@@ -509,29 +521,37 @@ def tensor_stages(spec: AttentionSpec, precision: str, tile: int) -> int:
     """
     item = TENSOR_PRECISIONS[precision][1]
     padded = spec.head_dim + spec.value_dim + 2 * 16 // item  # STRIDE(H) + STRIDE(Hv), operands.cuh
-    per_stage = tile * (padded * item + TENSOR_ROW_BYTES[precision])
+    per_stage = tile * (padded * item + (TENSOR_ROW_BYTES[precision] if backward else 0))
     return 2 if 2 * per_stage <= 48 * 1024 - 256 else 1
 
 
 def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> int:
     """Keys per shared-memory tile of the tensor-core forward (query rows in
-    the backward's dK/dV kernel): 64, or 32 in float32 where a thread's
-    operands would not fit its registers (the backward, and heads over 64);
-    in float64 32 in the forward and 16 in the backward (whose operands
-    and accumulators take 255 registers and spill some even so: ptxas
-    reports 440 and 600 bytes for dQ and dK/dV at H=64, against 936 and 1568
-    with 32-row tiles).
+    the backward's dK/dV kernel).
+
+    - Backward: 64 in float16, 32 in float32 and 16 in float64, as a
+      thread's operands and accumulators fit its registers (float64's take
+      255 and spill some even so: ptxas reports 428 and 392 bytes for dQ
+      and dK/dV at H=64, against 936 and 1568 with 32-row tiles).
+    - Forward: 64, or 32 in float32 with heads over 64 and in float64
+      (registers), halved (down to 16) until two tiles fit
+      (:func:`tensor_stages`), so that the next tile's copy overlaps this
+      one's products: 32 keys in float16 at H=Hv=128 (a decode step's head)
+      and in float32 at H=Hv=64, 16 in float64 at H=Hv=64.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
     >>> x = np.zeros((1, 8, 1024, 64), np.float32)
     >>> tensor_tile(make_spec(x, x, x), "tf32x3"), tensor_tile(make_spec(x, x, x), "tf32x3", backward=True)
-    (64, 32)
+    (32, 32)
     """
-    if precision == "f64":
-        return 16 if backward else 32
+    if backward:
+        return {"f16": 64, "tf32x3": 32, "f64": 16}[precision]
     wide = max(spec.head_dim, spec.value_dim) > 64
-    return 32 if precision == "tf32x3" and (backward or wide) else 64
+    tile = 32 if precision == "f64" or (precision == "tf32x3" and wide) else 64
+    while tile > 16 and tensor_stages(spec, precision, tile) < 2:
+        tile //= 2
+    return tile
 
 
 # --- one call's arguments ------------------------------------------------------------
