@@ -479,7 +479,7 @@ def operand_dtype(spec: AttentionSpec) -> Any:
 def _tensor_module(runtime: Runtime, spec: AttentionSpec, precision: str, backward: bool = False) -> Any:
     """The tensor-core forward (with the merge of key ranges) or backward
     (with ``D``) for ``spec``'s dims and ``precision``, each with its own
-    tiles (:func:`tensor_tile`, :func:`tensor_stages`)."""
+    tiles (:func:`tensor_tile`)."""
     kind = "tensor_backward" if backward else "tensor_forward"
     return _compiled(runtime, kind, _tensor_defines(spec, precision, backward))
 
@@ -494,7 +494,6 @@ def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tupl
         ("HEAD_DIM", str(spec.head_dim)),
         ("VALUE_DIM", str(spec.value_dim)),
         ("TC_KEYS", str(tile)),
-        ("TC_STAGES", str(tensor_stages(spec, precision, tile, backward))),
         ("TC_WARPS", str(tensor_warps(spec, backward))),
     )
 
@@ -505,39 +504,34 @@ def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tupl
 TENSOR_ROW_BYTES = {"f16": 40 + 8 + 8, "tf32x3": 40 + 8 + 8, "f64": 48 + 16 + 8}
 
 
-def tensor_stages(spec: AttentionSpec, precision: str, tile: int, backward: bool = False) -> int:
-    """Tiles in shared memory at once (``TC_STAGES``): 2, the next one's copy
-    in flight while the tensor cores work on this one, where two fit CUDA's
-    48 KiB of static shared memory (a key and a value tile of padded rows;
-    in the backward, the largest kernel's, dK/dV's: a query and a ``dO``
-    tile, with :data:`TENSOR_ROW_BYTES` per query row); else 1.
-
-    >>> import numpy as np
-    >>> from npattn.options import make_spec
-    >>> x = np.zeros((1, 8, 1024, 64), np.float16)
-    >>> wide = np.zeros((1, 8, 1024, 128), np.float16)
-    >>> tensor_stages(make_spec(x, x, x), "f16", 64), tensor_stages(make_spec(wide, wide, wide), "f16", 64)
-    (2, 1)
-    """
+def _two_tiles_fit(spec: AttentionSpec, precision: str, tile: int, backward: bool) -> bool:
+    """Whether two tiles (``TC_STAGES``, ``tensor_tiles.cuh``) fit CUDA's 48
+    KiB of static shared memory: a key and a value tile of padded rows in
+    the forward; in the backward, the largest kernel's, dK/dV's: a query and
+    a ``dO`` tile, with :data:`TENSOR_ROW_BYTES` per query row."""
     item = TENSOR_PRECISIONS[precision][1]
     padded = spec.head_dim + spec.value_dim + 2 * 16 // item  # STRIDE(H) + STRIDE(Hv), operands.cuh
     per_stage = tile * (padded * item + (TENSOR_ROW_BYTES[precision] if backward else 0))
-    return 2 if 2 * per_stage <= 48 * 1024 - 256 else 1
+    return 2 * per_stage <= 48 * 1024 - 256
 
 
 def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> int:
     """Keys per shared-memory tile of the tensor-core forward (query rows in
-    the backward's dK/dV kernel).
+    the backward's dK/dV kernel): as many as a thread's operands and
+    accumulators fit its registers, halved (down to 16) until two tiles fit
+    in shared memory, so that the next tile's copy overlaps this one's
+    products (every head size the tensor cores take fits two tiles of 16).
 
-    - Backward: 64 in float16, 32 in float32 and 16 in float64, as a
-      thread's operands and accumulators fit its registers (float64's take
-      255 and spill some even so: ptxas reports 428 and 392 bytes for dQ
-      and dK/dV at H=64, against 936 and 1568 with 32-row tiles).
-    - Forward: 64, or 32 in float32 with heads over 64 and in float64
-      (registers), halved (down to 16) until two tiles fit
-      (:func:`tensor_stages`), so that the next tile's copy overlaps this
-      one's products: 32 keys in float16 at H=Hv=128 (a decode step's head)
-      and in float32 at H=Hv=64, 16 in float64 at H=Hv=64.
+    - By registers: 64; 32 in float32 in the backward and with heads over
+      64 in the forward; in float64 32 in the forward and 16 in the backward
+      (whose kernels take 255 registers and spill some even so: ptxas
+      reports 428 and 392 bytes for dQ and dK/dV at H=64, against 936 and
+      1568 with 32-row tiles).
+    - Halved: 32 keys in the float16 forward at H=Hv=128 (a decode step's
+      head) and the float32 forward at H=Hv=64, 16 in the float64 forward at
+      H=Hv=64; in the backward, 32 rows in float16 with heads over 64 (at
+      H=Hv=128, dK/dV then spills 180 bytes where it spilled 888) and 16 in
+      float32 with heads over 80.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
@@ -545,11 +539,12 @@ def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> 
     >>> tensor_tile(make_spec(x, x, x), "tf32x3"), tensor_tile(make_spec(x, x, x), "tf32x3", backward=True)
     (32, 32)
     """
-    if backward:
-        return {"f16": 64, "tf32x3": 32, "f64": 16}[precision]
     wide = max(spec.head_dim, spec.value_dim) > 64
-    tile = 32 if precision == "f64" or (precision == "tf32x3" and wide) else 64
-    while tile > 16 and tensor_stages(spec, precision, tile) < 2:
+    if backward:
+        tile = {"f16": 64, "tf32x3": 32, "f64": 16}[precision]
+    else:
+        tile = 32 if precision == "f64" or (precision == "tf32x3" and wide) else 64
+    while tile > 16 and not _two_tiles_fit(spec, precision, tile, backward):
         tile //= 2
     return tile
 

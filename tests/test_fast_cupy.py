@@ -433,13 +433,11 @@ def test_tensor_warps_hold_the_forwards_rows():
 
 
 def test_tensor_tiles_fit_static_shared_memory():
-    """The tensor-core kernels' static shared memory (the forward's:
-    TC_STAGES key and value tiles with padded rows; the backward's largest,
-    dK/dV's: TC_STAGES query and dO tiles, and a ``Row``, lse, D and row
-    index per query row; ptxas reports 44032 bytes for float16 at H=Hv=64,
-    as computed here) stays within CUDA's 48 KiB for every head size they
-    take, and the forward always gets two stages (its tiles halved where
-    needed)."""
+    """The tensor-core kernels' static shared memory, two tiles each (the
+    forward's: key and value tiles with padded rows; the backward's largest,
+    dK/dV's: query and dO tiles, and a ``Row``, lse, D and row index per
+    query row; ptxas reports 44032 bytes for float16 at H=Hv=64, as computed
+    here) stays within CUDA's 48 KiB for every head size they take."""
     for dtype, precision, widest in TENSOR_DTYPES:
         step, item = (16 if precision == "f16" else 8), np.dtype(dtype).itemsize
         for H, Hv in itertools.product(range(step, widest + 1, step), repeat=2):
@@ -448,11 +446,10 @@ def test_tensor_tiles_fit_static_shared_memory():
             assert fast_cupy.tensor_precision(spec) == precision
             for backward in (False, True):
                 tile = fast_cupy.tensor_tile(spec, precision, backward)
-                stages = fast_cupy.tensor_stages(spec, precision, tile, backward)
                 rows = tile * ((H + 16 // item) + (Hv + 16 // item)) * item
                 per_row = fast_cupy.TENSOR_ROW_BYTES[precision] if backward else 0
-                assert stages * (rows + tile * per_row) <= 48 * 1024, (dtype, H, Hv, backward)
-                assert tile % 16 == 0 and stages in (1, 2) and (backward or stages == 2)
+                assert 2 * (rows + tile * per_row) <= 48 * 1024, (dtype, H, Hv, backward)
+                assert tile % 16 == 0
 
     def forward_tile(dtype, H):
         x = np.zeros((1, 1, 64, H), dtype)
@@ -460,6 +457,8 @@ def test_tensor_tiles_fit_static_shared_memory():
 
     tiles = [forward_tile(np.float16, 64), forward_tile(np.float16, 128), forward_tile(np.float32, 64)]
     assert tiles + [forward_tile(np.float32, 128), forward_tile(np.float64, 64)] == [64, 32, 32, 16, 16]
+    wide = np.zeros((1, 1, 64, 128), np.float16)
+    assert fast_cupy.tensor_tile(make_spec(wide, wide, wide), "f16", backward=True) == 32
 
 
 @emulated

@@ -10,7 +10,7 @@
 // with the two products S = Q K^T and acc += P V on the tensor cores
 // (operands.cuh). A block holds TC_ROWS stacked rows of a kv head, 16 per
 // warp; key and value tiles of TC_KEYS rows pass through shared memory,
-// copied asynchronously TC_STAGES - 1 tiles ahead (cp.async); the scores, P
+// copied asynchronously a tile ahead (cp.async); the scores, P
 // and acc stay in registers. The exponentials are taken in base 2 (m and s
 // in units of log 2). Splits of the keys (flash-decoding) as in forward.cu.
 //

@@ -3,10 +3,11 @@
 // warp's 16 rows (operands.cuh's layouts): written once for the three kernels.
 //
 // Compile-time constants: TC_KEYS (keys, or query rows, per tile; a multiple
-// of 16), TC_STAGES (1 or 2), TC_WARPS (warps per block, 16 rows or keys
-// each: 4, or 1 or 2 in the forward of a few stacked rows, such as a decode
-// step's), and operands.cuh's.
+// of 16, small enough that TC_STAGES tiles fit: npattn.fast_cupy.tensor_tile),
+// TC_WARPS (warps per block, 16 rows or keys each: 4, or 1 or 2 in the
+// forward of a few stacked rows, such as a decode step's), and operands.cuh's.
 
+#define TC_STAGES 2  // tiles in shared memory: the next one's copy in flight while this one is used
 #define TC_THREADS (32 * TC_WARPS)
 #define TC_ROWS (16 * TC_WARPS)
 #define LOG2_E ((scalar_t)1.4426950408889634)
@@ -44,16 +45,13 @@ __device__ __forceinline__ void load_key_tiles(tile_t* keys, tile_t* values, con
 
 // The tiles of a loop over [first, end) in steps of TILE rows: tile `it`
 // copied into buffer it % TC_STAGES by `issue(it)`, the copy of the next one
-// started before `use(it)` runs on this one (with two stages).
+// started before `use(it)` runs on this one.
 template <int TILE, class Issue, class Use>
 __device__ __forceinline__ void pipelined_tiles(long long first, long long end, Issue issue, Use use) {
   const int tiles = end > first ? (int)((end - first + TILE - 1) / TILE) : 0;
-  if (TC_STAGES > 1 && tiles > 0) issue(0);
+  if (tiles > 0) issue(0);
   for (int it = 0; it < tiles; ++it) {
-    if (TC_STAGES == 1) {
-      issue(it);
-      async_wait<0>();
-    } else if (it + 1 < tiles) {
+    if (it + 1 < tiles) {
       issue(it + 1);
       async_wait<1>();
     } else {
