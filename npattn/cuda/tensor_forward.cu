@@ -43,7 +43,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   const tile_t* q_rows[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const long long r = (long long)blockIdx.x * TC_ROWS + warp * 16 + g + 8 * i;
+    const long long r = block_first_row() + warp * 16 + g + 8 * i;
     long long index;
     rows[i] = stacked_row(pb, b, h, r, stacked, index);
     row_index[i] = r < stacked ? index : -1;

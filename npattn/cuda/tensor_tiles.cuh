@@ -13,6 +13,12 @@
 #define LOG2_E ((scalar_t)1.4426950408889634)
 #define LN_2 ((scalar_t)0.6931471805599453)
 
+// The first stacked query row of this block's TC_ROWS (the forward, dQ),
+// the grid's last tile of rows first: under a causal mask later rows see
+// more keys, so the longest blocks start first and the shortest fill the
+// last wave (longest-first scheduling; GPUs start blocks in blockIdx order).
+__device__ __forceinline__ long long block_first_row() { return (long long)(gridDim.x - 1 - blockIdx.x) * TC_ROWS; }
+
 // `smallest` and `largest` become their minimum and maximum over the warp.
 __device__ __forceinline__ void warp_min_max(long long& smallest, long long& largest) {
 #pragma unroll
