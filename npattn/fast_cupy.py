@@ -128,43 +128,21 @@ MIN_SPLIT_KEYS = 256
 #: :func:`preferred` leaves such calls to it.
 FLOAT64_MAX_SCORES = 2**22
 
+#: The headers every kind of kernels starts with: the score pipeline, the
+#: stacked rows, and the entries' dtypes.
+_COMMON_SOURCES = ("pipeline.cuh", "rows.cuh", "half.cuh", "entries.cuh")
+#: The tensor-core kernels' own headers: PTX, fragments and the tile loop.
+_TENSOR_SOURCES = _COMMON_SOURCES + ("ptx.cuh", "operands.cuh", "tensor_tiles.cuh")
+
 #: The kernels' source files (``npattn/cuda``), in order, by kind: the
-#: CUDA-core kernels (every dtype and head size) and the tensor-core kernels
-#: (:func:`tensor_precision`).
+#: CUDA-core kernels (every dtype and head size), and the tensor-core
+#: forward (with the merge of key ranges) and backward (with ``D``), compiled
+#: apart so that each sizes its own tiles (:func:`tensor_precision`,
+#: :func:`tensor_tile`).
 SOURCES = {
-    "cuda_cores": (
-        "pipeline.cuh",
-        "rows.cuh",
-        "half.cuh",
-        "entries.cuh",
-        "tiles.cuh",
-        "backward_d.cu",
-        "merge.cu",
-        "forward.cu",
-        "backward.cu",
-    ),
-    "tensor_forward": (
-        "pipeline.cuh",
-        "rows.cuh",
-        "half.cuh",
-        "entries.cuh",
-        "ptx.cuh",
-        "operands.cuh",
-        "merge.cu",
-        "tensor_tiles.cuh",
-        "tensor_forward.cu",
-    ),
-    "tensor_backward": (
-        "pipeline.cuh",
-        "rows.cuh",
-        "half.cuh",
-        "entries.cuh",
-        "ptx.cuh",
-        "operands.cuh",
-        "backward_d.cu",
-        "tensor_tiles.cuh",
-        "tensor_backward.cu",
-    ),
+    "cuda_cores": _COMMON_SOURCES + ("tiles.cuh", "backward_d.cu", "merge.cu", "forward.cu", "backward.cu"),
+    "tensor_forward": _TENSOR_SOURCES + ("merge.cu", "tensor_forward.cu"),
+    "tensor_backward": _TENSOR_SOURCES + ("backward_d.cu", "tensor_backward.cu"),
 }
 
 #: Largest ``H`` and ``Hv`` the tensor-core kernels take (their operands
