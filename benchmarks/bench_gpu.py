@@ -5,6 +5,7 @@
     python benchmarks/bench_gpu.py --targets  # issue 18's table: the fused CuPy path against torch
     python benchmarks/bench_gpu.py --count-memory  # the fused path's arrays, counted on the CPU
     python benchmarks/bench_gpu.py --kernels  # where the fused path's time goes, kernel by kernel
+    python benchmarks/bench_gpu.py --tiles    # each tensor-core kernel at each tile size
 
 ``--targets`` prints, for each workload of the fused path's targets, torch
 SDPA, the fused CuPy kernels (``npattn.fast_cupy``, what ``impl="chunked"``
@@ -60,8 +61,8 @@ and float32: what the GPU's pool holds at its peak, kernels aside (they
 allocate nothing). It counted 337.0 MiB for float16 at T=S=16384 where the
 H100 measured 337 MiB.
 
-``--kernels`` says where the fused path's time goes, for the float16 and
-float32 rows of ``--targets`` at T=S=4096 and the decode step: each
+``--kernels`` says where the fused path's time goes, for the float16,
+float32 and float64 rows of ``--targets`` at T=S=4096 and the decode step: each
 kernel's device time (CUDA events around each launch, summed over the
 call; best of ``--repeats`` calls) with the TFLOP/s of its products
 (forward ``4 B N T S H``, dQ ``6``, dK/dV ``8``, halved when causal; a
@@ -71,6 +72,13 @@ measures it), and the host's share: the wall time of ``DECODE_REPEATS``
 calls issued back to back without synchronizing, per call, against the
 host's own time to issue them (which the device time hides only where it
 is the longer).
+
+``--tiles`` times each tensor-core kernel (forward, dQ, dK/dV) at each
+tile size of ``TILE_SIZES`` whose two tiles fit its shared memory
+(``npattn.fast_cupy.tensor_tile`` patched; the other kernels keep their
+own), in float16, float32 and float64 at T=S=4096, full, B=1, N=8, H=64:
+device ms per kernel, best of ``--repeats``, ``*`` on the size
+``tensor_tile`` picks. These are the data to choose its rule from.
 
 Without CuPy or a CUDA device the tables print ``skipped: ...`` and exit
 with 0; bad arguments exit with 2.
@@ -291,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         "--count-memory", action="store_true", help="the fused path's arrays at their peak, counted on the CPU"
     )
     parser.add_argument("--kernels", action="store_true", help="the fused path's time, kernel by kernel")
+    parser.add_argument("--tiles", action="store_true", help="each tensor-core kernel at each tile size")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -312,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         return targets(cp, torch, why_no_torch, args.repeats)
     if args.kernels:
         return kernels(cp, args.repeats)
+    if args.tiles:
+        return tiles(cp, args.repeats)
 
     B, N, H = 1, 8, 64
     lengths = args.lengths or ([256, 512] if args.quick else [1024, 4096, 8192, 16384])
@@ -629,7 +640,7 @@ class _TimedLaunches:
 
 def _kernel_rows():
     """``(label, problem arguments, backward)`` of ``--kernels``."""
-    for dtype in ("float16", "float32"):
+    for dtype in ("float16", "float32", "float64"):
         for causal in (False, True):
             yield f"{dtype} T=S=4096 {'causal' if causal else 'full'}", (dtype, 1, 8, 8, 4096, 4096, 64, causal), True
     yield "float16 decode T=1 S=32768 N=32 K=8 H=128", ("float16", 1, 32, 8, 1, 32768, 128, False), False
@@ -650,16 +661,21 @@ def kernels(cp, repeats: int) -> int:
     return 0
 
 
-def _kernel_row(cp, timed: _TimedLaunches, problem: _Problem, arguments: tuple, backward: bool, repeats: int) -> None:
-    dtype, B, N, K, T, S, H, causal = arguments
-    problem.npattn(backward)  # compiles
+def _best_kernel_ms(timed: _TimedLaunches, problem: _Problem, backward: bool, repeats: int) -> dict[str, float]:
+    """Each kernel's best device ms over ``repeats`` calls, after one that compiles."""
+    problem.npattn(backward)
     best: dict[str, float] = {}
     for _ in range(repeats):
         timed.kernel_ms()
         problem.npattn(backward)
         for kernel, ms in timed.kernel_ms().items():
             best[kernel] = min(best.get(kernel, float("inf")), ms)
-    for kernel, ms in best.items():
+    return best
+
+
+def _kernel_row(cp, timed: _TimedLaunches, problem: _Problem, arguments: tuple, backward: bool, repeats: int) -> None:
+    dtype, B, N, K, T, S, H, causal = arguments
+    for kernel, ms in _best_kernel_ms(timed, problem, backward, repeats).items():
         units = KERNEL_PRODUCTS.get(kernel.removesuffix("_tc"))
         rate = ""
         if units and backward:
@@ -683,6 +699,62 @@ def _kernel_row(cp, timed: _TimedLaunches, problem: _Problem, arguments: tuple, 
         f"a call, of which the host issued for {issued / DECODE_REPEATS * 1e3:.3f} ms",
         flush=True,
     )
+
+
+#: Tile sizes ``--tiles`` tries: keys per tile of the forward and dQ, query rows of dK/dV.
+TILE_SIZES = (16, 32, 64)
+
+#: The tensor-core kernels ``--tiles`` times, and whether each is the backward's.
+TILED_KERNELS = (("npattn_forward_tc", False), ("npattn_backward_dq_tc", True), ("npattn_backward_dkdv_tc", True))
+
+
+def _tile_rows():
+    """``(label, problem arguments)`` of ``--tiles``."""
+    for dtype in ("float16", "float32", "float64"):
+        yield f"{dtype} T=S=4096 full", (dtype, 1, 8, 8, 4096, 4096, 64, False)
+
+
+def tiles(cp, repeats: int) -> int:
+    """Print each tensor-core kernel's device ms at each tile size (see the module's docstring)."""
+    from npattn import fast_cupy
+
+    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+    print(f"npattn tensor-core kernels on {name!s}: device ms by tile size, best of {repeats}; * fast_cupy's choice")
+    print(
+        f"{'problem':<24} {'tile':>5} "
+        + " ".join(f"{kernel.removeprefix('npattn_'):>17}" for kernel, _ in TILED_KERNELS)
+    )
+    timed, chosen = _TimedLaunches(cp, fast_cupy._CUPY_RUNTIME), fast_cupy.tensor_tile
+    with mock.patch.object(fast_cupy, "_CUPY_RUNTIME", timed):
+        for label, arguments in _tile_rows():
+            problem = _Problem(cp, None, *arguments)
+            spec = make_spec(*problem.arrays[:3])
+            precision = fast_cupy.tensor_precision(spec)
+            if precision is None:
+                print(f"{label:<24} skipped: no tensor-core kernels for it on this device")
+                continue
+            for tile in TILE_SIZES:
+                fits = {
+                    backward: fast_cupy._two_tiles_fit(spec, precision, tile, backward) for backward in (False, True)
+                }
+                if not any(fits.values()):
+                    continue
+
+                def rule(spec, precision, backward=False, tile=tile):  # this size where two fit
+                    fit = fast_cupy._two_tiles_fit(spec, precision, tile, backward)
+                    return tile if fit else chosen(spec, precision, backward)
+
+                with mock.patch.object(fast_cupy, "tensor_tile", rule):
+                    best = _best_kernel_ms(timed, problem, True, repeats)
+                cells = [
+                    f"{best[kernel]:16.3f}{'*' if chosen(spec, precision, backward) == tile else ' '}"
+                    if fits[backward]
+                    else f"{'-':>17}"
+                    for kernel, backward in TILED_KERNELS
+                ]
+                print(f"{label:<24} {tile:5d} " + " ".join(cells), flush=True)
+            _free_pools(cp, None)
+    return 0
 
 
 if __name__ == "__main__":

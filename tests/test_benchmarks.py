@@ -199,10 +199,10 @@ class _FakeEvent:
         self.at = _FakeEvent.recorded
 
 
-def test_gpu_benchmark_kernel_breakdown_runs_its_python_side(capsys, monkeypatch):
-    """``bench_gpu.py --kernels``'s own code (events around each launch, the
-    rates, the back-to-back calls) on NumPy in CuPy's place, kernels not run,
-    so that a GPU session's short device time is not lost to it."""
+def _fake_gpu_bench(monkeypatch, runtime):
+    """``bench_gpu`` with NumPy in CuPy's place: the fused path taken on
+    NumPy arrays, its kernels run by ``runtime`` (which runs none), CUDA
+    events that count the events recorded in between."""
     import types
 
     import numpy as np
@@ -215,25 +215,45 @@ def test_gpu_benchmark_kernel_breakdown_runs_its_python_side(capsys, monkeypatch
         import bench_gpu
     finally:
         sys.path.remove(str(BENCHMARKS))
-    runtime = types.SimpleNamespace(deviceSynchronize=lambda: None, getDeviceProperties=lambda i: {"name": "fake"})
+    device = types.SimpleNamespace(deviceSynchronize=lambda: None, getDeviceProperties=lambda i: {"name": "fake"})
     cuda = types.SimpleNamespace(
         Event=_FakeEvent,
         get_elapsed_time=lambda a, b: b.at - a.at,
-        runtime=runtime,
+        runtime=device,
         Device=lambda: types.SimpleNamespace(id=0),
     )
     pool = types.SimpleNamespace(free_all_blocks=lambda: None)
     cp = types.SimpleNamespace(
-        asarray=np.asarray, float16=np.float16, float32=np.float32, cuda=cuda, get_default_memory_pool=lambda: pool
+        asarray=np.asarray,
+        float16=np.float16,
+        float32=np.float32,
+        float64=np.float64,
+        cuda=cuda,
+        get_default_memory_pool=lambda: pool,
     )
+    monkeypatch.setattr(npattn.fast_numpy, "supports", lambda spec: False)
+    monkeypatch.setattr(fast_cupy, "supports", fast_cupy._kernels_take)
+    monkeypatch.setattr(fast_cupy, "_CUPY_RUNTIME", runtime)
+    return bench_gpu, cp
+
+
+def test_gpu_benchmark_kernel_breakdown_runs_its_python_side(capsys, monkeypatch):
+    """``bench_gpu.py --kernels``'s own code (events around each launch, the
+    rates, the back-to-back calls) on NumPy in CuPy's place, kernels not run,
+    so that a GPU session's short device time is not lost to it."""
+    import numpy as np
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    bench_gpu, cp = _fake_gpu_bench(monkeypatch, bench_gpu._NoKernels())
     rows = [
         ("float16 causal", ("float16", 1, 2, 2, 64, 64, 16, True), True),
         ("decode", ("float16", 1, 8, 2, 1, 600, 16, False), False),
     ]
     monkeypatch.setattr(bench_gpu, "_kernel_rows", lambda: rows)
-    monkeypatch.setattr(npattn.fast_numpy, "supports", lambda spec: False)
-    monkeypatch.setattr(fast_cupy, "supports", fast_cupy._kernels_take)
-    monkeypatch.setattr(fast_cupy, "_CUPY_RUNTIME", bench_gpu._NoKernels())
     with np.errstate(all="ignore"):  # the arrays the kernels would fill hold whatever was in memory
         assert bench_gpu.kernels(cp, repeats=2) == 0
     out = capsys.readouterr().out
@@ -247,3 +267,42 @@ def test_gpu_benchmark_kernel_breakdown_runs_its_python_side(capsys, monkeypatch
         "npattn_merge_splits",
     ]
     assert out.count("TFLOP/s") == 3 and out.count("GB/s of k and v") == 1 and out.count("back to back") == 2
+
+
+def test_gpu_benchmark_tile_sweep_compiles_each_size_that_fits(capsys, monkeypatch):
+    """``bench_gpu.py --tiles``' own code on NumPy in CuPy's place, kernels
+    not run: a row per tile size whose two tiles fit, each kernel compiled
+    with that size (``TC_KEYS``), ``*`` on fast_cupy's choice."""
+    import numpy as np
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+    class Compiled(bench_gpu._NoKernels):
+        def __init__(self):
+            self.tiles = set()
+
+        def module(self, source, defines):
+            values = dict(defines)
+            self.tiles.add((values["PRECISION"], "npattn_backward_dq_tc(" in source, int(values["TC_KEYS"])))
+
+    runtime = Compiled()
+    bench_gpu, cp = _fake_gpu_bench(monkeypatch, runtime)
+    rows = [(f"{dtype} full", (dtype, 1, 2, 2, 64, 64, 64, False)) for dtype in ("float16", "float64")]
+    monkeypatch.setattr(bench_gpu, "_tile_rows", lambda: rows)
+    with np.errstate(all="ignore"):
+        assert bench_gpu.tiles(cp, repeats=1) == 0
+    table = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    # float64 at H=64: only tiles of 16 fit twice (the forward's 32 keys take 66 KiB)
+    assert [(row[0], row[2]) for row in table] == [
+        ("float16", "16"),
+        ("float16", "32"),
+        ("float16", "64"),
+        ("float64", "16"),
+    ]
+    assert [sum(cell.endswith("*") for cell in row[3:]) for row in table] == [0, 0, 3, 3]
+    f16 = {(backward, tile) for precision, backward, tile in runtime.tiles if precision == "PRECISION_F16"}
+    assert f16 == {(backward, tile) for backward in (False, True) for tile in (16, 32, 64)}
