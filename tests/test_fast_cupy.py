@@ -437,7 +437,8 @@ def test_tensor_tiles_fit_static_shared_memory():
     forward's: key and value tiles with padded rows; the backward's largest,
     dK/dV's: query and dO tiles, and a ``Row``, lse, D and row index per
     query row; ptxas reports 44032 bytes for float16 at H=Hv=64, as computed
-    here) stays within CUDA's 48 KiB for every head size they take."""
+    here) stays within CUDA's 48 KiB for every head size they take; and the
+    tiles halved to fit are the sizes tensor_tile's docstring names."""
     for dtype, precision, widest in TENSOR_DTYPES:
         step, item = (16 if precision == "f16" else 8), np.dtype(dtype).itemsize
         for H, Hv in itertools.product(range(step, widest + 1, step), repeat=2):
