@@ -78,7 +78,11 @@ tile size of ``TILE_SIZES`` whose two tiles fit its shared memory
 (``npattn.fast_cupy.tensor_tile`` patched; the other kernels keep their
 own), in float16, float32 and float64 at T=S=4096, full, B=1, N=8, H=64:
 device ms per kernel, best of ``--repeats``, ``*`` on the size
-``tensor_tile`` picks. These are the data to choose its rule from.
+``tensor_tile`` picks; then the decode step's forward (the ``--targets``
+row) with its keys split for each of ``SPLIT_SWEEP`` blocks per
+multiprocessor (``npattn.fast_cupy.SPLIT_BLOCKS_PER_SM`` patched): its key
+ranges, the forward's and the merge's device ms and the GB/s of ``k`` and
+``v``. These are the data to choose both rules from.
 
 Without CuPy or a CUDA device the tables print ``skipped: ...`` and exit
 with 0; bad arguments exit with 2.
@@ -490,6 +494,10 @@ def count_memory(lengths: list[int]) -> int:
 #: Repeats of the decode rows, whose calls take tens of microseconds.
 DECODE_REPEATS = 50
 
+#: The decode step of the targets: (dtype, B, N, K, T, S, H, causal), T=1
+#: against S=32768, N=32 query heads on 8 kv heads, H=128, float16.
+DECODE = ("float16", 1, 32, 8, 1, 32768, 128, False)
+
 
 class _Problem:
     """q (B, N, T, H), k and v (B, K, S, H), dout like q, on CuPy and on torch."""
@@ -543,7 +551,7 @@ def _target_rows():
             for causal in (False, True):
                 mask = "causal" if causal else "full"
                 yield f"{dtype} T=S={T} {mask} fwd+bwd", (dtype, 1, 8, 8, T, T, 64, causal), True, T == 4096
-    yield "float16 decode T=1 S=32768 N=32 K=8 H=128 fwd", ("float16", 1, 32, 8, 1, 32768, 128, False), False, True
+    yield "float16 decode T=1 S=32768 N=32 K=8 H=128 fwd", DECODE, False, True
 
 
 def _target_row(cp, torch, label, arguments, backward, with_generic, repeats) -> None:
@@ -614,6 +622,7 @@ class _TimedLaunches:
 
     def __init__(self, cp, inner):
         self.cp, self.inner, self.events = cp, inner, []
+        self.grids: dict[str, tuple[int, int, int]] = {}  # each kernel's last grid
 
     def module(self, source, defines):
         return self.inner.module(source, defines)
@@ -624,6 +633,7 @@ class _TimedLaunches:
     def launch(self, module, name, grid, threads, args):
         start, end = self.cp.cuda.Event(), self.cp.cuda.Event()
         start.record()
+        self.grids[name] = grid
         self.inner.launch(module, name, grid, threads, args)
         end.record()
         self.events.append((name, start, end))
@@ -643,7 +653,7 @@ def _kernel_rows():
     for dtype in ("float16", "float32", "float64"):
         for causal in (False, True):
             yield f"{dtype} T=S=4096 {'causal' if causal else 'full'}", (dtype, 1, 8, 8, 4096, 4096, 64, causal), True
-    yield "float16 decode T=1 S=32768 N=32 K=8 H=128", ("float16", 1, 32, 8, 1, 32768, 128, False), False
+    yield "float16 decode T=1 S=32768 N=32 K=8 H=128", DECODE, False
 
 
 def kernels(cp, repeats: int) -> int:
@@ -704,6 +714,9 @@ def _kernel_row(cp, timed: _TimedLaunches, problem: _Problem, arguments: tuple, 
 #: Tile sizes ``--tiles`` tries: keys per tile of the forward and dQ, query rows of dK/dV.
 TILE_SIZES = (16, 32, 64)
 
+#: Blocks per multiprocessor ``--tiles`` splits a decode step's keys for.
+SPLIT_SWEEP = (2, 4, 8, 16)
+
 #: The tensor-core kernels ``--tiles`` times, and whether each is the backward's.
 TILED_KERNELS = (("npattn_forward_tc", False), ("npattn_backward_dq_tc", True), ("npattn_backward_dkdv_tc", True))
 
@@ -754,7 +767,26 @@ def tiles(cp, repeats: int) -> int:
                 ]
                 print(f"{label:<24} {tile:5d} " + " ".join(cells), flush=True)
             _free_pools(cp, None)
+        _split_rows(cp, timed, repeats)
     return 0
+
+
+def _split_rows(cp, timed: _TimedLaunches, repeats: int) -> None:
+    """The decode step's forward at each of SPLIT_SWEEP blocks per multiprocessor."""
+    from npattn import fast_cupy
+
+    dtype, B, N, K, _, S, H, _ = DECODE
+    problem = _Problem(cp, None, *DECODE)
+    print(f"decode T=1 S={S} N={N} K={K} H={H}: blocks per SM, key ranges, forward ms, merge ms, GB/s of k and v")
+    for per_sm in SPLIT_SWEEP:
+        with mock.patch.object(fast_cupy, "SPLIT_BLOCKS_PER_SM", per_sm):
+            best = _best_kernel_ms(timed, problem, False, repeats)
+        splits = timed.grids["npattn_forward_tc"][2] // B  # the grid's z: batch elements times key ranges
+        total = sum(best.values())
+        rate = 2 * B * K * S * H * np.dtype(dtype).itemsize / total / 1e6
+        forward, merge = best.get("npattn_forward_tc", float("nan")), best.get("npattn_merge_splits", 0.0)
+        print(f"  {per_sm:3d} {splits:5d} {forward:9.3f} {merge:9.3f} {rate:9.1f}", flush=True)
+    _free_pools(cp, None)
 
 
 if __name__ == "__main__":

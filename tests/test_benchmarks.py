@@ -272,7 +272,8 @@ def test_gpu_benchmark_kernel_breakdown_runs_its_python_side(capsys, monkeypatch
 def test_gpu_benchmark_tile_sweep_compiles_each_size_that_fits(capsys, monkeypatch):
     """``bench_gpu.py --tiles``' own code on NumPy in CuPy's place, kernels
     not run: a row per tile size whose two tiles fit, each kernel compiled
-    with that size (``TC_KEYS``), ``*`` on fast_cupy's choice."""
+    with that size (``TC_KEYS``), ``*`` on fast_cupy's choice; then the
+    decode step's key ranges at each blocks-per-multiprocessor rule."""
     import numpy as np
 
     sys.path.insert(0, str(BENCHMARKS))
@@ -295,7 +296,9 @@ def test_gpu_benchmark_tile_sweep_compiles_each_size_that_fits(capsys, monkeypat
     monkeypatch.setattr(bench_gpu, "_tile_rows", lambda: rows)
     with np.errstate(all="ignore"):
         assert bench_gpu.tiles(cp, repeats=1) == 0
-    table = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    lines = capsys.readouterr().out.splitlines()
+    decode = lines.index(next(line for line in lines if line.startswith("decode")))
+    table = [line.split() for line in lines[2:decode]]
     # float64 at H=64: only tiles of 16 fit twice (the forward's 32 keys take 66 KiB)
     assert [(row[0], row[2]) for row in table] == [
         ("float16", "16"),
@@ -306,3 +309,6 @@ def test_gpu_benchmark_tile_sweep_compiles_each_size_that_fits(capsys, monkeypat
     assert [sum(cell.endswith("*") for cell in row[3:]) for row in table] == [0, 0, 3, 3]
     f16 = {(backward, tile) for precision, backward, tile in runtime.tiles if precision == "PRECISION_F16"}
     assert f16 == {(backward, tile) for backward in (False, True) for tile in (16, 32, 64)}
+    # the decode step's keys split for 2, 4, 8, 16 blocks per SM of 132 (8 one-warp blocks a range),
+    # at most S / MIN_SPLIT_KEYS = 128 ranges
+    assert [int(line.split()[1]) for line in lines[decode + 1 :]] == [33, 66, 128, 128]
