@@ -56,6 +56,7 @@ PLAIN_CALL = (
     ("!pb.kv_segments", "true"),
     ("sees_whole_tile(range)", "true"),
     ("scale_log2 > 0 &&", ""),
+    ("if (end - first >= ROWS_)", "if (true)"),
     ("seen && warp_last < pb.S", "true"),
 )
 

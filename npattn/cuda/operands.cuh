@@ -216,6 +216,36 @@ __device__ __forceinline__ void load_tile(tile_t* tile, const tile_t* __restrict
   }
 }
 
+// load_tile of consecutive rows [first, first + ROWS_) (the key and value
+// tiles): each thread's sources step by constants from one pointer, so that
+// a whole tile, the common one, takes one instruction a piece; a partial
+// tile tests each row.
+template <int WIDTH, int ROWS_, int THREADS_>
+__device__ __forceinline__ void load_rows(tile_t* tile, const tile_t* __restrict__ matrix, long long first,
+                                          long long end) {
+  constexpr int per_piece = 16 / (int)sizeof(tile_t), pieces = WIDTH / per_piece;
+  constexpr int step = THREADS_ / pieces;
+  if constexpr (THREADS_ % pieces == 0 && step <= ROWS_ && ROWS_ % step == 0) {
+    const int r0 = threadIdx.x / pieces, c = threadIdx.x % pieces * per_piece;
+    const shared_address_t target = shared_address(tile) + (r0 * STRIDE(WIDTH) + c) * (int)sizeof(tile_t);
+    const tile_t* source = matrix + (first + r0) * WIDTH + c;
+    constexpr int target_step = step * STRIDE(WIDTH) * (int)sizeof(tile_t), source_step = step * WIDTH;
+    if (end - first >= ROWS_) {
+#pragma unroll
+      for (int j = 0; j < ROWS_ / step; ++j) async_copy_16(target + j * target_step, source + j * source_step, true);
+    } else {
+      const int rows = (int)(end - first);
+#pragma unroll
+      for (int j = 0; j < ROWS_ / step; ++j) {
+        const bool valid = r0 + j * step < rows;
+        async_copy_16(target + j * target_step, valid ? source + j * source_step : matrix, valid);
+      }
+    }
+  } else {
+    load_tile<WIDTH, ROWS_, THREADS_>(tile, matrix, first, end, [](long long r) { return r; });
+  }
+}
+
 // Sum of x over the 4 lanes of a row's group (lanes 4g .. 4g + 3).
 __device__ __forceinline__ scalar_t group_sum(scalar_t x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);

@@ -43,9 +43,8 @@ __device__ __forceinline__ void block_key_span(const Row (&rows)[2], long long* 
 __device__ __forceinline__ void load_key_tiles(tile_t* keys, tile_t* values, const tile_t* __restrict__ k,
                                                const tile_t* __restrict__ v, long long kv_base, long long tile,
                                                long long end) {
-  auto same_row = [](long long r) { return r; };
-  load_tile<HEAD_DIM, TC_KEYS, TC_THREADS>(keys, k + kv_base * HEAD_DIM, tile, end, same_row);
-  load_tile<VALUE_DIM, TC_KEYS, TC_THREADS>(values, v + kv_base * VALUE_DIM, tile, end, same_row);
+  load_rows<HEAD_DIM, TC_KEYS, TC_THREADS>(keys, k + kv_base * HEAD_DIM, tile, end);
+  load_rows<VALUE_DIM, TC_KEYS, TC_THREADS>(values, v + kv_base * VALUE_DIM, tile, end);
   async_commit();
 }
 
