@@ -11,7 +11,9 @@ on 8 kv heads, in blocks of one warp), and prints per kernel: the registers
 a thread takes and the bytes it spills (the shipped kernels), and the
 instructions of the loop over tiles on a plain call's path: the kernels
 built again with that call's runtime flags made compile-time (no softcap,
-ALiBi, dropout or segment ids; every key of a tile seen), so that the
+ALiBi, dropout or segment ids; a positive scale; every key of a tile seen,
+every row of a tile copied; one query head per kv head, as in the
+targets' B=1, N=8, K=8), so that the
 compiler drops the other branches and the loop holds what a whole tile of a
 plain call executes, with its tensor-core instructions (HMMA; DMMA in
 float64) counted apart. Fewer instructions per MMA is what a kernel bound
@@ -57,6 +59,7 @@ PLAIN_CALL = (
     ("sees_whole_tile(range)", "true"),
     ("scale_log2 > 0 &&", ""),
     ("if (end - first >= ROWS_)", "if (true)"),
+    ("if (pb.G == 1)", "if (true)"),
     ("seen && warp_last < pb.S", "true"),
 )
 

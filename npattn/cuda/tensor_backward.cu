@@ -203,10 +203,16 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
       async_copy_entry(shared_address(&tile_lse[stage][e]), lse + index);
       async_copy_entry(shared_address(&tile_D[stage][e]), D + index);
     }
-    __syncthreads();
-    auto indexed = [&](long long r) { return tile_index[stage][r - tile]; };
-    load_tile<HEAD_DIM, TC_KEYS, TC_THREADS>(query_tile[stage], q, tile, stacked_end, indexed);
-    load_tile<VALUE_DIM, TC_KEYS, TC_THREADS>(dout_tile[stage], dout, tile, stacked_end, indexed);
+    if (pb.G == 1) {  // one query head per kv head: the stacked rows are consecutive rows of head h
+      const long long head_rows = ((long long)b * pb.N + h) * pb.T;
+      load_rows<HEAD_DIM, TC_KEYS, TC_THREADS>(query_tile[stage], q + head_rows * HEAD_DIM, tile, stacked_end);
+      load_rows<VALUE_DIM, TC_KEYS, TC_THREADS>(dout_tile[stage], dout + head_rows * VALUE_DIM, tile, stacked_end);
+    } else {
+      __syncthreads();  // every row's index written
+      auto indexed = [&](long long r) { return tile_index[stage][r - tile]; };
+      load_tile<HEAD_DIM, TC_KEYS, TC_THREADS>(query_tile[stage], q, tile, stacked_end, indexed);
+      load_tile<VALUE_DIM, TC_KEYS, TC_THREADS>(dout_tile[stage], dout, tile, stacked_end, indexed);
+    }
     async_commit();
   };
   const long long warp_first = key_first + warp * 16, warp_last = warp_first + 15;  // this warp's keys
