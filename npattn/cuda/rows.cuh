@@ -3,12 +3,16 @@
 // position-major (row r = i * G + g is query i of head n = h * G + g), and the
 // query rows a range of keys is seen by, and the keys a block's rows see.
 
-// Head n = h * G + g and query i of stacked row r = i * G + g of kv head h:
+// Head n = h * G + g and query i of stacked row r = i * G + g < G * T of kv
+// head h: none with one query head per kv head (i = r < T, an int), else
 // in 32-bit arithmetic wherever r fits (a 64-bit division is a call of some
 // 70 instructions; a call has over 2^31 stacked rows per kv head only past
 // G * T = 2^31).
 __device__ __forceinline__ void stacked_position(const Problem& pb, int h, long long r, int& n, int& i) {
-  if (r <= 0x7fffffffLL) {
+  if (pb.G == 1) {
+    i = (int)r;
+    n = h;
+  } else if (r <= 0x7fffffffLL) {
     i = (int)r / pb.G;
     n = h * pb.G + ((int)r - i * pb.G);
   } else {

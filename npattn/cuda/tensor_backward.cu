@@ -195,7 +195,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   auto issue = [&](int it) {
     const long long tile = first * pb.G + (long long)it * TC_KEYS;
     const int stage = it % TC_STAGES;
-    for (int e = threadIdx.x; e < TC_KEYS; e += TC_THREADS) {  // each row's index once (a division by G)
+    static_assert(TC_KEYS <= TC_THREADS, "a thread per query row of a tile");
+    if (const int e = threadIdx.x; e < TC_KEYS) {  // each row's index once (a division by G)
       long long index;
       tile_rows[stage][e] = stacked_row(pb, b, h, tile + e, stacked_end, index);
       tile_index[stage][e] = index;
