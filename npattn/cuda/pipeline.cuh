@@ -142,7 +142,9 @@ __device__ __forceinline__ Row make_row(const Problem& pb, int b, int n, int i) 
   row.end_key = padded ? first : end;
   row.segment = (pb.q_segments && i < pb.T) ? pb.q_segments[(long long)b * pb.T + i] : 0;
   row.slope = pb.slopes ? pb.slopes[(long long)b * pb.N + n] : (scalar_t)0;
-  row.hash = mix32(mix32(mix32((unsigned int)b ^ pb.seed_hash) ^ (unsigned int)n) ^ (unsigned int)(pb.row0 + i));
+  // only dropout reads the hash (dK/dV makes a Row per query row and tile)
+  const unsigned int row_number = (unsigned int)(pb.row0 + i);
+  row.hash = pb.dropout ? mix32(mix32(mix32((unsigned int)b ^ pb.seed_hash) ^ (unsigned int)n) ^ row_number) : 0u;
   return row;
 }
 

@@ -231,8 +231,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = nb * 8 + 2 * t + e % 2;
-          s[nb][e] = plain_entry_backward(s[nb][e], dp[nb][e], scale_log2, tile_lse[stage][c] * LOG2_E, tile_D[stage][c],
-                                          dp[nb][e]);
+          const scalar_t lse_log2 = tile_lse[stage][c] * LOG2_E;
+          s[nb][e] = plain_entry_backward(s[nb][e], dp[nb][e], scale_log2, lse_log2, tile_D[stage][c], dp[nb][e]);
         }
     } else {
 #pragma unroll
