@@ -78,7 +78,9 @@ tile size of ``TILE_SIZES`` whose two tiles fit its shared memory
 (``npattn.fast_cupy.tensor_tile`` patched; the other kernels keep their
 own), in float16, float32 and float64 at T=S=4096, full, B=1, N=8, H=64:
 device ms per kernel, best of ``--repeats``, ``*`` on the size
-``tensor_tile`` picks; then the decode step's forward (the ``--targets``
+``tensor_tile`` picks, and the forward again without its registers capped
+to fit ``npattn.fast_cupy.tensor_min_blocks`` blocks per multiprocessor
+("forward uncapped", where they are); then the decode step's forward (the ``--targets``
 row) with its keys split for each of ``SPLIT_SWEEP`` blocks per
 multiprocessor (``npattn.fast_cupy.SPLIT_BLOCKS_PER_SM`` patched): its key
 ranges, the forward's and the merge's device ms and the GB/s of ``k`` and
@@ -733,11 +735,9 @@ def tiles(cp, repeats: int) -> int:
 
     name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
     print(f"npattn tensor-core kernels on {name!s}: device ms by tile size, best of {repeats}; * fast_cupy's choice")
-    print(
-        f"{'problem':<24} {'tile':>5} "
-        + " ".join(f"{kernel.removeprefix('npattn_'):>17}" for kernel, _ in TILED_KERNELS)
-    )
-    timed, chosen = _TimedLaunches(cp, fast_cupy._CUPY_RUNTIME), fast_cupy.tensor_tile
+    columns = [kernel.removeprefix("npattn_") for kernel, _ in TILED_KERNELS] + ["forward uncapped"]
+    print(f"{'problem':<24} {'tile':>5} " + " ".join(f"{column:>17}" for column in columns))
+    timed = _TimedLaunches(cp, fast_cupy._CUPY_RUNTIME)
     with mock.patch.object(fast_cupy, "_CUPY_RUNTIME", timed):
         for label, arguments in _tile_rows():
             problem = _Problem(cp, None, *arguments)
@@ -747,28 +747,39 @@ def tiles(cp, repeats: int) -> int:
                 print(f"{label:<24} skipped: no tensor-core kernels for it on this device")
                 continue
             for tile in TILE_SIZES:
-                fits = {
-                    backward: fast_cupy._two_tiles_fit(spec, precision, tile, backward) for backward in (False, True)
-                }
-                if not any(fits.values()):
-                    continue
-
-                def rule(spec, precision, backward=False, tile=tile):  # this size where two fit
-                    fit = fast_cupy._two_tiles_fit(spec, precision, tile, backward)
-                    return tile if fit else chosen(spec, precision, backward)
-
-                with mock.patch.object(fast_cupy, "tensor_tile", rule):
-                    best = _best_kernel_ms(timed, problem, True, repeats)
-                cells = [
-                    f"{best[kernel]:16.3f}{'*' if chosen(spec, precision, backward) == tile else ' '}"
-                    if fits[backward]
-                    else f"{'-':>17}"
-                    for kernel, backward in TILED_KERNELS
-                ]
-                print(f"{label:<24} {tile:5d} " + " ".join(cells), flush=True)
+                _tile_row(timed, problem, spec, precision, tile, label, repeats)
             _free_pools(cp, None)
         _split_rows(cp, timed, repeats)
     return 0
+
+
+def _tile_row(timed: _TimedLaunches, problem: _Problem, spec, precision: str, tile: int, label: str, repeats: int):
+    """One row of ``--tiles``: each kernel at ``tile`` where two fit, and the
+    forward without its registers capped (``tensor_min_blocks``) where they are."""
+    from npattn import fast_cupy
+
+    chosen = fast_cupy.tensor_tile
+    fits = {backward: fast_cupy._two_tiles_fit(spec, precision, tile, backward) for backward in (False, True)}
+    if not any(fits.values()):
+        return
+
+    def rule(spec, precision, backward=False):  # this size where two fit
+        return tile if fast_cupy._two_tiles_fit(spec, precision, tile, backward) else chosen(spec, precision, backward)
+
+    with mock.patch.object(fast_cupy, "tensor_tile", rule):
+        best = _best_kernel_ms(timed, problem, True, repeats)
+        uncapped = None
+        if fits[False] and fast_cupy.tensor_min_blocks(spec, precision):
+            with mock.patch.object(fast_cupy, "tensor_min_blocks", lambda spec, precision: 0):
+                uncapped = _best_kernel_ms(timed, problem, False, repeats)["npattn_forward_tc"]
+    cells = [
+        f"{best[kernel]:16.3f}{'*' if chosen(spec, precision, backward) == tile else ' '}"
+        if fits[backward]
+        else f"{'-':>17}"
+        for kernel, backward in TILED_KERNELS
+    ]
+    cells.append(f"{'-':>17}" if uncapped is None else f"{uncapped:16.3f} ")
+    print(f"{label:<24} {tile:5d} " + " ".join(cells), flush=True)
 
 
 def _split_rows(cp, timed: _TimedLaunches, repeats: int) -> None:

@@ -16,7 +16,8 @@ every row of a tile copied; one query head per kv head, as in the
 targets' B=1, N=8, K=8), so that the
 compiler drops the other branches and the loop holds what a whole tile of a
 plain call executes, with its tensor-core instructions (HMMA; DMMA in
-float64) counted apart. Fewer instructions per MMA is what a kernel bound
+float64) and its spill loads and stores (LDL, STL: spilled bytes outside
+the loop cost once a block) counted apart. Fewer instructions per MMA is what a kernel bound
 by instruction issue needs; whether a change makes the kernels faster is
 for ``bench_gpu.py --targets`` on a GPU to say.
 
@@ -118,9 +119,10 @@ def registers(report: str) -> dict[str, tuple[int, int]]:
     return found
 
 
-def tile_loops(listing: str) -> dict[str, tuple[int, int]]:
-    """``{kernel: (instructions, HMMA or DMMA instructions)}`` of each kernel's
-    longest loop (the span of its longest backward branch)."""
+def tile_loops(listing: str) -> dict[str, tuple[int, int, int]]:
+    """``{kernel: (instructions, HMMA or DMMA instructions, spill loads and
+    stores)}`` of each kernel's longest loop (the span of its longest
+    backward branch)."""
     loops = {}
     for part in listing.split("Function : ")[1:]:
         name = part.split()[0]
@@ -133,7 +135,8 @@ def tile_loops(listing: str) -> dict[str, tuple[int, int]]:
         if spans:
             first, last = max(spans, key=lambda s: s[1] - s[0])
             body = [op for a, op in code if first <= a <= last]
-            loops[name] = (len(body), sum(op.startswith(("HMMA", "DMMA")) for op in body))
+            mma = sum(op.startswith(("HMMA", "DMMA")) for op in body)
+            loops[name] = (len(body), mma, sum(op.startswith(("LDL", "STL")) for op in body))
     return loops
 
 
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     H = args.head_dim
     print(f"tensor-core kernels, H=Hv={H}, sm_90: registers / spilled bytes (as shipped); the plain tile loop")
     header = f"{'precision':<10} {'kernel':<26} {'registers':>9} {'spilled':>8}"
-    print(f"{header} {'loop instr':>11} {'MMA':>5} {'per MMA':>9}")
+    print(f"{header} {'loop instr':>11} {'MMA':>5} {'per MMA':>9} {'loop spills':>12}")
     with tempfile.TemporaryDirectory() as folder:
         for dtype in (np.float16, np.float32, np.float64):
             x = np.zeros((1, 8, 4096, H), dtype)
@@ -179,10 +182,11 @@ def main(argv: list[str] | None = None) -> int:
                 for name in (
                     ("npattn_backward_dq_tc", "npattn_backward_dkdv_tc") if backward else ("npattn_forward_tc",)
                 ):
-                    count, mma = loops[name]
+                    count, mma, loop_spills = loops[name]
                     regs, spilled = shipped[name]
                     label = name + (" (decode)" if spec is step else "")
-                    print(f"{precision:<10} {label:<26} {regs:9d} {spilled:8d} {count:11d} {mma:5d} {count / mma:9.1f}")
+                    figures = f"{regs:9d} {spilled:8d} {count:11d} {mma:5d} {count / mma:9.1f} {loop_spills:12d}"
+                    print(f"{precision:<10} {label:<26} {figures}")
     return 0
 
 

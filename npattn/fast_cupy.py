@@ -465,7 +465,7 @@ def _tensor_module(runtime: Runtime, spec: AttentionSpec, precision: str, backwa
 def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tuple[tuple[str, str], ...]:
     """The ``-D`` definitions of :func:`_tensor_module` (``benchmarks/count_sass.py`` compiles with them too)."""
     tile = tensor_tile(spec, precision, backward)
-    return (
+    defines = (
         ("scalar_t", "double" if precision == "f64" else "float"),
         ("OPERANDS_F16", str(int(precision == "f16"))),
         ("PRECISION", TENSOR_PRECISIONS[precision][0]),
@@ -474,6 +474,36 @@ def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tupl
         ("TC_KEYS", str(tile)),
         ("TC_WARPS", str(tensor_warps(spec, backward))),
     )
+    return defines if backward else defines + (("TC_MIN_BLOCKS", str(tensor_min_blocks(spec, precision))),)
+
+
+#: Blocks per multiprocessor the tensor-core forward's registers are capped
+#: to fit (``TC_MIN_BLOCKS``), by precision, for heads up to 64 and wider
+#: ones: as many as leave its tile loop without a spill load or store
+#: (ptxas for sm_90, every head size; the loops' instruction counts within 5
+#: of the uncapped ones, whose 157-219 registers fit 2 or 3 blocks). 0: the
+#: compiler's choice (float64's 252 registers spill in the loop at 3).
+TENSOR_FORWARD_MIN_BLOCKS = {"f16": (4, 3), "tf32x3": (3, 0), "f64": (0, 0)}
+
+
+def tensor_min_blocks(spec: AttentionSpec, precision: str) -> int:
+    """Blocks of 4 warps per multiprocessor the tensor-core forward is
+    compiled to fit (``__launch_bounds__``'s second argument): from
+    :data:`TENSOR_FORWARD_MIN_BLOCKS`, so that more warps hide the
+    latencies of its copies and products; 0 (the compiler's choice) for
+    the blocks of one or two warps of a few stacked rows, which registers
+    do not limit.
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> x, wide = np.zeros((1, 8, 1024, 64), np.float16), np.zeros((1, 8, 1024, 128), np.float16)
+    >>> tensor_min_blocks(make_spec(x, x, x), "f16"), tensor_min_blocks(make_spec(wide, wide, wide), "f16")
+    (4, 3)
+    """
+    if tensor_warps(spec) < 4:
+        return 0
+    narrow, wide = TENSOR_FORWARD_MIN_BLOCKS[precision]
+    return narrow if max(spec.head_dim, spec.value_dim) <= 64 else wide
 
 
 #: Bytes of ``pipeline.cuh``'s ``Row`` at most (four int64, a scalar_t and

@@ -284,11 +284,13 @@ def test_gpu_benchmark_tile_sweep_compiles_each_size_that_fits(capsys, monkeypat
 
     class Compiled(bench_gpu._NoKernels):
         def __init__(self):
-            self.tiles = set()
+            self.tiles, self.caps = set(), set()
 
         def module(self, source, defines):
             values = dict(defines)
             self.tiles.add((values["PRECISION"], "npattn_backward_dq_tc(" in source, int(values["TC_KEYS"])))
+            if "TC_MIN_BLOCKS" in values:  # the forward's
+                self.caps.add((values["PRECISION"], int(values["TC_KEYS"]), int(values["TC_MIN_BLOCKS"])))
 
     runtime = Compiled()
     bench_gpu, cp = _fake_gpu_bench(monkeypatch, runtime)
@@ -307,6 +309,9 @@ def test_gpu_benchmark_tile_sweep_compiles_each_size_that_fits(capsys, monkeypat
         ("float64", "16"),
     ]
     assert [sum(cell.endswith("*") for cell in row[3:]) for row in table] == [0, 0, 3, 3]
+    # the forward again with its registers uncapped where they are capped (float16: 4 blocks an SM)
+    assert [row[-1] for row in table][-1] == "-" and all(row[-1] != "-" for row in table[:3])
+    assert runtime.caps == {("PRECISION_F16", t, c) for t in (16, 32, 64) for c in (4, 0)} | {("PRECISION_F64", 16, 0)}
     f16 = {(backward, tile) for precision, backward, tile in runtime.tiles if precision == "PRECISION_F16"}
     assert f16 == {(backward, tile) for backward in (False, True) for tile in (16, 32, 64)}
     # the decode step's keys split for 2, 4, 8, 16 blocks per SM of 132 (8 one-warp blocks a range),

@@ -462,6 +462,22 @@ def test_tensor_tiles_fit_static_shared_memory():
     assert fast_cupy.tensor_tile(make_spec(wide, wide, wide), "f16", backward=True) == 32
 
 
+def test_tensor_min_blocks_cap_only_the_four_warp_forward():
+    """The forward's registers are capped (``TC_MIN_BLOCKS``) by precision and
+    head size; decode steps' one-warp blocks and the backward are not."""
+
+    def caps(dtype, H, T=64, N=8):
+        q, kv = np.zeros((1, N, T, H), dtype), np.zeros((1, 8, 64, H), dtype)
+        spec = make_spec(q, kv, kv)
+        precision = fast_cupy.tensor_precision(spec)
+        forward, backward = (dict(fast_cupy._tensor_defines(spec, precision, b)) for b in (False, True))
+        assert "TC_MIN_BLOCKS" not in backward
+        return int(forward["TC_MIN_BLOCKS"])
+
+    assert [caps(np.float16, 64), caps(np.float16, 128), caps(np.float32, 64), caps(np.float32, 128)] == [4, 3, 3, 0]
+    assert [caps(np.float64, 64), caps(np.float16, 64, T=1, N=32)] == [0, 0]
+
+
 @emulated
 @pytest.mark.parametrize("case", ["decode splits", "decode splits window", "decode splits no keys"])
 def test_decoding_splits_the_keys(case):

@@ -14,9 +14,17 @@
 // and acc stay in registers. The exponentials are taken in base 2 (m and s
 // in units of log 2). Splits of the keys (flash-decoding) as in forward.cu.
 //
-// Compile-time constants: tensor_tiles.cuh's.
+// Compile-time constants: tensor_tiles.cuh's, and TC_MIN_BLOCKS: blocks per
+// multiprocessor the registers are capped to fit (npattn.fast_cupy.
+// tensor_min_blocks; 0: the compiler's choice).
 
-extern "C" __global__ void __launch_bounds__(TC_THREADS)
+#if TC_MIN_BLOCKS > 0
+#define TC_FORWARD_BOUNDS __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
+#else
+#define TC_FORWARD_BOUNDS __launch_bounds__(TC_THREADS)
+#endif
+
+extern "C" __global__ void TC_FORWARD_BOUNDS
     npattn_forward_tc(const tile_t* __restrict__ q,  // (B, N, T, H)
                       const tile_t* __restrict__ k,  // (B, KH, S, H)
                       const tile_t* __restrict__ v,  // (B, KH, S, Hv)
