@@ -533,7 +533,7 @@ def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> 
     - By registers: 64; 32 in float32 in the backward and with heads over
       64 in the forward; in float64 32 in the forward and 16 in the backward
       (whose kernels take 255 registers and spill some even so: ptxas
-      reports 428 and 392 bytes for dQ and dK/dV at H=64, against 936 and
+      reports 420 and 392 bytes for dQ and dK/dV at H=64, against 936 and
       1568 with 32-row tiles).
     - Halved: 32 keys in the float16 forward at H=Hv=128 (a decode step's
       head) and the float32 forward at H=Hv=64, 16 in the float64 forward at
