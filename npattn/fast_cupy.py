@@ -538,8 +538,8 @@ def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> 
     - Halved: 32 keys in the float16 forward at H=Hv=128 (a decode step's
       head) and the float32 forward at H=Hv=64, 16 in the float64 forward at
       H=Hv=64; in the backward, 32 rows in float16 with heads over 64 (at
-      H=Hv=128, dK/dV then spills 180 bytes where it spilled 888) and 16 in
-      float32 with heads over 80.
+      H=Hv=128, dK/dV then spills 168 bytes, none in its loop, where it
+      spilled 888) and 16 in float32 with heads over 80.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
