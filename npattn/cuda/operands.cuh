@@ -186,29 +186,43 @@ __device__ __forceinline__ void b_pair_from_columns(FragB (&b)[2], const tile_t*
 #endif
 }
 
+// A block's split of a tile of ROWS_ rows of WIDTH entries into 16-byte
+// pieces, consecutive threads on consecutive pieces. Where the block's
+// threads cover whole rows (`strided`), each copies column `c` of rows r0,
+// r0 + step, ..., so that its shared addresses step by constants from
+// `target`.
+template <int WIDTH, int ROWS_, int THREADS_>
+struct Pieces {
+  static constexpr int per_piece = 16 / (int)sizeof(tile_t), count = WIDTH / per_piece;  // WIDTH: whole pieces
+  static constexpr int step = THREADS_ / count;  // rows between a thread's pieces
+  static constexpr bool strided = THREADS_ % count == 0 && step <= ROWS_ && ROWS_ % step == 0;
+  static constexpr int target_step = step * STRIDE(WIDTH) * (int)sizeof(tile_t);
+  int r0, c;
+  shared_address_t target;
+  __device__ __forceinline__ explicit Pieces(const tile_t* tile)
+      : r0(threadIdx.x / count),
+        c(threadIdx.x % count * per_piece),
+        target(shared_address(tile) + (r0 * STRIDE(WIDTH) + c) * (int)sizeof(tile_t)) {}
+};
+
 // Start copying rows [first, first + ROWS_) of a (rows, WIDTH) row-major
 // matrix into a tile, zeros past `end` (ptx.cuh's cp.async: complete after
 // async_wait and a barrier); `row_of(r)` gives the matrix row of tile row r.
-// Consecutive threads copy consecutive 16-byte pieces: where the block's
-// threads cover whole rows, each thread the same column of every
-// THREADS_ / pieces-th row, so that its addresses step by constants.
 template <int WIDTH, int ROWS_, int THREADS_, class RowOf>
 __device__ __forceinline__ void load_tile(tile_t* tile, const tile_t* __restrict__ matrix, long long first,
                                           long long end, RowOf row_of) {
-  constexpr int per_piece = 16 / (int)sizeof(tile_t), pieces = WIDTH / per_piece;  // WIDTH: whole pieces
-  constexpr int step = THREADS_ / pieces;  // rows between a thread's pieces
-  if constexpr (THREADS_ % pieces == 0 && step <= ROWS_ && ROWS_ % step == 0) {
-    const int r0 = threadIdx.x / pieces, c = threadIdx.x % pieces * per_piece;
-    const shared_address_t target = shared_address(tile) + (r0 * STRIDE(WIDTH) + c) * (int)sizeof(tile_t);
+  using P = Pieces<WIDTH, ROWS_, THREADS_>;
+  if constexpr (P::strided) {
+    const P p(tile);
 #pragma unroll
-    for (int j = 0; j < ROWS_ / step; ++j) {
-      const long long r = first + r0 + j * step;
-      const tile_t* source = r < end ? matrix + row_of(r) * WIDTH + c : matrix;
-      async_copy_16(target + j * step * STRIDE(WIDTH) * (int)sizeof(tile_t), source, r < end);
+    for (int j = 0; j < ROWS_ / P::step; ++j) {
+      const long long r = first + p.r0 + j * P::step;
+      const tile_t* source = r < end ? matrix + row_of(r) * WIDTH + p.c : matrix;
+      async_copy_16(p.target + j * P::target_step, source, r < end);
     }
   } else {
-    for (int e = threadIdx.x; e < ROWS_ * pieces; e += THREADS_) {
-      const int r = e / pieces, c = (e % pieces) * per_piece;
+    for (int e = threadIdx.x; e < ROWS_ * P::count; e += THREADS_) {
+      const int r = e / P::count, c = (e % P::count) * P::per_piece;
       const bool valid = first + r < end;
       const tile_t* source = valid ? matrix + row_of(first + r) * WIDTH + c : matrix;
       async_copy_16(shared_address(tile) + (r * STRIDE(WIDTH) + c) * (int)sizeof(tile_t), source, valid);
@@ -223,22 +237,21 @@ __device__ __forceinline__ void load_tile(tile_t* tile, const tile_t* __restrict
 template <int WIDTH, int ROWS_, int THREADS_>
 __device__ __forceinline__ void load_rows(tile_t* tile, const tile_t* __restrict__ matrix, long long first,
                                           long long end) {
-  constexpr int per_piece = 16 / (int)sizeof(tile_t), pieces = WIDTH / per_piece;
-  constexpr int step = THREADS_ / pieces;
-  if constexpr (THREADS_ % pieces == 0 && step <= ROWS_ && ROWS_ % step == 0) {
-    const int r0 = threadIdx.x / pieces, c = threadIdx.x % pieces * per_piece;
-    const shared_address_t target = shared_address(tile) + (r0 * STRIDE(WIDTH) + c) * (int)sizeof(tile_t);
-    const tile_t* source = matrix + (first + r0) * WIDTH + c;
-    constexpr int target_step = step * STRIDE(WIDTH) * (int)sizeof(tile_t), source_step = step * WIDTH;
+  using P = Pieces<WIDTH, ROWS_, THREADS_>;
+  if constexpr (P::strided) {
+    const P p(tile);
+    const tile_t* source = matrix + (first + p.r0) * WIDTH + p.c;
+    constexpr int source_step = P::step * WIDTH;
     if (end - first >= ROWS_) {
 #pragma unroll
-      for (int j = 0; j < ROWS_ / step; ++j) async_copy_16(target + j * target_step, source + j * source_step, true);
+      for (int j = 0; j < ROWS_ / P::step; ++j)
+        async_copy_16(p.target + j * P::target_step, source + j * source_step, true);
     } else {
       const int rows = (int)(end - first);
 #pragma unroll
-      for (int j = 0; j < ROWS_ / step; ++j) {
-        const bool valid = r0 + j * step < rows;
-        async_copy_16(target + j * target_step, valid ? source + j * source_step : matrix, valid);
+      for (int j = 0; j < ROWS_ / P::step; ++j) {
+        const bool valid = p.r0 + j * P::step < rows;
+        async_copy_16(p.target + j * P::target_step, valid ? source + j * source_step : matrix, valid);
       }
     }
   } else {
