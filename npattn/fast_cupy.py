@@ -96,6 +96,9 @@ TILE_BYTES = 32 * 1024
 #: Threads per block.
 BLOCK_THREADS = 128
 
+#: Threads per block of ``npattn_merge_splits`` (``merge.cu``): one block a row.
+MERGE_THREADS = 128
+
 #: CUDA's limit on a grid's y and z sizes: kv heads run on y, batch
 #: elements (times key ranges) on z.
 MAX_GRID_YZ = 65535
@@ -719,8 +722,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None
         parts = (out, lse)
         out = xp.empty((B, N, T, Hv), dtype=spec.compute_dtype, device=spec.device)
         lse = xp.empty((B, N, T), dtype=spec.compute_dtype, device=spec.device)
-        blocks = -(-B * N * T // (BLOCK_THREADS // 32))  # a warp per row
-        runtime.launch(module, "npattn_merge_splits", (blocks, 1, 1), BLOCK_THREADS, (*parts, out, lse, call.config))
+        runtime.launch(module, "npattn_merge_splits", (B * N * T, 1, 1), MERGE_THREADS, (*parts, out, lse, call.config))
     bs = spec.batch_shape
     return xp.reshape(out, bs + (N, T, Hv)), xp.reshape(lse, bs + (N, T))  # (..., N, T, Hv), (..., N, T)
 

@@ -490,6 +490,35 @@ def test_decoding_splits_the_keys(case):
 
 
 @emulated
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_merge_kernel_merges_many_ranges(tensor_cores):
+    """``npattn_merge_splits`` against :func:`npattn.merge.merge_partials`
+    directly: more ranges than the block has threads (each thread and warp
+    strides over several), more columns than a warp has lanes, a row that
+    no range saw and ranges that saw no key."""
+    from npattn.merge import merge_partials
+
+    splits, N, Hv = 2 * fast_cupy.MERGE_THREADS + 37, 3, 40
+    q, k, v = (np.zeros((1, N, 1, 8)), np.zeros((1, N, 4, 8)), np.zeros((1, N, 4, Hv)))
+    spec, runtime = make_spec(q, k, v), EmulatedRuntime()
+    if tensor_cores:
+        module = fast_cupy._tensor_module(runtime, spec, "f64")
+    else:
+        module = fast_cupy._module(runtime, spec, fast_cupy.launch_shape(spec))
+    rng = np.random.default_rng(0)
+    outs = rng.standard_normal((splits, N, Hv))  # (splits, rows, Hv)
+    lses = 3 * rng.standard_normal((splits, N))  # (splits, rows)
+    lses[:, 1], lses[::5, 2], outs[:, 1] = -np.inf, -np.inf, 0.0
+    out, lse = np.empty((N, Hv)), np.empty(N)
+    config = fast_cupy._Call(spec, splits).config
+    runtime.launch(module, "npattn_merge_splits", (N, 1, 1), fast_cupy.MERGE_THREADS, (outs, lses, out, lse, config))
+    expected_out, expected_lse, _ = merge_partials(list(outs), list(lses))
+    np.testing.assert_allclose(out, expected_out, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-13)
+    assert lse[1] == -np.inf and not out[1].any()
+
+
+@emulated
 def test_fully_masked_rows():
     fused, _, _ = _both_paths("lengths bottom_right")
     out, lse, dq = fused[:3]
@@ -715,6 +744,12 @@ def test_config_dtype_follows_the_kernels_struct():
         (name, fast_cupy.CONFIG_DTYPE.fields[name][0]) for name in fast_cupy.CONFIG_DTYPE.names
     ]
     assert fast_cupy.CONFIG_DTYPE.itemsize == 8 * len(fields)
+
+
+def test_merge_threads_follow_the_kernel():
+    """The merge's launches use the block size ``merge.cu`` is written for."""
+    source = (resources.files("npattn") / "cuda" / "merge.cu").read_text()
+    assert f"constexpr int MERGE_THREADS = {fast_cupy.MERGE_THREADS};" in source
 
 
 def test_cupy_runtime_looks_each_kernel_up_once():
