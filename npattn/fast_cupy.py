@@ -245,9 +245,8 @@ class CupyRuntime:
         kernel = self._kernels.get((module, name))
         if kernel is None:
             kernel = self._kernels[(module, name)] = module.get_function(name)
-        null = np.uint64(0)  # a NULL pointer (CuPy turns None into 0xffffffff)
         with args[0].device:  # the arrays' device, whichever is current
-            kernel(grid, (threads, 1, 1), tuple(null if a is None else a for a in args))
+            kernel(grid, (threads, 1, 1), tuple(_cupy_argument(a) for a in args))
 
     def multiprocessors(self, like: Any) -> int:
         device = like.device.id
@@ -257,6 +256,15 @@ class CupyRuntime:
 
 
 _CUPY_RUNTIME = CupyRuntime()
+
+_NULL = np.uint64(0)  # a NULL pointer (CuPy turns None into 0xffffffff)
+
+
+def _cupy_argument(a: Any) -> Any:
+    """One kernel argument as :class:`CupyRuntime` passes it to CuPy."""
+    if a is None:
+        return _NULL
+    return a.view(_CONFIG_BYTES) if isinstance(a, np.ndarray) else a
 
 
 @functools.cache
@@ -589,6 +597,12 @@ CONFIG_DTYPE = np.dtype(
     ]
     + [(name, np.float64) for name in ("scale", "softcap", "keep_scale")]
 )
+
+
+#: ``Config`` as one unstructured byte-string value: CuPy reads a by-value
+#: array's ``__array_interface__``, which NumPy builds field by field for a
+#: structured dtype (~11 µs a launch on a 2-core EPYC VM, ~1 µs as bytes).
+_CONFIG_BYTES = np.dtype((np.void, CONFIG_DTYPE.itemsize))
 
 
 class _Call:

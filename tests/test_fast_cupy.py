@@ -754,7 +754,9 @@ def test_merge_threads_follow_the_kernel():
 
 def test_cupy_runtime_looks_each_kernel_up_once():
     """CupyRuntime asks a module for a kernel once, then reuses it (without
-    CuPy: a module and arrays that record what they are asked)."""
+    CuPy: a module and arrays that record what they are asked), passing
+    ``None`` as a null pointer and the ``Config`` struct as its bytes,
+    unstructured (CuPy builds a structured array's interface field by field)."""
     import contextlib
     import types
 
@@ -767,10 +769,15 @@ def test_cupy_runtime_looks_each_kernel_up_once():
 
     array = types.SimpleNamespace(device=contextlib.nullcontext())
     runtime, module = fast_cupy.CupyRuntime(), Module()
+    config = np.zeros(1, fast_cupy.CONFIG_DTYPE)
+    config["T"], config["scale"] = 7, 0.125
     for name in ("npattn_forward_tc", "npattn_merge_splits", "npattn_forward_tc"):
-        runtime.launch(module, name, (1, 2, 3), 32, (array, None))
+        runtime.launch(module, name, (1, 2, 3), 32, (array, None, config))
     assert asked == ["npattn_forward_tc", "npattn_merge_splits"] and len(launched) == 3
     assert launched[0][1:3] == ((1, 2, 3), (32, 1, 1)) and launched[0][3][1] == 0  # None: a null pointer
+    passed = launched[0][3][2]
+    assert passed.dtype.names is None and passed.shape == (1,) and passed.tobytes() == config.tobytes()
+    assert config.dtype == fast_cupy.CONFIG_DTYPE  # the caller's array is left as it was
 
 
 def test_splits_stay_within_the_grid():
