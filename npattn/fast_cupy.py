@@ -492,9 +492,12 @@ def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tupl
 #: to fit (``TC_MIN_BLOCKS``), by precision, for heads up to 64 and wider
 #: ones: as many as leave its tile loop without a spill load or store
 #: (ptxas for sm_90, every head size; the loops' instruction counts within 5
-#: of the uncapped ones, whose 157-219 registers fit 2 or 3 blocks). 0: the
-#: compiler's choice (float64's 252 registers spill in the loop at 3).
-TENSOR_FORWARD_MIN_BLOCKS = {"f16": (4, 3), "tf32x3": (3, 0), "f64": (0, 0)}
+#: of the uncapped ones). 0: the compiler's choice. On an H100 at T=S=4096,
+#: H=64: float16 capped to 4 blocks 0.198 ms, uncapped (167 registers, 3
+#: blocks) 0.200; at 32-key tiles 0.227 against 0.283. float32 capped to 3
+#: blocks (168 registers) 0.916 ms, uncapped (202, 2 blocks) 0.675: no cap.
+#: float64's 252 registers spill in the loop at 3 blocks.
+TENSOR_FORWARD_MIN_BLOCKS = {"f16": (4, 3), "tf32x3": (0, 0), "f64": (0, 0)}
 
 
 def tensor_min_blocks(spec: AttentionSpec, precision: str) -> int:
