@@ -614,7 +614,7 @@ def targets(cp, torch, why_no_torch, repeats: int) -> int:
 
 # --- where the time goes ------------------------------------------------------------
 
-#: Products per kernel, in units of ``2 B N T S H`` multiply-adds (before causal halves them).
+#: Products per kernel, each ``B N T S H`` multiply-adds (before causal halves them).
 KERNEL_PRODUCTS = {"npattn_forward": 2, "npattn_backward_dq": 3, "npattn_backward_dkdv": 4}
 
 
@@ -691,7 +691,7 @@ def _kernel_row(cp, timed: _TimedLaunches, problem: _Problem, arguments: tuple, 
         units = KERNEL_PRODUCTS.get(kernel.removesuffix("_tc"))
         rate = ""
         if units and backward:
-            flops = 2 * units * 2 * B * N * T * S * H / (2 if causal else 1)
+            flops = 2 * units * B * N * T * S * H / (2 if causal else 1)  # 2 flops a multiply-add
             rate = f" {flops / ms / 1e9:8.1f} TFLOP/s"
         elif units:  # a decode step reads k and v once
             rate = f" {2 * B * K * S * H * np.dtype(dtype).itemsize / ms / 1e6:8.1f} GB/s of k and v"

@@ -250,7 +250,7 @@ def test_gpu_benchmark_kernel_breakdown_runs_its_python_side(capsys, monkeypatch
         sys.path.remove(str(BENCHMARKS))
     bench_gpu, cp = _fake_gpu_bench(monkeypatch, bench_gpu._NoKernels())
     rows = [
-        ("float16 causal", ("float16", 1, 2, 2, 64, 64, 16, True), True),
+        ("float16 causal", ("float16", 1, 8, 8, 4096, 4096, 16, True), True),
         ("decode", ("float16", 1, 8, 2, 1, 600, 16, False), False),
     ]
     monkeypatch.setattr(bench_gpu, "_kernel_rows", lambda: rows)
@@ -267,6 +267,9 @@ def test_gpu_benchmark_kernel_breakdown_runs_its_python_side(capsys, monkeypatch
         "npattn_merge_splits",
     ]
     assert out.count("TFLOP/s") == 3 and out.count("GB/s of k and v") == 1 and out.count("back to back") == 2
+    # each launch spans one fake "ms"; 2 flops a multiply-add, B N T S H of them a product, halved by causal
+    rates = [float(line.split()[3]) for line in out.splitlines() if line.endswith("TFLOP/s")]
+    assert rates == pytest.approx([2 * products * 8 * 4096**2 * 16 / 2 / 1e9 for products in (2, 3, 4)], abs=0.06)
 
 
 def test_gpu_benchmark_tile_sweep_compiles_each_size_that_fits(capsys, monkeypatch):
