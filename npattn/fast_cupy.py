@@ -166,6 +166,14 @@ TENSOR_PRECISIONS = {"f16": ("PRECISION_F16", 2), "tf32x3": ("PRECISION_TF32X3",
 #: kernels: an ``mma``'s 16 rows.
 TENSOR_WARP_ROWS = 16
 
+#: Warps per block of the tensor-core backward, by precision: 4, but 8 in
+#: float64, whose dQ an H100 ran in 1.54 ms with 8 warps against 1.69 with
+#: 4 (dK/dV 2.245 against 2.239; T=S=4096, H=64; one block of 8 warps a
+#: multiprocessor either way, at 255 registers). With 8, float16's dQ and
+#: dK/dV took 0.235 and 0.350 ms against 0.211 and 0.324, float32's 0.982
+#: and 1.500 against 0.957 and 1.467.
+TENSOR_BACKWARD_WARPS = {"f16": 4, "tf32x3": 4, "f64": 8}
+
 
 def supports(spec: AttentionSpec) -> bool:
     """Whether the fused kernels run ``spec``: CuPy arrays computing in
@@ -428,21 +436,27 @@ def _tensor_capable(device: Any) -> bool:
 
 def tensor_warps(spec: AttentionSpec, backward: bool = False) -> int:
     """Warps per block of the tensor-core kernels (``TC_WARPS``), each with
-    :data:`TENSOR_WARP_ROWS` stacked query rows (or keys, in dK/dV): 4; in
-    the forward of a call with at most 32 stacked rows ``G * T`` per kv head
-    (a decode step: ``G * T = 4`` at 32 query heads on 8 kv heads, ``T = 1``),
-    as few as hold them, so that no warp of a block idles and the blocks,
-    one or two warps each, split the keys among more of them
-    (flash-decoding, :func:`_splits`).
+    :data:`TENSOR_WARP_ROWS` stacked query rows (or keys, in dK/dV): 4, or
+    :data:`TENSOR_BACKWARD_WARPS` in the backward; in the forward of a call
+    with at most 32 stacked rows ``G * T`` per kv head (a decode step:
+    ``G * T = 4`` at 32 query heads on 8 kv heads, ``T = 1``), as few as
+    hold them, so that no warp of a block idles and the blocks, one or two
+    warps each, split the keys among more of them (flash-decoding,
+    :func:`_splits`).
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
     >>> q, kv = np.zeros((1, 32, 1, 128), np.float16), np.zeros((1, 8, 4096, 128), np.float16)
     >>> tensor_warps(make_spec(q, kv, kv)), tensor_warps(make_spec(kv, kv, kv))
     (1, 4)
+    >>> x64 = np.zeros((1, 8, 4096, 64))
+    >>> tensor_warps(make_spec(kv, kv, kv), backward=True), tensor_warps(make_spec(x64, x64, x64), backward=True)
+    (4, 8)
     """
     rows = spec.group_size * spec.q_len
-    if backward or rows > 2 * TENSOR_WARP_ROWS:
+    if backward:
+        return TENSOR_BACKWARD_WARPS.get(tensor_precision(spec) or "", 4)
+    if rows > 2 * TENSOR_WARP_ROWS:
         return 4
     return 1 if rows <= TENSOR_WARP_ROWS else 2
 

@@ -422,14 +422,16 @@ def test_tensor_cores_need_compute_capability_80():
 
 
 def test_tensor_warps_hold_the_forwards_rows():
-    """As many warps of 16 rows as a block's stacked rows need, up to 4; the backward's blocks always 4."""
+    """As many warps of 16 rows as a block's stacked rows need, up to 4; the
+    backward's blocks always 4, 8 in float64."""
 
-    def warps(T, N=1, backward=False):
-        q, k, v, _ = _problem(batch=(1,), N=N, K=1, T=T, S=8, H=16, Hv=16, dtype=np.float16)
+    def warps(T, N=1, backward=False, dtype=np.float16):
+        q, k, v, _ = _problem(batch=(1,), N=N, K=1, T=T, S=8, H=16, Hv=16, dtype=dtype)
         return fast_cupy.tensor_warps(make_spec(q, k, v), backward)
 
     assert [warps(1), warps(1, N=16), warps(17), warps(4, N=8), warps(33), warps(5000)] == [1, 1, 2, 2, 4, 4]
-    assert warps(1, backward=True) == 4
+    assert [warps(1, backward=True, dtype=dtype) for dtype in (np.float16, np.float32, np.float64)] == [4, 4, 8]
+    assert warps(5000, dtype=np.float64) == 4
 
 
 def test_tensor_tiles_fit_static_shared_memory():
