@@ -453,9 +453,10 @@ def tensor_warps(spec: AttentionSpec, backward: bool = False) -> int:
     >>> tensor_warps(make_spec(kv, kv, kv), backward=True), tensor_warps(make_spec(x64, x64, x64), backward=True)
     (4, 8)
     """
-    rows = spec.group_size * spec.q_len
     if backward:
-        return TENSOR_BACKWARD_WARPS.get(tensor_precision(spec) or "", 4)
+        precision = tensor_precision(spec)
+        return 4 if precision is None else TENSOR_BACKWARD_WARPS[precision]
+    rows = spec.group_size * spec.q_len
     if rows > 2 * TENSOR_WARP_ROWS:
         return 4
     return 1 if rows <= TENSOR_WARP_ROWS else 2
