@@ -58,8 +58,9 @@ with NumPy arrays in CuPy's place and kernels that do nothing, and prints the
 peak bytes its arrays take beyond the inputs (``tracemalloc``) for the peak
 memory row's problem (B=1, N=8, H=64, causal, forward+backward) in float16
 and float32: what the GPU's pool holds at its peak, kernels aside (they
-allocate nothing). It counted 337.0 MiB for float16 at T=S=16384 where the
-H100 measured 337 MiB.
+allocate nothing). It counts 97.0 MiB for float16 at T=S=16384, what the
+H100 measured (and, for the code before float16 stayed float16, 337.0 MiB
+where the H100 measured 337).
 
 ``--kernels`` says where the fused path's time goes, for the float16,
 float32 and float64 rows of ``--targets`` at T=S=4096 and the decode step: each

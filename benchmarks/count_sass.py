@@ -17,7 +17,12 @@ targets' B=1, N=8, K=8), so that the
 compiler drops the other branches and the loop holds what a whole tile of a
 plain call executes, with its tensor-core instructions (HMMA; DMMA in
 float64) and its spill loads and stores (LDL, STL: spilled bytes outside
-the loop cost once a block) counted apart. Fewer instructions per MMA is what a kernel bound
+the loop cost once a block) counted apart; and the spill loads and stores
+in the shipped kernel's tile loop ("shipped loop"), whose registers are
+allocated for every branch of it, so that a plain call can spill there
+where the plain build does not (the float16 forward, capped to 4 blocks:
+Nsight Compute counted 3.5 million spill requests in one call at
+T=S=4096 on an H100). Fewer instructions per MMA is what a kernel bound
 by instruction issue needs; whether a change makes the kernels faster is
 for ``bench_gpu.py --targets`` on a GPU to say.
 
@@ -162,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     H = args.head_dim
     print(f"tensor-core kernels, H=Hv={H}, sm_90: registers / spilled bytes (as shipped); the plain tile loop")
     header = f"{'precision':<10} {'kernel':<26} {'registers':>9} {'spilled':>8}"
-    print(f"{header} {'loop instr':>11} {'MMA':>5} {'per MMA':>9} {'loop spills':>12}")
+    print(f"{header} {'loop instr':>11} {'MMA':>5} {'per MMA':>9} {'loop spills':>12} {'shipped loop':>13}")
     with tempfile.TemporaryDirectory() as folder:
         for dtype in (np.float16, np.float32, np.float64):
             x = np.zeros((1, 8, 4096, H), dtype)
@@ -177,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                     plain = plain.replace(text, replacement)
                 defines = dict(fast_cupy._tensor_defines(spec, precision, backward))
                 options = ["--std=c++17", "-arch=compute_90"] + [f"-D{k}={v}" for k, v in defines.items()]
-                shipped = registers(tools.assemble(tools.ptx(source, options), folder)[0])
+                report, listing = tools.assemble(tools.ptx(source, options), folder)
+                shipped, shipped_loops = registers(report), tile_loops(listing)
                 loops = tile_loops(tools.assemble(tools.ptx(plain, options), folder)[1])
                 for name in (
                     ("npattn_backward_dq_tc", "npattn_backward_dkdv_tc") if backward else ("npattn_forward_tc",)
@@ -186,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                     regs, spilled = shipped[name]
                     label = name + (" (decode)" if spec is step else "")
                     figures = f"{regs:9d} {spilled:8d} {count:11d} {mma:5d} {count / mma:9.1f} {loop_spills:12d}"
+                    figures += f" {shipped_loops[name][2]:13d}"
                     print(f"{precision:<10} {label:<26} {figures}")
     return 0
 

@@ -505,9 +505,11 @@ def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tupl
 
 #: Blocks per multiprocessor the tensor-core forward's registers are capped
 #: to fit (``TC_MIN_BLOCKS``), by precision, for heads up to 64 and wider
-#: ones: as many as leave its tile loop without a spill load or store
-#: (ptxas for sm_90, every head size; the loops' instruction counts within 5
-#: of the uncapped ones). 0: the compiler's choice. On an H100 at T=S=4096,
+#: ones: as many as leave its tile loop, built for a plain call, without a
+#: spill load or store (ptxas for sm_90, every head size; the loops'
+#: instruction counts within 5 of the uncapped ones; the shipped float16
+#: forward at H=64 does spill in its loop, ``count_sass.py``). 0: the
+#: compiler's choice. On an H100 at T=S=4096,
 #: H=64: float16 capped to 4 blocks 0.198 ms, uncapped (167 registers, 3
 #: blocks) 0.200; at 32-key tiles 0.227 against 0.283. float32 capped to 3
 #: blocks (168 registers) 0.916 ms, uncapped (202, 2 blocks) 0.675: no cap.
@@ -562,12 +564,12 @@ def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> 
     - By registers: 64; 32 in float32 in the backward and with heads over
       64 in the forward; in float64 32 in the forward and 16 in the backward
       (whose kernels take 255 registers and spill some even so: ptxas
-      reports 420 and 392 bytes for dQ and dK/dV at H=64, against 936 and
+      reports 420 bytes each for dQ and dK/dV at H=64, against 936 and
       1568 with 32-row tiles).
     - Halved: 32 keys in the float16 forward at H=Hv=128 (a decode step's
       head) and the float32 forward at H=Hv=64, 16 in the float64 forward at
       H=Hv=64; in the backward, 32 rows in float16 with heads over 64 (at
-      H=Hv=128, dK/dV then spills 168 bytes, none in its loop, where it
+      H=Hv=128, dK/dV then spills 168 bytes, none in its plain-call loop, where it
       spilled 888) and 16 in float32 with heads over 80.
 
     >>> import numpy as np
