@@ -6,6 +6,7 @@
     python benchmarks/bench_gpu.py --count-memory  # the fused path's arrays, counted on the CPU
     python benchmarks/bench_gpu.py --kernels  # where the fused path's time goes, kernel by kernel
     python benchmarks/bench_gpu.py --tiles    # each tensor-core kernel at each tile size
+    python benchmarks/bench_gpu.py --auto     # the fused path against the dense one at small sizes
 
 ``--targets`` prints, for each workload of the fused path's targets, torch
 SDPA, the fused CuPy kernels (``npattn.fast_cupy``, what ``impl="chunked"``
@@ -86,6 +87,14 @@ row) with its keys split for each of ``SPLIT_SWEEP`` blocks per
 multiprocessor (``npattn.fast_cupy.SPLIT_BLOCKS_PER_SM`` patched): its key
 ranges, the forward's and the merge's device ms and the GB/s of ``k`` and
 ``v``. These are the data to choose both rules from.
+
+``--auto`` holds up ``impl="auto"``'s rule on CuPy (the fused kernels
+wherever they run the call, however small): the dense path and the fused
+path (``impl="chunked"``) on CuPy, the dense side timed before and after
+the fused one (best of ``AUTO_REPEATS`` synchronized calls each), at B=1,
+N=8, H=64, T=S from 16 to 2048, full and causal, forward+backward, and
+decode steps (T=1 against S from 128 to 32768, N=32 on 8 kv heads, H=128,
+forward), in float16, float32 and float64, with the path ``"auto"`` takes.
 
 Without CuPy or a CUDA device the tables print ``skipped: ...`` and exit
 with 0; bad arguments exit with 2.
@@ -307,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--kernels", action="store_true", help="the fused path's time, kernel by kernel")
     parser.add_argument("--tiles", action="store_true", help="each tensor-core kernel at each tile size")
+    parser.add_argument("--auto", action="store_true", help="the fused path against the dense one at small sizes")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -330,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         return kernels(cp, args.repeats)
     if args.tiles:
         return tiles(cp, args.repeats)
+    if args.auto:
+        return auto(cp)
 
     B, N, H = 1, 8, 64
     lengths = args.lengths or ([256, 512] if args.quick else [1024, 4096, 8192, 16384])
@@ -516,10 +528,10 @@ class _Problem:
             self.tensors = [torch.tensor(a, device="cuda").to(getattr(torch, dtype)) for a in host]
         self.options = dict(causal=causal, align="bottom_right" if causal and T != S else None)
 
-    def npattn(self, backward: bool, settings: dict[str, str] | None = None):
+    def npattn(self, backward: bool, settings: dict[str, str] | None = None, impl: str = "chunked"):
         q, k, v, dout = self.arrays
         with _environment(settings or {}):
-            out, res = attention_forward(q, k, v, impl="chunked", **self.options)
+            out, res = attention_forward(q, k, v, impl=impl, **self.options)
             if backward:
                 attention_backward(dout, res)
         return out
@@ -610,6 +622,47 @@ def targets(cp, torch, why_no_torch, repeats: int) -> int:
         reps = repeats if backward else DECODE_REPEATS
         _target_row(cp, torch, label, arguments, backward, with_generic, reps)
         _free_pools(cp, torch)
+    return 0
+
+
+# --- impl="auto" on CuPy -------------------------------------------------------------
+
+#: Timed calls per side of each ``--auto`` row (calls of 0.1-3 ms).
+AUTO_REPEATS = 20
+
+
+def _auto_rows():
+    """``(label, problem arguments, backward)`` of ``--auto``."""
+    for dtype in ("float16", "float32", "float64"):
+        for T in (16, 64, 256, 1024, 2048):
+            for causal in (False, True):
+                mask = "causal" if causal else "full"
+                yield f"{dtype} T=S={T} {mask} fwd+bwd", (dtype, 1, 8, 8, T, T, 64, causal), True
+        for S in (128, 512, 4096, 32768):
+            yield f"{dtype} decode T=1 S={S} fwd", (dtype, 1, 32, 8, 1, S, 128, True), False
+
+
+def auto(cp) -> int:
+    """Print the dense path's and the fused path's times on CuPy, and the
+    path ``impl="auto"`` takes (see the module's docstring)."""
+    from npattn.attention import choose_impl
+
+    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+    print(f"npattn on CuPy, {name!s}: dense and fused (impl='chunked') paths, best of {AUTO_REPEATS} each")
+    print(f"{'workload':<40} {'dense us':>9} {'fused us':>9} {'fused/dense':>11} {'auto':>8}")
+    sync = cp.cuda.runtime.deviceSynchronize
+    for label, arguments, backward in _auto_rows():
+        problem = _Problem(cp, None, *arguments)
+        dense, fused = (functools.partial(problem.npattn, backward, impl=impl) for impl in ("dense", "chunked"))
+        for run in (dense, fused):
+            run()  # warm-up: kernels compile on first use
+        t_dense = _best_ms(dense, sync, AUTO_REPEATS)
+        t_fused = _best_ms(fused, sync, AUTO_REPEATS)
+        t_dense = min(t_dense, _best_ms(dense, sync, AUTO_REPEATS))  # dense, fused, dense
+        taken = choose_impl(make_spec(*problem.arrays[:3], **problem.options)).impl
+        times = f"{t_dense * 1e3:9.0f} {t_fused * 1e3:9.0f} {t_fused / t_dense:11.2f}"
+        print(f"{label:<40} {times} {taken:>8}", flush=True)
+        _free_pools(cp, None)
     return 0
 
 

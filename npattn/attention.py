@@ -212,7 +212,8 @@ def attention_forward(
         :mod:`npattn.fast_numpy`) also once they reach
         ``npattn.options.AUTO_FAST_MIN_SCORES`` (2**21; 2**20 with a
         softcap, ALiBi or dropout, 2**22 with score modifications), from
-        where that path is the faster. Pass
+        where that path is the faster; on CuPy wherever the fused kernels
+        run the call (:func:`npattn.fast_cupy.preferred`). Pass
         ``"dense"`` to get ``probs`` back.
     block_q, block_k : int, optional
         Tile sizes of the chunked path; given ones always win. Defaults
@@ -570,7 +571,7 @@ def _fast_min_scores(spec: AttentionSpec) -> int:
     return AUTO_FAST_MIN_SCORES
 
 
-def choose_impl(spec: AttentionSpec) -> AttentionSpec:
+def choose_impl(spec: AttentionSpec, *, fused_cupy: bool = True) -> AttentionSpec:
     """``spec`` with ``impl="auto"`` resolved to the path that runs it; a
     forced ``"dense"`` or ``"chunked"`` is returned as is.
 
@@ -580,7 +581,12 @@ def choose_impl(spec: AttentionSpec) -> AttentionSpec:
     :data:`~npattn.options.AUTO_FAST_MIN_SCORES` (or
     :data:`~npattn.options.AUTO_FAST_VARIANT_MIN_SCORES` with a softcap,
     ALiBi or dropout, :data:`~npattn.options.AUTO_FAST_SINGLE_HEAD_MIN_SCORES`
-    with score modifications); dense otherwise.
+    with score modifications), or, with ``fused_cupy``, wherever the CuPy
+    fused kernels run the call (:func:`npattn.fast_cupy.preferred`: one
+    launch against the dense path's dozen array operations; on an H100 they
+    took 0.09-0.68x its time from T=S=16 up and in decode steps); dense
+    otherwise. Callers whose computation has no fused kernel (the
+    forward-mode JVP) pass ``fused_cupy=False``.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
@@ -594,7 +600,8 @@ def choose_impl(spec: AttentionSpec) -> AttentionSpec:
     scores = _scores(spec)
     large = scores > AUTO_CHUNKED_MIN_SCORES
     fast = scores >= _fast_min_scores(spec) and fast_numpy.supports(spec)
-    return spec.replace(impl="chunked" if large or fast else "dense")
+    fused = fused_cupy and fast_cupy.preferred(spec)
+    return spec.replace(impl="chunked" if large or fast or fused else "dense")
 
 
 def chunked_kernel(spec: AttentionSpec) -> str:

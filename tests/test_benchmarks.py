@@ -272,6 +272,31 @@ def test_gpu_benchmark_kernel_breakdown_runs_its_python_side(capsys, monkeypatch
     assert rates == pytest.approx([2 * products * 8 * 4096**2 * 16 / 2 / 1e9 for products in (2, 3, 4)], abs=0.06)
 
 
+def test_gpu_benchmark_auto_rows_time_both_paths_and_say_which_auto_takes(capsys, monkeypatch):
+    """``bench_gpu.py --auto``'s own code on NumPy in CuPy's place: each row
+    times the dense path (for real, on NumPy) and the fused one (kernels
+    not run), and reads the path ``impl="auto"`` takes from ``choose_impl``."""
+    import numpy as np
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    bench_gpu, cp = _fake_gpu_bench(monkeypatch, bench_gpu._NoKernels())
+    rows = [
+        ("float32 T=S=16 causal fwd+bwd", ("float32", 1, 2, 2, 16, 16, 8, True), True),
+        ("float16 decode T=1 S=300 fwd", ("float16", 1, 4, 2, 1, 300, 16, True), False),
+    ]
+    monkeypatch.setattr(bench_gpu, "_auto_rows", lambda: rows)
+    monkeypatch.setattr(bench_gpu, "AUTO_REPEATS", 2)
+    with np.errstate(all="ignore"):  # the arrays the kernels would fill hold whatever was in memory
+        assert bench_gpu.auto(cp) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("float32", "float16"))]
+    assert [line.rsplit(maxsplit=4)[0] for line in lines] == [label for label, *_ in rows]
+    assert all(line.split()[-1] == "chunked" and float(line.split()[-2]) > 0 for line in lines)
+
+
 def test_gpu_benchmark_tile_sweep_compiles_each_size_that_fits(capsys, monkeypatch):
     """``bench_gpu.py --tiles``' own code on NumPy in CuPy's place, kernels
     not run: a row per tile size whose two tiles fit, each kernel compiled

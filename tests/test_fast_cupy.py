@@ -732,6 +732,42 @@ def test_preferred_leaves_large_float64_calls_on_the_cuda_cores_to_the_generic_p
     assert fast_cupy.tensor_precision(make_spec(q, k, v)) == "f64" and fast_cupy.preferred(make_spec(q, k, v))
 
 
+def test_auto_takes_the_fused_kernels_wherever_they_run_the_call(monkeypatch):
+    """On CuPy, ``impl="auto"`` goes chunked wherever :func:`fast_cupy.preferred`
+    takes the call, however small (a decode step's 128 scores, a 16 x 16
+    call), since the fused kernels outran the dense path at every size
+    measured; not with ``NPATTN_FAST_CUPY=0``, nor for the JVP
+    (``fused_cupy=False``: no fused JVP kernel), nor where preferred declines."""
+    from npattn.attention import choose_impl
+    from npattn.modes.jvp import _spec_and_tangents
+
+    monkeypatch.setattr(fast_cupy, "supports", lambda spec: os.environ.get("NPATTN_FAST_CUPY") != "0")  # as if on CuPy
+    q, k, v, _ = _problem(batch=(1,), N=4, K=2, T=1, S=32, causal=True, align="bottom_right")
+    step = make_spec(q, k, v, causal=True, align="bottom_right")
+    tiny = make_spec(*_problem(T=16, S=16)[:3])
+    assert choose_impl(step).impl == choose_impl(tiny).impl == "chunked"
+    assert choose_impl(step, fused_cupy=False).impl == "dense"
+    assert _spec_and_tangents((q, k, v), (q, k, v), dict(causal=True, align="bottom_right"))[0].impl == "dense"
+    monkeypatch.setenv("NPATTN_FAST_CUPY", "0")
+    assert choose_impl(step).impl == "dense"
+    monkeypatch.setattr(fast_cupy, "preferred", lambda spec: False)
+    monkeypatch.delenv("NPATTN_FAST_CUPY")
+    assert choose_impl(tiny).impl == "dense"
+
+
+@emulated
+def test_public_api_decodes_on_the_fused_kernels_by_default(fused_on_numpy):
+    """A decode step with every option at its default but the alignment
+    runs the fused forward (and its merge of key ranges), and gives the
+    dense path's numbers."""
+    q, k, v, _ = _problem(batch=(1,), N=4, K=2, T=1, S=600, Hv=8)  # float64 on the tensor cores
+    out, res = npattn.attention_forward(q, k, v, causal=True, align="bottom_right")
+    assert res.spec.impl == "chunked" and res.kernel == "cupy"
+    assert [name for name, *_ in fused_on_numpy.launches][-2:] == ["npattn_forward_tc", "npattn_merge_splits"]
+    dense, _ = npattn.attention_forward(q, k, v, causal=True, align="bottom_right", impl="dense")
+    np.testing.assert_allclose(out, dense, rtol=1e-12, atol=1e-12)
+
+
 def test_config_dtype_follows_the_kernels_struct():
     """:data:`fast_cupy.CONFIG_DTYPE` has ``pipeline.cuh``'s ``struct Config``
     fields in its order and types, 8 bytes each, with no padding (the bytes

@@ -124,7 +124,7 @@ def _spec_and_tangents(primals, tangents, options: dict) -> tuple[AttentionSpec,
     if len(primals) == 4 and "bias" in options:
         raise TypeError("the bias is a primal here (primals[3]): do not pass bias= as well")
     bias = primals[3] if len(primals) == 4 else options.pop("bias", None)
-    spec = choose_impl(make_spec(*primals[:3], bias=bias, **options))
+    spec = choose_impl(make_spec(*primals[:3], bias=bias, **options), fused_cupy=False)  # no fused JVP kernel
     xp = spec.xp
     q, k, v = (xp.astype(a, spec.compute_dtype, copy=False) for a in primals[:3])
     dots = check_tangents(spec, [(tuple(a.shape), a.dtype) for a in primals], tangents, primals[0])
