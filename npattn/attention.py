@@ -329,9 +329,12 @@ def forward_from_spec(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any,
     dtype. For callers that build or adjust the spec themselves (ring
     attention's shard pairs); :func:`attention_forward` is this after
     :func:`~npattn.options.make_spec`."""
-    spec = choose_impl(spec)
+    kernel = "dense" if spec.impl == "dense" else chunked_kernel(spec)
+    if spec.impl == "auto":
+        spec = _resolved(spec, kernel)  # choose_impl(spec), its kernel asked once
+    if spec.impl == "dense":
+        kernel = "dense"
     xp = spec.xp
-    kernel = chunked_kernel(spec) if spec.impl == "chunked" else "dense"
     dtype = fast_cupy.operand_dtype(spec) if kernel == "cupy" else spec.compute_dtype  # what the kernel reads
     qc, kc, vc = _in_dtype(xp, q, dtype), _in_dtype(xp, k, dtype), _in_dtype(xp, v, dtype)
     residuals: AttentionResiduals
@@ -597,10 +600,17 @@ def choose_impl(spec: AttentionSpec, *, fused_cupy: bool = True) -> AttentionSpe
     """
     if spec.impl != "auto":
         return spec
+    return _resolved(spec, chunked_kernel(spec), fused_cupy)
+
+
+def _resolved(spec: AttentionSpec, kernel: str, fused_cupy: bool = True) -> AttentionSpec:
+    """:func:`choose_impl` for an ``impl="auto"`` spec whose
+    :func:`chunked_kernel` is ``kernel`` (:func:`forward_from_spec` asks it
+    once for both)."""
     scores = _scores(spec)
     large = scores > AUTO_CHUNKED_MIN_SCORES
-    fast = scores >= _fast_min_scores(spec) and fast_numpy.supports(spec)
-    fused = fused_cupy and fast_cupy.preferred(spec)
+    fast = kernel == "numpy" and scores >= _fast_min_scores(spec)
+    fused = fused_cupy and kernel == "cupy"
     return spec.replace(impl="chunked" if large or fast or fused else "dense")
 
 

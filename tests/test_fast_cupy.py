@@ -738,10 +738,12 @@ def test_auto_takes_the_fused_kernels_wherever_they_run_the_call(monkeypatch):
     call), since the fused kernels outran the dense path at every size
     measured; not with ``NPATTN_FAST_CUPY=0``, nor for the JVP
     (``fused_cupy=False``: no fused JVP kernel), nor where preferred declines."""
+    import npattn.fast_numpy
     from npattn.attention import choose_impl
     from npattn.modes.jvp import _spec_and_tangents
 
-    monkeypatch.setattr(fast_cupy, "supports", lambda spec: os.environ.get("NPATTN_FAST_CUPY") != "0")  # as if on CuPy
+    monkeypatch.setattr(npattn.fast_numpy, "supports", lambda spec: False)  # as if on CuPy
+    monkeypatch.setattr(fast_cupy, "supports", lambda spec: os.environ.get("NPATTN_FAST_CUPY") != "0")
     q, k, v, _ = _problem(batch=(1,), N=4, K=2, T=1, S=32, causal=True, align="bottom_right")
     step = make_spec(q, k, v, causal=True, align="bottom_right")
     tiny = make_spec(*_problem(T=16, S=16)[:3])
