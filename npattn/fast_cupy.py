@@ -588,32 +588,29 @@ def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> 
 # --- one call's arguments ------------------------------------------------------------
 
 
+# ``Config``'s int64 fields, then its float64 ones (CONFIG_DTYPE, _CONFIG_STRUCT).
+_CONFIG_INTS = (
+    "B",
+    "N",
+    "KH",
+    "T",
+    "S",
+    "left",
+    "right",
+    "q_offset",
+    "drop_threshold",
+    "seed_hash",
+    "row0",
+    "col0",
+    "splits",
+    "dropout",
+)
+_CONFIG_FLOATS = ("scale", "softcap", "keep_scale")
 #: ``pipeline.cuh``'s ``struct Config``, field for field: the call's scalar
 #: options, which every kernel takes by value (a NumPy array of one entry is
 #: a by-value argument to CuPy), so that a call copies nothing to the device
 #: before its kernels run (a test reads the struct's fields there).
-CONFIG_DTYPE = np.dtype(
-    [
-        (name, np.int64)
-        for name in (
-            "B",
-            "N",
-            "KH",
-            "T",
-            "S",
-            "left",
-            "right",
-            "q_offset",
-            "drop_threshold",
-            "seed_hash",
-            "row0",
-            "col0",
-            "splits",
-            "dropout",
-        )
-    ]
-    + [(name, np.float64) for name in ("scale", "softcap", "keep_scale")]
-)
+CONFIG_DTYPE = np.dtype([(name, np.int64) for name in _CONFIG_INTS] + [(name, np.float64) for name in _CONFIG_FLOATS])
 
 
 #: ``Config`` as one unstructured byte-string value: CuPy reads a by-value
@@ -623,9 +620,7 @@ _CONFIG_BYTES = np.dtype((np.void, CONFIG_DTYPE.itemsize))
 
 
 #: ``Config`` as a ``struct`` layout, field for field (int64 ``q``, float64 ``d``).
-_CONFIG_STRUCT = struct.Struct(
-    "<" + "".join("q" if CONFIG_DTYPE[name] == np.int64 else "d" for name in CONFIG_DTYPE.names)
-)
+_CONFIG_STRUCT = struct.Struct(f"<{len(_CONFIG_INTS)}q{len(_CONFIG_FLOATS)}d")
 
 
 def _config(values: tuple) -> np.ndarray:
