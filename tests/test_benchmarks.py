@@ -199,10 +199,11 @@ class _FakeEvent:
         self.at = _FakeEvent.recorded
 
 
-def _fake_gpu_bench(monkeypatch, runtime):
+def _fake_gpu_bench(monkeypatch, runtime=None):
     """``bench_gpu`` with NumPy in CuPy's place: the fused path taken on
-    NumPy arrays, its kernels run by ``runtime`` (which runs none), CUDA
-    events that count the events recorded in between."""
+    NumPy arrays, its kernels run by ``runtime`` (which runs none; by
+    default ``bench_gpu._NoKernels``), CUDA events that count the events
+    recorded in between."""
     import types
 
     import numpy as np
@@ -233,7 +234,7 @@ def _fake_gpu_bench(monkeypatch, runtime):
     )
     monkeypatch.setattr(npattn.fast_numpy, "supports", lambda spec: False)
     monkeypatch.setattr(fast_cupy, "supports", fast_cupy._kernels_take)
-    monkeypatch.setattr(fast_cupy, "_CUPY_RUNTIME", runtime)
+    monkeypatch.setattr(fast_cupy, "_CUPY_RUNTIME", runtime or bench_gpu._NoKernels())
     return bench_gpu, cp
 
 
@@ -243,12 +244,7 @@ def test_gpu_benchmark_kernel_breakdown_runs_its_python_side(capsys, monkeypatch
     so that a GPU session's short device time is not lost to it."""
     import numpy as np
 
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_gpu
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    bench_gpu, cp = _fake_gpu_bench(monkeypatch, bench_gpu._NoKernels())
+    bench_gpu, cp = _fake_gpu_bench(monkeypatch)
     rows = [
         ("float16 causal", ("float16", 1, 8, 8, 4096, 4096, 16, True), True),
         ("decode", ("float16", 1, 8, 2, 1, 600, 16, False), False),
@@ -278,12 +274,7 @@ def test_gpu_benchmark_auto_rows_time_both_paths_and_say_which_auto_takes(capsys
     not run), and reads the path ``impl="auto"`` takes from ``choose_impl``."""
     import numpy as np
 
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_gpu
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    bench_gpu, cp = _fake_gpu_bench(monkeypatch, bench_gpu._NoKernels())
+    bench_gpu, cp = _fake_gpu_bench(monkeypatch)
     rows = [
         ("float32 T=S=16 causal fwd+bwd", ("float32", 1, 2, 2, 16, 16, 8, True), True),
         ("float16 decode T=1 S=300 fwd", ("float16", 1, 4, 2, 1, 300, 16, True), False),
