@@ -25,8 +25,9 @@ training (also MQA and GQA with one batch element and few kv heads, torch's
 SDPA with ``enable_gqa=True``), a long causal call, H=128, padding by
 ``kv_lengths`` (torch: the
 same keys hidden by a bool mask), batched decoding with lengths, short
-sequences, full and causal, and a sliding window of 256 at T=4096 (torch:
-the band as a bool mask; see :func:`more_workloads`).
+sequences, full and causal, a sliding window of 256 at T=4096 (torch:
+the band as a bool mask), and decoding from a growing cache, a new ``S``
+each call (see :func:`more_workloads`).
 
 Each row but decoding runs forward and forward+backward. npattn runs
 ``impl="auto"`` and the ``path`` column says which path that chose. The
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import os
 import platform
 import subprocess
@@ -263,6 +265,41 @@ def workloads(quick: bool) -> list[Workload]:
     ]
 
 
+def growing_decode_workload(name: str, N: int, K: int, S: int, steps: int, H: int) -> Workload:
+    """Decoding from a growing cache: each call one query against the first
+    ``S``, ``S + 1``, ..., ``S + steps - 1`` keys of a preallocated cache,
+    then around again, so that no two calls in a row share a shape (npattn:
+    ``causal=True, align="bottom_right"``, as :func:`npattn.mha_forward`
+    with a :class:`npattn.KVCache`; torch: SDPA on the same views, where
+    one query sees every key)."""
+
+    def make(lib, torch, rng):
+        q = rng.standard_normal((1, N, 1, H)).astype(np.float32)  # (1, N, 1, H)
+        k, v = (rng.standard_normal((1, K, S + steps, H)).astype(np.float32) for _ in range(2))  # (1, K, S + steps, H)
+        lengths = {side: itertools.cycle(range(S, S + steps)) for side in ("npattn", "torch")}
+
+        def fwd():
+            n = next(lengths["npattn"])
+            return lib.attention_forward(q, k[..., :n, :], v[..., :n, :], causal=True, align="bottom_right")
+
+        calls: dict = {"forward": {"npattn": fwd}}
+        if torch is not None:
+            tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+
+            def t_fwd():
+                n = next(lengths["torch"])
+                with torch.no_grad():
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        tq, tk[..., :n, :], tv[..., :n, :], enable_gqa=N != K
+                    )
+
+            calls["forward"]["torch"] = t_fwd
+        return calls
+
+    shape = f"B=1 N={N} on K={K} T=1 S={S}..{S + steps - 1} H={H}, a new S each call"
+    return Workload(name, shape, 4 * N * (S + (steps - 1) / 2) * H, make, backward=False)
+
+
 def more_workloads(quick: bool) -> list[Workload]:
     """Other mixes of the same kinds (issue 17: "workloads of the same kinds
     that are not listed here ... are measured too")."""
@@ -273,6 +310,7 @@ def more_workloads(quick: bool) -> list[Workload]:
             attention_workload("pad B2 N2 T32", 2, 2, 2, 32, 32, 16, kv_lengths=[32, 20]),
             attention_workload("decode pad B2 S64", 2, 4, 2, 1, 64, 16, backward=False, kv_lengths=[64, 9]),
             attention_workload("window 8 B2 T64", 2, 2, 2, 64, 64, 16, window=8),
+            growing_decode_workload("decode growing S64+", 4, 2, 64, 16, 16),
         ]
     return [
         attention_workload("f64 B8 N8 T256", 8, 8, 8, 256, 256, 64, dtype=np.float64),
@@ -289,6 +327,7 @@ def more_workloads(quick: bool) -> list[Workload]:
         attention_workload("B4 N8 T128 causal", 4, 8, 8, 128, 128, 64, causal=True),
         attention_workload("B1 N8 T64", 1, 8, 8, 64, 64, 64),
         attention_workload("window 256 B1 T4096", 1, 8, 8, 4096, 4096, 64, window=256),
+        growing_decode_workload("decode growing S512+", 32, 8, 512, 512, 128),
     ]
 
 

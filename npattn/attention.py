@@ -25,6 +25,7 @@ from .options import (
     make_spec,
     plain_key,
     plain_spec,
+    with_kv_len,
 )
 from .scores.sinks import apply_sinks, scaled_rows, sinks_grad
 
@@ -506,7 +507,10 @@ def scalar_call_spec(q: Any, k: Any, v: Any, **options: Any) -> AttentionSpec:
     alone, so it is looked up where the same call was made before (a decode
     step's ``causal=True, align="bottom_right"``: 2 µs against 18 on
     NumPy, the most of the Python time a step spends before its kernel on
-    CuPy). Other options, and inputs that are not arrays, go to
+    CuPy). A call that differs from a kept one in the keys' count ``S``
+    alone, as a decoding loop's next step does, takes that spec with
+    ``S``'s fields made anew (:func:`~npattn.options.with_kv_len`). Other
+    options, and inputs that are not arrays, go to
     :func:`~npattn.options.make_spec` (its checks and messages); a call it
     rejects is not kept.
 
@@ -521,13 +525,48 @@ def scalar_call_spec(q: Any, k: Any, v: Any, **options: Any) -> AttentionSpec:
         spec = _SCALAR_CALLS.get(key) if key is not None else None
     except TypeError:  # a device that cannot be hashed
         key = spec = None
+    if spec is not None:
+        return spec
+    if key is not None:
+        spec = _spec_of_another_kv_len(key, options)
     if spec is None:
         spec = make_spec(q, k, v, **options)
-        if key is not None:
-            if len(_SCALAR_CALLS) >= SCALAR_CALL_CACHE_SIZE:
-                _SCALAR_CALLS.clear()
-            _SCALAR_CALLS[key] = spec
+    if key is not None:
+        if len(_SCALAR_CALLS) >= SCALAR_CALL_CACHE_SIZE:
+            _SCALAR_CALLS.clear()
+            _KV_LEN_FAMILIES.clear()
+        _SCALAR_CALLS[key] = spec
+        family = _kv_len_family(key)
+        if family is not None:
+            _KV_LEN_FAMILIES[family] = spec
     return spec
+
+
+#: The latest spec :func:`scalar_call_spec` made of each call but for its
+#: key count ``S`` (:func:`_kv_len_family`): a decode loop's cache grows by
+#: a token a step, so its calls' keys differ in ``S`` alone.
+_KV_LEN_FAMILIES: dict[tuple, AttentionSpec] = {}
+
+
+def _kv_len_family(key: tuple) -> tuple | None:
+    """A :func:`_scalar_call_key` with ``k``'s and ``v``'s key count ``S``
+    (their shapes' axis -2) left out, or None where they do not share one
+    (make_spec's error then)."""
+    arrays, (q_shape, k_shape, v_shape), values = key
+    if min(len(k_shape), len(v_shape)) < 2 or k_shape[-2] != v_shape[-2]:
+        return None
+    return arrays, (q_shape, k_shape[:-2] + k_shape[-1:], v_shape[:-2] + v_shape[-1:]), values
+
+
+def _spec_of_another_kv_len(key: tuple, options: dict[str, Any]) -> AttentionSpec | None:
+    """The spec of a call that differs from one :func:`scalar_call_spec`
+    made before in ``S`` alone (:func:`~npattn.options.with_kv_len`), or None."""
+    family = _kv_len_family(key)
+    template = _KV_LEN_FAMILIES.get(family) if family is not None else None
+    kv_len = key[1][1][-2]  # k's shape's S
+    if template is None or kv_len < 1:  # S = 0: make_spec's error
+        return None
+    return with_kv_len(template, kv_len, options.get("causal", False), options.get("window"), options.get("align"))
 
 
 def _scalar_call_key(q: Any, k: Any, v: Any, options: dict[str, Any]) -> tuple | None:
@@ -545,11 +584,12 @@ def _scalar_call_key(q: Any, k: Any, v: Any, options: dict[str, Any]) -> tuple |
         else:
             return None
     try:
-        shapes = (q.dtype, k.dtype, v.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape))
         devices = (_device_key(q), _device_key(k), _device_key(v))
+        arrays = (type(q), type(k), type(v), q.dtype, k.dtype, v.dtype, *devices)
+        shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
     except (AttributeError, TypeError):  # not arrays: make_spec says so
         return None
-    return (type(q), type(k), type(v)) + shapes + devices, tuple(values)
+    return arrays, shapes, tuple(values)
 
 
 def _device_key(x: Any) -> Any:

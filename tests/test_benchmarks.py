@@ -143,7 +143,7 @@ def test_workloads_benchmark_more_prints_the_other_mixes_with_options_and_dtypes
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line and line[0].isalpha()][2:]
     names = {" ".join(row[:-7]) for row in rows}
-    assert names == {"f64 B2 N2 T32", "pad B2 N2 T32", "decode pad B2 S64", "window 8 B2 T64"}
+    assert names == {"f64 B2 N2 T32", "pad B2 N2 T32", "decode pad B2 S64", "window 8 B2 T64", "decode growing S64+"}
     assert "float64" in out and "kv_lengths" in out and "window=8" in out
     assert all(float(row[-5]) > 0 for row in rows)
 

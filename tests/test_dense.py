@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from unittest import mock
 
 import numpy as np
@@ -766,6 +767,7 @@ def test_a_repeated_call_with_scalar_options_looks_up_make_specs_answer():
     from npattn.attention import _SCALAR_CALLS, SCALAR_CALL_CACHE_SIZE, scalar_call_spec
     from npattn.options import make_spec
 
+    _SCALAR_CALLS.clear()  # the counts below, whatever earlier tests kept
     q, kv = np.zeros((1, 4, 1, 8)), np.zeros((1, 4, 100, 8))
     options = dict(causal=True, align="bottom_right", window=(16, 0), impl="chunked")
     spec = scalar_call_spec(q, kv, kv, **options)
@@ -791,6 +793,65 @@ def test_a_repeated_call_with_scalar_options_looks_up_make_specs_answer():
         y = np.zeros((1, 1, T, 2))
         assert scalar_call_spec(y, y, y, causal=True).q_len == T
     assert 0 < len(_SCALAR_CALLS) <= SCALAR_CALL_CACHE_SIZE
+
+
+_SCALAR_OPTIONS = st.fixed_dictionaries(
+    {},
+    optional={
+        "causal": st.booleans(),
+        "window": st.none() | st.tuples(st.integers(0, 40), st.integers(0, 40)),
+        "align": st.sampled_from([None, "top_left", "bottom_right"]),
+        "scale": st.none() | st.floats(0.1, 2.0),
+        "softcap": st.none() | st.floats(1.0, 50.0),
+        "impl": st.sampled_from(["auto", "dense", "chunked"]),
+        "block_k": st.none() | st.integers(1, 64),
+    },
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    options=_SCALAR_OPTIONS,
+    T=st.integers(1, 40),
+    lengths=st.lists(st.integers(0, 60), min_size=2, max_size=4),
+    dtype=st.sampled_from([np.float32, np.float64]),
+)
+def test_a_call_whose_keys_grew_gets_make_specs_answer_for_its_length(options, T, lengths, dtype):
+    """A call that differs from a kept one in ``S`` alone (a decode loop's
+    next step) gets make_spec's spec for its ``S`` field for field, or
+    make_spec's error (``S = 0``; causal with T != S and no ``align``)."""
+    from npattn.attention import scalar_call_spec
+    from npattn.options import make_spec
+
+    q = np.zeros((2, 4, T, 8), dtype)
+    for S in lengths:
+        kv = np.zeros((2, 2, S, 8), dtype)
+        try:
+            want = make_spec(q, kv, kv, **options)
+        except (TypeError, ValueError) as err:
+            with pytest.raises(type(err), match=re.escape(str(err))):
+                scalar_call_spec(q, kv, kv, **options)
+            continue
+        assert scalar_call_spec(q, kv, kv, **options).__dict__ == want.__dict__
+
+
+def test_a_decode_loop_makes_its_spec_once():
+    """A decode loop over a growing cache calls make_spec for its first step
+    only: each later step's spec comes from the one before (``with_kv_len``)."""
+    import importlib
+
+    from npattn.options import make_spec
+
+    module = importlib.import_module("npattn.attention")  # npattn.attention is the function
+    q, cache = np.zeros((1, 4, 1, 8)), np.zeros((1, 2, 50, 8))
+    options = dict(causal=True, align="bottom_right", window=(7, 0))
+    module._SCALAR_CALLS.clear()  # no spec kept by an earlier test
+    module._KV_LEN_FAMILIES.clear()
+    made = []
+    with mock.patch.object(module, "make_spec", lambda *a, **kw: made.append(1) or make_spec(*a, **kw)):
+        steps = [npattn.attention_forward(q, cache[..., :S, :], cache[..., :S, :], **options) for S in range(1, 50)]
+    specs = [residuals.spec for _, residuals in steps]
+    assert len(made) == 1 and [spec.q_offset for spec in specs] == list(range(49))
 
 
 def test_inputs_the_plain_lane_does_not_take_still_get_make_specs_checks():
