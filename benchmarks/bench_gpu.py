@@ -235,6 +235,12 @@ class _Case:
         return out, (q.grad, k.grad, v.grad)
 
 
+def _device_name(cp) -> str:
+    """The current CUDA device's name (CuPy gives it as bytes)."""
+    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
 def _free_pools(cp, torch) -> None:
     cp.cuda.runtime.deviceSynchronize()
     cp.get_default_memory_pool().free_all_blocks()
@@ -348,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks = args.blocks if args.blocks is not None else ([DEFAULT_BLOCK_Q] if args.quick else [DEFAULT_BLOCK_Q, 1024])
     repeats = 1 if args.quick else args.repeats
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    name = _device_name(cp)
     print(
         f"npattn on CuPy {cp.__version__} vs torch SDPA ({torch.__version__ if torch else why_no_torch}) "
         f"on {name}, {props['totalGlobalMem'] / 2**30:.0f} GiB; B={B}, N={N}, H={H}, T=S; "
@@ -609,8 +615,8 @@ def targets(cp, torch, why_no_torch, repeats: int) -> int:
     if torch is None:
         print(f"skipped: the targets compare with torch SDPA on CUDA ({why_no_torch})")
         return 0
-    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
-    print(f"npattn fused CuPy path vs torch {torch.__version__} SDPA on {name!s}")
+    name = _device_name(cp)
+    print(f"npattn fused CuPy path vs torch {torch.__version__} SDPA on {name}")
     print(
         f"best of {repeats} (decode: {DECODE_REPEATS}), interleaved torch, fused, torch; "
         "CUDA cores (NPATTN_CUPY_TENSOR_CORES=0) and generic (NPATTN_FAST_CUPY=0): best of 2"
@@ -647,8 +653,8 @@ def auto(cp) -> int:
     path ``impl="auto"`` takes (see the module's docstring)."""
     from npattn.attention import choose_impl
 
-    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
-    print(f"npattn on CuPy, {name!s}: dense and fused (impl='chunked') paths, best of {AUTO_REPEATS} each")
+    name = _device_name(cp)
+    print(f"npattn on CuPy, {name}: dense and fused (impl='chunked') paths, best of {AUTO_REPEATS} each")
     print(f"{'workload':<40} {'dense us':>9} {'fused us':>9} {'fused/dense':>11} {'auto':>8}")
     sync = cp.cuda.runtime.deviceSynchronize
     for label, arguments, backward in _auto_rows():
@@ -716,8 +722,8 @@ def kernels(cp, repeats: int) -> int:
     """Print the fused path's time kernel by kernel (see the module's docstring)."""
     from npattn import fast_cupy
 
-    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
-    print(f"npattn fused CuPy path on {name!s}: device ms per kernel (CUDA events), best of {repeats} calls")
+    name = _device_name(cp)
+    print(f"npattn fused CuPy path on {name}: device ms per kernel (CUDA events), best of {repeats} calls")
     timed = _TimedLaunches(cp, fast_cupy._CUPY_RUNTIME)
     with mock.patch.object(fast_cupy, "_CUPY_RUNTIME", timed):
         for label, arguments, backward in _kernel_rows():
@@ -787,8 +793,8 @@ def tiles(cp, repeats: int) -> int:
     """Print each tensor-core kernel's device ms at each tile size (see the module's docstring)."""
     from npattn import fast_cupy
 
-    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
-    print(f"npattn tensor-core kernels on {name!s}: device ms by tile size, best of {repeats}; * fast_cupy's choice")
+    name = _device_name(cp)
+    print(f"npattn tensor-core kernels on {name}: device ms by tile size, best of {repeats}; * fast_cupy's choice")
     columns = [kernel.removeprefix("npattn_") for kernel, _ in TILED_KERNELS] + ["forward uncapped"]
     print(f"{'problem':<24} {'tile':>5} " + " ".join(f"{column:>17}" for column in columns))
     timed = _TimedLaunches(cp, fast_cupy._CUPY_RUNTIME)

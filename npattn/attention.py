@@ -626,9 +626,9 @@ def choose_impl(spec: AttentionSpec, *, fused_cupy: bool = True) -> AttentionSpe
     ALiBi or dropout, :data:`~npattn.options.AUTO_FAST_SINGLE_HEAD_MIN_SCORES`
     with score modifications), or, with ``fused_cupy``, wherever the CuPy
     fused kernels run the call (:func:`npattn.fast_cupy.preferred`: a
-    launch or three against the dense path's dozen array operations; on an H100 they
-    took 0.12-0.74x its time from T=S=16 up and in decode steps); dense
-    otherwise. Callers whose computation has no fused kernel (the
+    launch or three against the dense path's dozen array operations; on an
+    H100 they took 0.12-0.74x its time from T=S=16 up and in decode steps);
+    dense otherwise. Callers whose computation has no fused kernel (the
     forward-mode JVP) pass ``fused_cupy=False``.
 
     >>> import numpy as np

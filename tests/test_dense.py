@@ -840,7 +840,7 @@ def test_a_decode_loop_makes_its_spec_once():
     only: each later step's spec comes from the one before (``with_kv_len``)."""
     import importlib
 
-    from npattn.options import make_spec
+    from npattn.options import make_spec, with_kv_len
 
     module = importlib.import_module("npattn.attention")  # npattn.attention is the function
     q, cache = np.zeros((1, 4, 1, 8)), np.zeros((1, 2, 50, 8))
@@ -852,6 +852,9 @@ def test_a_decode_loop_makes_its_spec_once():
         steps = [npattn.attention_forward(q, cache[..., :S, :], cache[..., :S, :], **options) for S in range(1, 50)]
     specs = [residuals.spec for _, residuals in steps]
     assert len(made) == 1 and [spec.q_offset for spec in specs] == list(range(49))
+    lengths = make_spec(q, cache, cache, kv_lengths=np.array([30]), **options)  # its checks read S
+    with pytest.raises(ValueError, match="options are all scalars"):
+        with_kv_len(lengths, 40, **options)
 
 
 def test_inputs_the_plain_lane_does_not_take_still_get_make_specs_checks():
