@@ -527,8 +527,11 @@ def scalar_call_spec(q: Any, k: Any, v: Any, **options: Any) -> AttentionSpec:
         key = spec = None
     if spec is not None:
         return spec
+    family = None
     if key is not None:
-        spec = _spec_of_another_kv_len(key, options)
+        family = _kv_len_family(key)
+        if family is not None:
+            spec = _spec_of_another_kv_len(family, key[1][1][-2], options)  # k's shape's S
     if spec is None:
         spec = make_spec(q, k, v, **options)
     if key is not None:
@@ -536,7 +539,6 @@ def scalar_call_spec(q: Any, k: Any, v: Any, **options: Any) -> AttentionSpec:
             _SCALAR_CALLS.clear()
             _KV_LEN_FAMILIES.clear()
         _SCALAR_CALLS[key] = spec
-        family = _kv_len_family(key)
         if family is not None:
             _KV_LEN_FAMILIES[family] = spec
     return spec
@@ -558,12 +560,11 @@ def _kv_len_family(key: tuple) -> tuple | None:
     return arrays, (q_shape, k_shape[:-2] + k_shape[-1:], v_shape[:-2] + v_shape[-1:]), values
 
 
-def _spec_of_another_kv_len(key: tuple, options: dict[str, Any]) -> AttentionSpec | None:
-    """The spec of a call that differs from one :func:`scalar_call_spec`
-    made before in ``S`` alone (:func:`~npattn.options.with_kv_len`), or None."""
-    family = _kv_len_family(key)
-    template = _KV_LEN_FAMILIES.get(family) if family is not None else None
-    kv_len = key[1][1][-2]  # k's shape's S
+def _spec_of_another_kv_len(family: tuple, kv_len: int, options: dict[str, Any]) -> AttentionSpec | None:
+    """The spec of a call of ``kv_len`` keys in :func:`_kv_len_family`
+    ``family``, from the one :func:`scalar_call_spec` made before
+    (:func:`~npattn.options.with_kv_len`), or None."""
+    template = _KV_LEN_FAMILIES.get(family)
     if template is None or kv_len < 1:  # S = 0: make_spec's error
         return None
     return with_kv_len(template, kv_len, options.get("causal", False), options.get("window"), options.get("align"))

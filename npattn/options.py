@@ -23,16 +23,7 @@ import numpy as np
 
 from .namespace import array_device, check_floating, compute_dtype, resolve_namespace, to_numpy
 
-__all__ = [
-    "AttentionSpec",
-    "SegmentHost",
-    "make_spec",
-    "plain_spec",
-    "check_int",
-    "check_lengths",
-    "IMPLS",
-    "ALIGNS",
-]
+__all__ = ["AttentionSpec", "SegmentHost", "make_spec", "plain_spec", "check_int", "check_lengths", "IMPLS", "ALIGNS"]
 
 IMPLS = ("auto", "dense", "chunked")
 ALIGNS = ("top_left", "bottom_right")
