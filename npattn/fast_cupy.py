@@ -604,6 +604,7 @@ _CONFIG_INTS = (
     "col0",
     "splits",
     "dropout",
+    "kv_head_rows",
 )
 _CONFIG_FLOATS = ("scale", "softcap", "keep_scale")
 #: ``pipeline.cuh``'s ``struct Config``, field for field: the call's scalar
@@ -633,9 +634,10 @@ class _Call:
     """The kernels' shared arguments for one call: ``pipeline.cuh``'s
     ``Config`` (:data:`CONFIG_DTYPE`, one entry, passed by value) and the
     optional per-batch arrays, each flattened over the batch axes and
-    contiguous on the device."""
+    contiguous on the device. ``kv_head_rows``: the rows of ``k`` and ``v``
+    from one kv head's first key to the next's (:func:`_kv_operands`)."""
 
-    def __init__(self, spec: AttentionSpec, splits: int = 1):
+    def __init__(self, spec: AttentionSpec, kv_head_rows: int, splits: int = 1):
         xp, B = spec.xp, spec.num_batch
         reach = window_reach(spec)  # a window side wider than this hides nothing
         offset = spec.q_offset if spec.q_offset is not None else 0
@@ -656,6 +658,7 @@ class _Call:
                 spec.index_origin[1],
                 splits,
                 int(spec.dropout_p > 0),
+                kv_head_rows,
                 spec.scale,
                 spec.softcap or 0.0,
                 1.0 / (1.0 - spec.dropout_p),
@@ -695,16 +698,70 @@ def _contiguous(a: Any) -> Any:
         import cupy
 
         a = cupy.ascontiguousarray(a)
-        return a if a.data.ptr % ALIGNMENT == 0 else a.copy()
-    a = np.ascontiguousarray(a)
-    return a if a.ctypes.data % ALIGNMENT == 0 else a.copy()
+    else:
+        a = np.ascontiguousarray(a)
+    return a if _address(a) % ALIGNMENT == 0 else a.copy()
 
 
 def _operands(spec: AttentionSpec, *arrays: Any) -> tuple[Any, ...]:
-    """``arrays`` (``q``, ``k``, ``v``, ``dO``) as the kernels read them: in
+    """``arrays`` (``q``, ``dO``) as the kernels read them: in
     :func:`operand_dtype`, C order, aligned; each the array itself where it is."""
-    dtype = operand_dtype(spec)  # a test of the dtype first: the namespace's astype wrapper costs ~2 µs a call
-    return tuple(_contiguous(a if a.dtype == dtype else spec.xp.astype(a, dtype)) for a in arrays)
+    return tuple(_contiguous(_in_operand_dtype(spec, a)) for a in arrays)
+
+
+def _in_operand_dtype(spec: AttentionSpec, a: Any) -> Any:
+    """``a`` in :func:`operand_dtype`: itself where it is (a test of the
+    dtype first: the namespace's astype wrapper costs ~2 µs a call)."""
+    dtype = operand_dtype(spec)
+    return a if a.dtype == dtype else spec.xp.astype(a, dtype)
+
+
+def _kv_operands(spec: AttentionSpec, k: Any, v: Any) -> tuple[Any, Any, int]:
+    """``k`` and ``v`` as the kernels read them, and the rows from one kv
+    head's first key to the next's: each in :func:`operand_dtype`, both
+    read where they lie when their heads are that many rows apart
+    (:func:`_head_rows`: the first ``S`` positions of a longer buffer, as a
+    preallocated KV cache hands them out), else C-order copies (``S``)."""
+    k, v = _in_operand_dtype(spec, k), _in_operand_dtype(spec, v)
+    rows = _head_rows(k)
+    if rows is None or rows != _head_rows(v):
+        return _contiguous(k), _contiguous(v), spec.kv_len
+    return k, v, rows
+
+
+def _head_rows(a: Any) -> int | None:
+    """Rows from one kv head's first key to the next's in ``a`` ``(..., K,
+    S, W)`` (the batch and head axes flattened), where its rows are
+    C-order, its heads a whole number of rows apart, evenly, and it starts
+    on an :data:`ALIGNMENT` boundary (so then does every row the kernels
+    read, as in a C-order array); else None.
+
+    >>> import numpy as np
+    >>> cache = np.zeros((2, 4, 100, 8), np.float32)
+    >>> _head_rows(cache[:, :, :10]), _head_rows(cache[:, :, :10].copy()), _head_rows(cache[:, :, ::2])
+    (100, 10, None)
+    """
+    *heads, S, W = a.shape
+    row = W * a.itemsize
+    if (W > 1 and a.strides[-1] != a.itemsize) or (S > 1 and a.strides[-2] != row):
+        return None
+    stride, span = S * row, 1  # bytes between heads (C-order's, where every head axis has length 1)
+    for size, step in zip(reversed(heads), reversed(a.strides[:-2])):
+        if size == 1:
+            continue
+        if span == 1:
+            stride = step  # the innermost axis of several heads
+        elif step != stride * span:
+            return None  # this axis's heads are not evenly spaced with the inner ones
+        span *= size
+    if stride % row or _address(a) % ALIGNMENT:
+        return None
+    return stride // row
+
+
+def _address(a: Any) -> int:
+    """The device (CuPy) or host (NumPy: the tests' emulator) address of ``a``'s first entry."""
+    return a.data.ptr if array_api_compat.is_cupy_array(a) else a.ctypes.data
 
 
 def _empty(spec: AttentionSpec, shape: tuple[int, ...], dtype: Any) -> Any:
@@ -764,8 +821,9 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None
         name, threads = "npattn_forward_tc", 32 * warps
         row_blocks = -(-spec.group_size * T // (TENSOR_WARP_ROWS * warps))
     splits = _splits(spec, row_blocks, runtime.multiprocessors(q))
-    call = _Call(spec, splits)
-    qc, kc, vc = _operands(spec, q, k, v)
+    (qc,) = _operands(spec, q)
+    kc, vc, kv_head_rows = _kv_operands(spec, k, v)
+    call = _Call(spec, kv_head_rows, splits)
     ranges = (splits,) if splits > 1 else ()  # one range: (1, B, N, T, Hv) is (B, N, T, Hv), unsliced
     out = _empty(spec, ranges + (B, N, T, Hv), spec.compute_dtype)
     lse = _empty(spec, ranges + (B, N, T), spec.compute_dtype)
@@ -806,8 +864,9 @@ def backward(
     runtime = runtime or _CUPY_RUNTIME
     xp, B, N, K, T, S = spec.xp, spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.q_len, spec.kv_len
     H, Hv, bs = spec.head_dim, spec.value_dim, spec.batch_shape
-    call = _Call(spec)
-    qc, kc, vc, doc = _operands(spec, q, k, v, dout)
+    qc, doc = _operands(spec, q, dout)
+    kc, vc, kv_head_rows = _kv_operands(spec, k, v)
+    call = _Call(spec, kv_head_rows)
     precision = tensor_precision(spec)
     if precision is None:
         shape = launch_shape(spec, backward=True)

@@ -51,6 +51,16 @@ KERNEL_ARITY = {
     "npattn_backward_dq_tc": 15,
     "npattn_backward_dkdv_tc": 15,
 }
+#: The kernels that read ``k`` and ``v`` (arguments 1 and 2) where they lie:
+#: C-order rows, kv heads ``Config.k_head_stride`` and ``v_head_stride`` apart.
+KV_VIEWS_READ = {
+    "npattn_forward",
+    "npattn_backward_dq",
+    "npattn_backward_dkdv",
+    "npattn_forward_tc",
+    "npattn_backward_dq_tc",
+    "npattn_backward_dkdv_tc",
+}
 #: The kernels of each kind of source (npattn.fast_cupy.SOURCES).
 KIND_KERNELS = {
     "cuda_cores": (
@@ -99,6 +109,7 @@ class EmulatedRuntime:
     def __init__(self, multiprocessors: int = 4):
         self.count = multiprocessors
         self.launches: list[tuple[str, tuple[int, int, int], int]] = []  # name, grid, threads
+        self.arguments: list[tuple] = []  # each launch's arguments, as given
 
     def module(self, source: str, defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
         folder = resources.files("npattn") / "cuda"
@@ -110,14 +121,18 @@ class EmulatedRuntime:
     def launch(self, module, name, grid, threads, args) -> None:
         assert len(args) == KERNEL_ARITY[name], f"{name} takes {KERNEL_ARITY[name]} arguments, got {len(args)}"
         addresses = []  # each array's address, as a kernel argument of its own
-        for a in args:
-            assert a is None or (isinstance(a, np.ndarray) and a.flags.c_contiguous), "kernels read C-order arrays"
+        for position, a in enumerate(args):
+            assert a is None or isinstance(a, np.ndarray)
+            if a is not None and not a.flags.c_contiguous:  # k and v may be views of a longer buffer
+                assert name in KV_VIEWS_READ and position in (1, 2), "kernels read C-order arrays"
+                assert fast_cupy._head_rows(a) is not None, "k and v: C-order rows, heads a whole number of rows apart"
             assert a is None or a.ctypes.data % fast_cupy.ALIGNMENT == 0, "a GPU faults on misaligned 16-byte reads"
             addresses.append(ctypes.c_void_p(None if a is None else a.ctypes.data))
         by_value = [a is not None and a.dtype == fast_cupy.CONFIG_DTYPE for a in args]
         assert sum(by_value) <= 1 and all(a.shape == (1,) for a, v in zip(args, by_value) if v)
         params = [a.ctypes.data if v else ctypes.addressof(x) for a, v, x in zip(args, by_value, addresses)]
         self.launches.append((name, grid, threads))
+        self.arguments.append(args)
         getattr(module, f"launch_{name}")(
             *(ctypes.c_uint(x) for x in (*grid, threads)), (ctypes.c_void_p * len(params))(*params)
         )
@@ -512,7 +527,7 @@ def test_merge_kernel_merges_many_ranges(tensor_cores):
     lses = 3 * rng.standard_normal((splits, N))  # (splits, rows)
     lses[:, 1], lses[::5, 2], outs[:, 1] = -np.inf, -np.inf, 0.0
     out, lse = np.empty((N, Hv)), np.empty(N)
-    config = fast_cupy._Call(spec, splits).config
+    config = fast_cupy._Call(spec, 4, splits).config
     runtime.launch(module, "npattn_merge_splits", (N, 1, 1), fast_cupy.MERGE_THREADS, (outs, lses, out, lse, config))
     expected_out, expected_lse, _ = merge_partials(list(outs), list(lses))
     np.testing.assert_allclose(out, expected_out, rtol=1e-13, atol=1e-15)
@@ -676,6 +691,74 @@ def test_misaligned_inputs_are_copied_not_misread():
         np.testing.assert_array_equal(a, b)
 
 
+def _kv_view(layout: str, k: np.ndarray) -> np.ndarray:
+    """``k`` (B, K, S, W) laid out as ``layout`` says, the same entries."""
+    B, K, S, W = k.shape
+    if layout == "cache":  # a preallocated KV cache's first S positions
+        buffer = np.full((B, K, S + 9, W), np.nan)
+        buffer[:, :, :S] = k
+        return buffer[:, :, :S]
+    if layout == "two batch axes":  # (B, 1, K, S, W) viewed from a longer (B, 1, K, S + 5, W)
+        buffer = np.full((B, 1, K, S + 5, W), np.nan)
+        buffer[:, 0, :, :S] = k
+        return buffer[:, :, :, :S]
+    if layout == "one head, broadcast":  # every batch element reads the same rows: heads 0 apart
+        return np.broadcast_to(k[:1, :1], (B, 1, S, W))
+    if layout == "heads last":  # (B, S, K, W) transposed: rows K * W apart, not C-order
+        return np.ascontiguousarray(np.swapaxes(k, 1, 2)).swapaxes(1, 2)
+    assert layout == "misaligned"  # 8 bytes past a 16-byte boundary
+    buffer = np.empty(k.size + 1)
+    shifted = buffer[1:].reshape(k.shape)
+    shifted[...] = k
+    return shifted
+
+
+@emulated
+@pytest.mark.parametrize("tensor_cores", [False, True])
+@pytest.mark.parametrize(
+    "layout, in_place",
+    [
+        ("cache", True),
+        ("two batch axes", True),
+        ("one head, broadcast", True),
+        ("heads last", False),
+        ("misaligned", False),
+    ],
+)
+def test_kv_views_are_read_where_they_lie(layout, in_place, tensor_cores, monkeypatch):
+    """``k`` and ``v`` as views: the kernels read them where they lie when
+    their rows are C-order and their kv heads evenly spaced (a preallocated
+    KV cache's first S positions; one head broadcast over the batch, its
+    heads 0 entries apart), and read C-order copies otherwise; either way
+    the forward, its key ranges (T=1 against S=700) and the backward give
+    the bits they give on C-order copies."""
+    monkeypatch.setenv("NPATTN_CUPY_TENSOR_CORES", "1" if tensor_cores else "0")
+    for T, S in ((1, 700), (9, 21)):
+        q, k, v, _ = _problem(N=4, K=2, T=T, S=S, H=8, Hv=8)
+        if layout == "one head, broadcast":
+            q = q[:, :2]  # two query heads on one kv head
+        k_view, v_view = _kv_view(layout, k), _kv_view(layout, v)
+        if layout == "two batch axes":
+            q = q[:, None]
+        k, v = np.ascontiguousarray(k_view), np.ascontiguousarray(v_view)
+        options = dict(causal=True, align="bottom_right")
+        spec = _spec(q, k, v, options)
+        dout = np.random.default_rng(2).standard_normal(q.shape)
+        runtime = EmulatedRuntime(multiprocessors=16)  # T=1: 4 blocks a range, so 2 ranges of 350 keys
+        forward = fast_cupy.forward(spec, q, k_view, v_view, runtime=runtime)
+        backward = fast_cupy.backward(spec, q, k_view, v_view, *forward, dout, None, runtime=runtime)
+        reads = {name: args for (name, *_), args in zip(runtime.launches, runtime.arguments)}
+        assert (fast_cupy.tensor_precision(spec) is not None) == tensor_cores
+        assert ("npattn_merge_splits" in reads) == (T == 1)  # T=1: the keys in ranges
+        for name in ("npattn_forward", "npattn_backward_dq", "npattn_backward_dkdv"):
+            args = reads[name + ("_tc" if tensor_cores else "")]
+            assert (args[1] is k_view and args[2] is v_view) == in_place, name
+        want_forward = fast_cupy.forward(spec, q, k, v, runtime=EmulatedRuntime(multiprocessors=16))
+        want_backward = fast_cupy.backward(spec, q, k, v, *want_forward, dout, None, runtime=EmulatedRuntime())
+        for got, want in zip((*forward, *backward[:3]), (*want_forward, *want_backward[:3])):
+            np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("window", [(25, None), (40, 0), (None, 12)])
 def test_windows_wider_than_t_plus_s_with_a_far_offset(window):
     """A ring shard's queries can sit far from its keys (``q_offset`` beyond
@@ -768,6 +851,30 @@ def test_public_api_decodes_on_the_fused_kernels_by_default(fused_on_numpy):
     assert [name for name, *_ in fused_on_numpy.launches][-2:] == ["npattn_forward_tc", "npattn_merge_splits"]
     dense, _ = npattn.attention_forward(q, k, v, causal=True, align="bottom_right", impl="dense")
     np.testing.assert_allclose(out, dense, rtol=1e-12, atol=1e-12)
+
+
+@emulated
+def test_preallocated_kv_cache_is_read_in_place(fused_on_numpy):
+    """Decoding through ``mha_forward`` with a preallocated
+    :class:`npattn.KVCache`: each step's forward reads the cache's buffers
+    where they lie (its views of the first L positions, kv heads
+    ``max_length`` rows apart), not copies, and gives the full causal
+    forward's outputs."""
+    from npattn.kv_cache import KVCache
+
+    rng = np.random.default_rng(3)
+    B, L, E, N, K = 2, 6, 32, 4, 2
+    params = {name: rng.standard_normal(a.shape) * 0.5 for name, a in npattn.mha_init(E, N, num_kv_heads=K).items()}
+    x = rng.standard_normal((B, L, E))
+    want, _ = npattn.mha_forward(params, x, num_heads=N, causal=True, impl="dense")
+    cache = KVCache.for_mha(params, B, num_heads=N, max_length=L + 10)
+    steps = [npattn.mha_forward(params, x[:, i : i + 1], num_heads=N, causal=True, cache=cache)[0] for i in range(L)]
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), want, rtol=1e-12, atol=1e-12)
+    launches = zip(fused_on_numpy.launches, fused_on_numpy.arguments)
+    forwards = [args for (name, *_), args in launches if name.startswith("npattn_forward")]
+    assert len(forwards) == L
+    buffers = (cache._keys.ctypes.data, cache._values.ctypes.data)
+    assert all((args[1].ctypes.data, args[2].ctypes.data) == buffers for args in forwards)
 
 
 def test_config_dtype_follows_the_kernels_struct():
@@ -888,6 +995,27 @@ def test_gpu_fused_matches_generic_and_numpy(backend, case):
             continue
         np.testing.assert_allclose(backend.to_numpy(a), backend.to_numpy(b), rtol=1e-11, atol=1e-11)
         np.testing.assert_allclose(backend.to_numpy(a), c, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cupy"], indirect=True)
+@pytest.mark.parametrize("dtype, H, T", [(np.float16, 128, 1), (np.float16, 64, 300), (np.float32, 64, 300)])
+def test_gpu_kv_views_give_the_bits_of_copies(backend, dtype, H, T):
+    """On the GPU: ``k`` and ``v`` as the first S positions of longer
+    buffers (read where they lie) give the bits that C-order copies give,
+    forward and backward, in a decode step's shape and a training one's."""
+    q, k, v, options = _problem(batch=(2,), N=8, K=2, T=T, S=700, H=H, Hv=H, causal=True, align="bottom_right")
+    dout = np.random.default_rng(1).standard_normal((*q.shape[:-1], H))
+    q, dout = (backend.asarray(x.astype(dtype)) for x in (q, dout))
+    views = [backend.asarray(_kv_view("cache", x).base.astype(dtype))[:, :, :700] for x in (k, v)]
+    copies = [x.copy() for x in views]
+    assert not views[0].flags.c_contiguous and copies[0].flags.c_contiguous
+    in_place = _public(q, *views, options, dout)
+    copied = _public(q, *copies, options, dout)
+    assert in_place[0] == copied[0] == "cupy"
+    for a, b in zip(in_place[1], copied[1]):
+        if b is not None:
+            assert np.array_equal(backend.to_numpy(a), backend.to_numpy(b))
 
 
 class _HostBackend:

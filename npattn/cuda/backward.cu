@@ -20,8 +20,8 @@
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     npattn_backward_dq(const tile_t* __restrict__ q,     // (B, N, T, H)
-                       const tile_t* __restrict__ k,     // (B, KH, S, H)
-                       const tile_t* __restrict__ v,     // (B, KH, S, Hv)
+                       const tile_t* __restrict__ k,     // (B, KH, S, H), heads kv_head_rows rows apart
+                       const tile_t* __restrict__ v,     // (B, KH, S, Hv), the same
                        const tile_t* __restrict__ dout,  // (B, N, T, Hv)
                        const scalar_t* __restrict__ lse,   // (B, N, T)
                        const scalar_t* __restrict__ D,     // (B, N, T)
@@ -56,7 +56,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   }
   long long first, end;
   block_key_range<TILE>(rows, scratch, first, end);
-  const long long kv_base = ((long long)b * pb.KH + h) * pb.S;
+  const long long kv_base = kv_head_row(pb, b, h);
 
   for (long long tile = first; tile < end; tile += KEYS) {
     load_rows<HEAD_DIM>(key_tile, k + kv_base * HEAD_DIM, tile, end);
@@ -93,8 +93,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 // stacked rows at a time.
 extern "C" __global__ void __launch_bounds__(THREADS)
     npattn_backward_dkdv(const tile_t* __restrict__ q,     // (B, N, T, H)
-                         const tile_t* __restrict__ k,     // (B, KH, S, H)
-                         const tile_t* __restrict__ v,     // (B, KH, S, Hv)
+                         const tile_t* __restrict__ k,     // (B, KH, S, H), heads kv_head_rows rows apart
+                         const tile_t* __restrict__ v,     // (B, KH, S, Hv), the same
                          const tile_t* __restrict__ dout,  // (B, N, T, Hv)
                          const scalar_t* __restrict__ lse,   // (B, N, T)
                          const scalar_t* __restrict__ D,     // (B, N, T)
@@ -115,7 +115,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 #pragma unroll
   for (int t = 0; t < TILE; ++t) {
     key[t] = ((long long)blockIdx.x * TILE + t) * ROWS + group;
-    const long long index = ((long long)b * pb.KH + h) * pb.S + min(key[t], (long long)pb.S - 1);
+    const long long index = kv_head_row(pb, b, h) + min(key[t], (long long)pb.S - 1);
     read_slice<HEAD_DIM, DH>(k_lane[t], k + index * HEAD_DIM, lane);
     read_slice<VALUE_DIM, DV>(v_lane[t], v + index * VALUE_DIM, lane);
 #pragma unroll
@@ -170,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 #pragma unroll
   for (int t = 0; t < TILE; ++t) {
     if (key[t] >= pb.S) continue;
-    const long long index = ((long long)b * pb.KH + h) * pb.S + key[t];
+    const long long index = (long long)((unsigned)b * pb.KH + h) * pb.S + key[t];
     store_lane<HEAD_DIM, DH>(dk + index * HEAD_DIM, dk_lane[t], lane, pb.scale);
     store_lane<VALUE_DIM, DV>(dv + index * VALUE_DIM, dv_lane[t], lane, (scalar_t)1);
   }

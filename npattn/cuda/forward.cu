@@ -21,8 +21,8 @@
 // which npattn.fast_cupy merges through lse.
 extern "C" __global__ void __launch_bounds__(THREADS)
     npattn_forward(const tile_t* __restrict__ q,  // (B, N, T, H)
-                   const tile_t* __restrict__ k,  // (B, KH, S, H)
-                   const tile_t* __restrict__ v,  // (B, KH, S, Hv)
+                   const tile_t* __restrict__ k,  // (B, KH, S, H), heads kv_head_rows rows apart
+                   const tile_t* __restrict__ v,  // (B, KH, S, Hv), the same
                    scalar_t* __restrict__ out,      // (splits, B, N, T, Hv)
                    scalar_t* __restrict__ lse,      // (splits, B, N, T)
                    const Config config, const long long* q_offsets,
@@ -59,7 +59,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   const long long per_split = ((pb.S + (long long)splits * KEYS - 1) / ((long long)splits * KEYS)) * KEYS;
   first = max(first, split * per_split);
   end = min(end, (split + 1) * per_split);
-  const long long kv_base = ((long long)b * pb.KH + h) * pb.S;
+  const long long kv_base = kv_head_row(pb, b, h);
 
   for (long long tile = first; tile < end; tile += KEYS) {
     load_rows<HEAD_DIM>(key_tile, k + kv_base * HEAD_DIM, tile, end);

@@ -35,6 +35,7 @@ struct Config {
   long long col0;            // column index of key 0 in the dropout hash
   long long splits;          // forward: key splits per (batch, kv head) (flash-decoding)
   long long dropout;         // 1 with dropout, else 0
+  long long kv_head_rows;    // rows of k and v from one kv head's first key to the next's (S when contiguous)
   double scale;              // softmax scale (rounded to scalar_t by read_problem)
   double softcap;            // softcap c, 0: none
   double keep_scale;         // 1 / (1 - dropout_p)
@@ -62,6 +63,7 @@ __device__ __forceinline__ unsigned int mix32(unsigned int x) {
 // The whole call's options, read once per thread from `config`.
 struct Problem {
   int B, N, KH, G, T, S;
+  int kv_head_rows;  // kv head h of batch element b: k and v from row (b * KH + h) * kv_head_rows
   long long left, right, q_offset, row0, col0;
   bool dropout;
   unsigned long long drop_threshold;
@@ -86,6 +88,7 @@ __device__ __forceinline__ Problem read_problem(const Config& config, const long
   pb.G = pb.N / pb.KH;
   pb.T = (int)config.T;
   pb.S = (int)config.S;
+  pb.kv_head_rows = (int)config.kv_head_rows;
   pb.left = config.left;
   pb.right = config.right;
   pb.q_offset = config.q_offset;

@@ -21,6 +21,15 @@ __device__ __forceinline__ void stacked_position(const Problem& pb, int h, long 
   }
 }
 
+// Row of k and v that holds key 0 of kv head h in batch element b: the
+// heads are kv_head_rows rows apart (S in C-order arrays, more in a view of a
+// longer buffer). b * KH + h < 2^32 (B and KH at most 65535:
+// npattn.fast_cupy.MAX_GRID_YZ): exact in 32-bit unsigned arithmetic, which
+// leaves the float16 forward's registers as they were with S.
+__device__ __forceinline__ long long kv_head_row(const Problem& pb, int b, int h) {
+  return (long long)((unsigned)b * pb.KH + h) * pb.kv_head_rows;
+}
+
 // Index into (B, N, T) arrays of query i of head n in batch element b.
 __device__ __forceinline__ long long row_index(const Problem& pb, int b, int n, int i) {
   return ((long long)b * pb.N + n) * pb.T + i;

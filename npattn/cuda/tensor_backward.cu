@@ -42,8 +42,8 @@ __device__ __forceinline__ scalar_t tensor_entry_backward(const Problem& pb, boo
 
 extern "C" __global__ void __launch_bounds__(TC_THREADS)
     npattn_backward_dq_tc(const tile_t* __restrict__ q,     // (B, N, T, H)
-                          const tile_t* __restrict__ k,     // (B, KH, S, H)
-                          const tile_t* __restrict__ v,     // (B, KH, S, Hv)
+                          const tile_t* __restrict__ k,     // (B, KH, S, H), heads kv_head_rows rows apart
+                          const tile_t* __restrict__ v,     // (B, KH, S, Hv), the same
                           const tile_t* __restrict__ dout,  // (B, N, T, Hv)
                           const scalar_t* __restrict__ lse,   // (B, N, T)
                           const scalar_t* __restrict__ D,     // (B, N, T)
@@ -84,7 +84,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 
   long long first, end;
   block_key_span(rows, scratch, first, end);
-  const long long kv_base = ((long long)b * pb.KH + h) * pb.S;
+  const long long kv_base = kv_head_row(pb, b, h);
 
   auto issue = [&](int it) {
     const int stage = it % TC_STAGES;
@@ -150,8 +150,8 @@ __device__ __forceinline__ bool rows_see_keys(const Row* tile_rows, long long fi
 // a time.
 extern "C" __global__ void __launch_bounds__(TC_THREADS)
     npattn_backward_dkdv_tc(const tile_t* __restrict__ q,     // (B, N, T, H)
-                            const tile_t* __restrict__ k,     // (B, KH, S, H)
-                            const tile_t* __restrict__ v,     // (B, KH, S, Hv)
+                            const tile_t* __restrict__ k,     // (B, KH, S, H), heads kv_head_rows rows apart
+                            const tile_t* __restrict__ v,     // (B, KH, S, Hv), the same
                             const tile_t* __restrict__ dout,  // (B, N, T, Hv)
                             const scalar_t* __restrict__ lse,   // (B, N, T)
                             const scalar_t* __restrict__ D,     // (B, N, T)
@@ -176,7 +176,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     key[i] = (long long)blockIdx.x * TC_ROWS + warp * 16 + g + 8 * i;
-    const long long index = ((long long)b * pb.KH + h) * pb.S + key[i];
+    const long long index = kv_head_row(pb, b, h) + key[i];
     k_rows[i] = key[i] < pb.S ? k + index * HEAD_DIM : nullptr;
     v_rows[i] = key[i] < pb.S ? v + index * VALUE_DIM : nullptr;
   }
@@ -257,7 +257,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     if (key[i] >= pb.S) continue;
-    const long long index = ((long long)b * pb.KH + h) * pb.S + key[i];
+    const long long index = (long long)((unsigned)b * pb.KH + h) * pb.S + key[i];
     store_row<HEAD_DIM>(dk + index * HEAD_DIM, dk_acc, i, t, pb.scale);
     store_row<VALUE_DIM>(dv + index * VALUE_DIM, dv_acc, i, t, (scalar_t)1);
   }

@@ -26,8 +26,8 @@
 
 extern "C" __global__ void TC_FORWARD_BOUNDS
     npattn_forward_tc(const tile_t* __restrict__ q,  // (B, N, T, H)
-                      const tile_t* __restrict__ k,  // (B, KH, S, H)
-                      const tile_t* __restrict__ v,  // (B, KH, S, Hv)
+                      const tile_t* __restrict__ k,  // (B, KH, S, H), heads kv_head_rows rows apart
+                      const tile_t* __restrict__ v,  // (B, KH, S, Hv), the same
                       scalar_t* __restrict__ out,       // (splits, B, N, T, Hv)
                       scalar_t* __restrict__ lse,       // (splits, B, N, T)
                       const Config config, const long long* q_offsets,
@@ -66,7 +66,7 @@ extern "C" __global__ void TC_FORWARD_BOUNDS
   const long long per_split = ((pb.S + (long long)splits * TC_KEYS - 1) / ((long long)splits * TC_KEYS)) * TC_KEYS;
   first = max(first, split * per_split);
   end = min(end, (split + 1) * per_split);
-  const long long kv_base = ((long long)b * pb.KH + h) * pb.S;
+  const long long kv_base = kv_head_row(pb, b, h);
 
   auto issue = [&](int it) {
     const int stage = it % TC_STAGES;
