@@ -477,12 +477,21 @@ def operand_dtype(spec: AttentionSpec) -> Any:
     return np.dtype(np.float16) if np.dtype(spec.dtype) == np.float16 else spec.compute_dtype
 
 
-def _tensor_module(runtime: Runtime, spec: AttentionSpec, precision: str, backward: bool = False) -> Any:
+def _tensor_module(runtime: Runtime, spec: AttentionSpec, precision: str, warps: int, backward: bool = False) -> Any:
     """The tensor-core forward (with the merge of key ranges) or backward
-    (with ``D``) for ``spec``'s dims and ``precision``, each with its own
-    tiles (:func:`tensor_tile`)."""
-    kind = "tensor_backward" if backward else "tensor_forward"
-    return _compiled(runtime, kind, _tensor_defines(spec, precision, backward))
+    (with ``D``) for ``spec``'s dims, ``precision`` and ``warps``
+    (:func:`tensor_warps`), each with its own tiles (:func:`tensor_tile`):
+    looked up by these alone (1 µs; building its definitions takes 2.5 more,
+    2-core EPYC)."""
+    key = (runtime, precision, spec.head_dim, spec.value_dim, warps, backward)
+    module = _TENSOR_MODULES.get(key)
+    if module is None:
+        kind = "tensor_backward" if backward else "tensor_forward"
+        module = _TENSOR_MODULES[key] = _compiled(runtime, kind, _tensor_defines(spec, precision, backward))
+    return module
+
+
+_TENSOR_MODULES: dict[tuple[Runtime, str, int, int, int, bool], Any] = {}
 
 
 def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tuple[tuple[str, str], ...]:
@@ -638,7 +647,7 @@ class _Call:
     from one kv head's first key to the next's (:func:`_kv_operands`)."""
 
     def __init__(self, spec: AttentionSpec, kv_head_rows: int, splits: int = 1):
-        xp, B = spec.xp, spec.num_batch
+        B = spec.num_batch
         reach = window_reach(spec)  # a window side wider than this hides nothing
         offset = spec.q_offset if spec.q_offset is not None else 0
         per_batch_offset = hasattr(offset, "shape")  # bottom_right with lengths
@@ -665,25 +674,38 @@ class _Call:
             )
         )
 
-        def flat(a: Any, shape: tuple[int, ...], dtype: Any) -> Any:
-            return None if a is None else _contiguous(xp.reshape(xp.astype(a, dtype), shape))
-
-        segments = spec.q_segment_ids is not None
-        slopes = spec.alibi_slopes
-        if slopes is not None:
-            heads = spec.batch_shape + (spec.num_heads,)
-            slopes = xp.broadcast_to(xp.reshape(slopes, slopes.shape[:-2]), heads)  # (..., N|1, 1, 1) -> (..., N)
-        self.optional = (
-            flat(offset if per_batch_offset else None, (B,), xp.int64),
-            flat(spec.q_lengths, (B,), xp.int64),
-            flat(spec.kv_lengths, (B,), xp.int64),
-            flat(spec.q_segment_ids if segments else None, (B, spec.q_len), xp.int64),
-            flat(spec.kv_segment_ids if segments else None, (B, spec.kv_len), xp.int64),
-            flat(slopes, (B, spec.num_heads), spec.compute_dtype),
-        )
+        per_batch = (spec.q_lengths, spec.kv_lengths, spec.q_segment_ids, spec.alibi_slopes)
+        if per_batch_offset or any(a is not None for a in per_batch):
+            self.optional = _per_batch_arrays(spec, offset if per_batch_offset else None)
+        else:  # a plain call's (a decode step's): none
+            self.optional = (None,) * 6
 
     def args(self) -> tuple:
         return (self.config, *self.optional)
+
+
+def _per_batch_arrays(spec: AttentionSpec, offsets: Any) -> tuple:
+    """:class:`_Call`'s optional arrays, each None where ``spec`` has none:
+    the per-batch query ``offsets`` (bottom_right with lengths), the
+    lengths, segment ids and ALiBi slopes, flattened over the batch axes."""
+    xp, B = spec.xp, spec.num_batch
+
+    def flat(a: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+        return None if a is None else _contiguous(xp.reshape(xp.astype(a, dtype), shape))
+
+    segments = spec.q_segment_ids is not None
+    slopes = spec.alibi_slopes
+    if slopes is not None:
+        heads = spec.batch_shape + (spec.num_heads,)
+        slopes = xp.broadcast_to(xp.reshape(slopes, slopes.shape[:-2]), heads)  # (..., N|1, 1, 1) -> (..., N)
+    return (
+        flat(offsets, (B,), xp.int64),
+        flat(spec.q_lengths, (B,), xp.int64),
+        flat(spec.kv_lengths, (B,), xp.int64),
+        flat(spec.q_segment_ids if segments else None, (B, spec.q_len), xp.int64),
+        flat(spec.kv_segment_ids if segments else None, (B, spec.kv_len), xp.int64),
+        flat(slopes, (B, spec.num_heads), spec.compute_dtype),
+    )
 
 
 #: Alignment of the arrays the kernels read, in bytes: they read rows in
@@ -817,8 +839,8 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None
         module, name, threads = _module(runtime, spec, shape), "npattn_forward", BLOCK_THREADS
         row_blocks = _grid_rows(spec, shape)
     else:
-        module, warps = _tensor_module(runtime, spec, precision), tensor_warps(spec)
-        name, threads = "npattn_forward_tc", 32 * warps
+        warps = tensor_warps(spec)
+        module, name, threads = _tensor_module(runtime, spec, precision, warps), "npattn_forward_tc", 32 * warps
         row_blocks = -(-spec.group_size * T // (TENSOR_WARP_ROWS * warps))
     splits = _splits(spec, row_blocks, runtime.multiprocessors(q))
     (qc,) = _operands(spec, q)
@@ -873,8 +895,8 @@ def backward(
         module, threads, suffix = _module(runtime, spec, shape), BLOCK_THREADS, ""
         row_blocks, key_blocks = _grid_rows(spec, shape), -(-S // (shape.rows * shape.tile))
     else:
-        module = _tensor_module(runtime, spec, precision, backward=True)
-        warps = tensor_warps(spec, backward=True)
+        warps = TENSOR_BACKWARD_WARPS[precision]  # tensor_warps(spec, backward=True), the precision known
+        module = _tensor_module(runtime, spec, precision, warps, backward=True)
         threads, suffix, block_rows = 32 * warps, "_tc", TENSOR_WARP_ROWS * warps
         row_blocks, key_blocks = -(-spec.group_size * T // block_rows), -(-S // block_rows)
     D = _empty(spec, (B, N, T), spec.compute_dtype)

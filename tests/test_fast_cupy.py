@@ -519,7 +519,7 @@ def test_merge_kernel_merges_many_ranges(tensor_cores):
     q, k, v = (np.zeros((1, N, 1, 8)), np.zeros((1, N, 4, 8)), np.zeros((1, N, 4, Hv)))
     spec, runtime = make_spec(q, k, v), EmulatedRuntime()
     if tensor_cores:
-        module = fast_cupy._tensor_module(runtime, spec, "f64")
+        module = fast_cupy._tensor_module(runtime, spec, "f64", fast_cupy.tensor_warps(spec))
     else:
         module = fast_cupy._module(runtime, spec, fast_cupy.launch_shape(spec))
     rng = np.random.default_rng(0)
