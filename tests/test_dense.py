@@ -789,6 +789,11 @@ def test_a_repeated_call_with_scalar_options_looks_up_make_specs_answer():
     assert numpy_scale.scale == 0.5 and len(_SCALAR_CALLS) == size
     with pytest.raises(TypeError):
         scalar_call_spec(q.tolist(), kv, kv, causal=False)
+    import array_api_strict as strict
+
+    for device in strict.__array_namespace_info__().devices()[1:3]:  # two devices: two specs, each its own
+        on_device = [strict.asarray(x, device=device) for x in (q, kv)]
+        assert scalar_call_spec(*on_device, on_device[1], **options).device == device
     for T in range(1, SCALAR_CALL_CACHE_SIZE + 2):
         y = np.zeros((1, 1, T, 2))
         assert scalar_call_spec(y, y, y, causal=True).q_len == T
