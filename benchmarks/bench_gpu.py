@@ -7,6 +7,7 @@
     python benchmarks/bench_gpu.py --kernels  # where the fused path's time goes, kernel by kernel
     python benchmarks/bench_gpu.py --tiles    # each tensor-core kernel at each tile size
     python benchmarks/bench_gpu.py --auto     # the fused path against the dense one at small sizes
+    python benchmarks/bench_gpu.py --host-time --base HEAD~1  # npattn's Python per decode call, no GPU
 
 ``--targets`` prints, for each workload of the fused path's targets, torch
 SDPA, the fused CuPy kernels (``npattn.fast_cupy``, what ``impl="chunked"``
@@ -96,6 +97,20 @@ N=8, H=64, T=S from 16 to 2048, full and causal, forward+backward, and
 decode steps (T=1 against S from 128 to 32768, N=32 on 8 kv heads, H=128,
 forward), in float16, float32 and float64, with the path ``"auto"`` takes.
 
+``--host-time`` needs no GPU either: the Python npattn runs per call on the
+fused path, which a decode step's kernels (tens of microseconds) wait on, with
+``--count-memory``'s stand-ins (NumPy arrays in CuPy's place, kernels that do
+nothing) and outputs from a pool of zeros: ``attention_forward``'s time per
+call, best of ``--repeats`` rounds of ``HOST_CALLS`` calls, for the decode
+step of ``--targets`` (``impl="chunked"``), the same step with
+``causal=True, align="bottom_right"`` (a KV cache's), and that step from a
+preallocated cache whose keys grow by one a call (views of one buffer, ``S``
+from 32512 to 32767). With ``--base REV`` that git revision of npattn (or a
+folder with a copy of the package, ``worktree`` for the files on disk) runs
+beside, round by round in one process, so that the ratio attributes a change
+on a CPU whose speed drifts. CuPy's own calls (allocations, launches, its
+``astype``) are not in these times; NumPy's stand in for them.
+
 Without CuPy or a CUDA device the tables print ``skipped: ...`` and exit
 with 0; bad arguments exit with 2.
 """
@@ -105,8 +120,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import importlib
 import os
+import runpy
 import sys
 import time
 import tracemalloc
@@ -115,9 +132,10 @@ from unittest import mock
 import numpy as np
 
 try:
-    import npattn  # noqa: F401
+    import npattn
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import npattn
 from npattn import attention_backward, attention_forward
 from npattn.__main__ import cupy_peak_bytes
 from npattn.chunked import default_blocks
@@ -323,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", action="store_true", help="the fused path's time, kernel by kernel")
     parser.add_argument("--tiles", action="store_true", help="each tensor-core kernel at each tile size")
     parser.add_argument("--auto", action="store_true", help="the fused path against the dense one at small sizes")
+    parser.add_argument("--host-time", action="store_true", help="npattn's Python per decode call, on the CPU")
+    parser.add_argument("--base", help="with --host-time: a git revision (or folder, or 'worktree') of npattn beside")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -333,8 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         if d not in ("float32", "float16", "bfloat16"):
             parser.error(f"--dtypes: unknown dtype {d!r} (choose from float32, float16, bfloat16)")
 
+    if args.base is not None and not args.host_time:
+        parser.error("--base goes with --host-time")
     if args.count_memory:
         return count_memory(args.lengths or [16384])
+    if args.host_time:
+        return host_time(args.base, args.repeats)
     cp, why_not = _cupy()
     if cp is None:
         print(f"skipped: CuPy with a CUDA device is not available ({why_not})")
@@ -484,6 +508,19 @@ def _forward_backward(q, k, v, dout) -> None:
     attention_backward(dout, res)
 
 
+@contextlib.contextmanager
+def _fused_on_numpy(package):
+    """``package`` (npattn, or another revision of it) sends NumPy arrays to
+    its fused CuPy path, whose kernels do nothing (:class:`_NoKernels`)."""
+    with (
+        mock.patch.object(package.fast_numpy, "supports", lambda spec: False),
+        mock.patch.object(package.fast_cupy, "supports", package.fast_cupy._kernels_take),
+        mock.patch.object(package.fast_cupy, "_CUPY_RUNTIME", _NoKernels()),
+        np.errstate(all="ignore"),  # the arrays the kernels would fill hold whatever was in memory
+    ):
+        yield
+
+
 def count_memory(lengths: list[int]) -> int:
     """Print the peak bytes of the fused path's arrays (see the module's docstring)."""
     import npattn.fast_numpy
@@ -491,12 +528,7 @@ def count_memory(lengths: list[int]) -> int:
 
     print("peak MiB of the fused CuPy path's arrays beyond the inputs, counted on the CPU (kernels not run):")
     print("B=1, N=8, H=64, causal, forward+backward (bench_gpu --targets' peak memory row)")
-    with (
-        mock.patch.object(npattn.fast_numpy, "supports", lambda spec: False),
-        mock.patch.object(fast_cupy, "supports", fast_cupy._kernels_take),
-        mock.patch.object(fast_cupy, "_CUPY_RUNTIME", _NoKernels()),
-        np.errstate(all="ignore"),  # the arrays the kernels would fill hold whatever was in memory
-    ):
+    with _fused_on_numpy(npattn):
         for dtype in (np.float16, np.float32):
             for T in lengths:
                 q, k, v, dout = (np.zeros((1, 8, T, 64), dtype) for _ in range(4))
@@ -507,6 +539,84 @@ def count_memory(lengths: list[int]) -> int:
                 tracemalloc.stop()
                 precision = fast_cupy.tensor_precision(make_spec(q, k, v))
                 print(f"{np.dtype(dtype).name:<8} T=S={T:<6} {peak / 2**20:9.1f} MiB  (kernels: {precision})")
+    return 0
+
+
+# --- npattn's Python per decode call, on the CPU ------------------------------------
+
+#: Calls per round of each ``--host-time`` row.
+HOST_CALLS = 500
+
+
+def _zeros_pool():
+    """A stand-in for ``fast_cupy._empty``: one array of zeros per shape and
+    dtype, handed out again (an allocation's cost is CuPy's, not timed here)."""
+    pool: dict = {}
+
+    def empty(spec, shape, dtype):
+        key = (tuple(shape), np.dtype(dtype))
+        if key not in pool:
+            pool[key] = np.zeros(shape, dtype)
+        return pool[key]
+
+    return empty
+
+
+def _host_rows(rng: np.random.Generator):
+    """``(label, options)`` of ``--host-time``'s rows, and the rows' ``q``, ``k``, ``v``."""
+    q = rng.standard_normal((1, 32, 1, 128)).astype(np.float16)
+    k, v = (rng.standard_normal((1, 8, 32768, 128)).astype(np.float16) for _ in range(2))
+    rows = [
+        ("decode T=1 S=32768 (--targets')", dict(impl="chunked")),
+        ("  causal, bottom_right (a KV cache's)", dict(causal=True, align="bottom_right")),
+    ]
+    return rows, (q, k, v)
+
+
+def _best_call_us(calls: dict, rounds: int) -> dict:
+    """Best µs per call of each of ``calls``: round after round, in turn,
+    the order reversed every other round, the garbage collector paused."""
+    best = dict.fromkeys(calls, float("inf"))
+    names = list(calls)
+    gc.disable()
+    try:
+        for round_ in range(rounds):
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                call = calls[name]
+                start = time.perf_counter()
+                for _ in range(HOST_CALLS):
+                    call()
+                best[name] = min(best[name], (time.perf_counter() - start) / HOST_CALLS * 1e6)
+    finally:
+        gc.enable()
+    return best
+
+
+def host_time(base: str | None, rounds: int) -> int:
+    """Print npattn's Python per decode call on the fused path (see the module's docstring)."""
+    helpers = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_workloads.py"))
+    packages = {"now": npattn} | ({"base": helpers["load_base"](base)} if base else {})
+    print(f"npattn's Python per call on the fused CuPy path, on the CPU ({helpers['cpu_model']()}; kernels not run)")
+    print(
+        f"float16, N=32 on K=8, H=128; best of {rounds} rounds of {HOST_CALLS} calls"
+        + (f"; base: {base}" if base else "")
+    )
+    print(f"{'call':<40} {'now us':>8}" + (f" {'base us':>8} {'now/base':>9}" if base else ""))
+    with contextlib.ExitStack() as stack:
+        for package in packages.values():
+            stack.enter_context(_fused_on_numpy(package))
+            stack.enter_context(mock.patch.object(package.fast_cupy, "_empty", _zeros_pool()))
+        rows, arrays = _host_rows(np.random.default_rng(0))
+        for label, options in rows:
+            calls = {
+                name: functools.partial(package.attention_forward, *arrays, **options)
+                for name, package in packages.items()
+            }
+            for name, call in calls.items():
+                assert call()[1].kernel == "cupy", name  # and the caches warm
+            us = _best_call_us(calls, rounds)
+            ratio = f" {us['base']:8.2f} {us['now'] / us['base']:9.3f}" if base else ""
+            print(f"{label:<40} {us['now']:8.2f}{ratio}", flush=True)
     return 0
 
 

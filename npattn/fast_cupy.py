@@ -728,14 +728,8 @@ def _contiguous(a: Any) -> Any:
 def _operands(spec: AttentionSpec, *arrays: Any) -> tuple[Any, ...]:
     """``arrays`` (``q``, ``dO``) as the kernels read them: in
     :func:`operand_dtype`, C order, aligned; each the array itself where it is."""
-    return tuple(_contiguous(_in_operand_dtype(spec, a)) for a in arrays)
-
-
-def _in_operand_dtype(spec: AttentionSpec, a: Any) -> Any:
-    """``a`` in :func:`operand_dtype`: itself where it is (a test of the
-    dtype first: the namespace's astype wrapper costs ~2 µs a call)."""
-    dtype = operand_dtype(spec)
-    return a if a.dtype == dtype else spec.xp.astype(a, dtype)
+    dtype = operand_dtype(spec)  # a test of the dtype first: the namespace's astype wrapper costs ~2 µs a call
+    return tuple(_contiguous(a if a.dtype == dtype else spec.xp.astype(a, dtype)) for a in arrays)
 
 
 def _kv_operands(spec: AttentionSpec, k: Any, v: Any) -> tuple[Any, Any, int]:
@@ -744,7 +738,8 @@ def _kv_operands(spec: AttentionSpec, k: Any, v: Any) -> tuple[Any, Any, int]:
     read where they lie when their heads are that many rows apart
     (:func:`_head_rows`: the first ``S`` positions of a longer buffer, as a
     preallocated KV cache hands them out), else C-order copies (``S``)."""
-    k, v = _in_operand_dtype(spec, k), _in_operand_dtype(spec, v)
+    dtype = operand_dtype(spec)
+    k, v = (a if a.dtype == dtype else spec.xp.astype(a, dtype) for a in (k, v))
     rows = _head_rows(k)
     if rows is None or rows != _head_rows(v):
         return _contiguous(k), _contiguous(v), spec.kv_len
@@ -764,6 +759,8 @@ def _head_rows(a: Any) -> int | None:
     (100, 10, None)
     """
     *heads, S, W = a.shape
+    if a.flags.c_contiguous:  # the common case: heads S rows apart
+        return None if _address(a) % ALIGNMENT else S
     row = W * a.itemsize
     if (W > 1 and a.strides[-1] != a.itemsize) or (S > 1 and a.strides[-2] != row):
         return None

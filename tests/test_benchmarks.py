@@ -189,6 +189,21 @@ def test_gpu_benchmark_counts_the_fused_paths_memory_without_a_gpu(capsys):
     assert all(float(row[2]) > 0 for row in rows), rows
 
 
+def test_gpu_benchmark_times_the_decode_steps_python_without_a_gpu(capsys, monkeypatch):
+    """``bench_gpu.py --host-time --base worktree`` times each decode row's
+    call on the fused path's Python side, this checkout's and the base's,
+    on the CPU; ``--base`` alone is an error."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the base package's folder goes onto it
+    assert _run_script("bench_gpu.py", ["--host-time", "--base", "worktree", "--repeats", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "decode" in line or "bottom_right" in line]
+    assert len(rows) == 2
+    for row in rows:
+        now, base, ratio = (float(x) for x in row.split()[-3:])
+        assert now > 0 and base > 0 and ratio == pytest.approx(now / base, abs=1e-3)
+    assert _run_script("bench_gpu.py", ["--base", "HEAD"]) == 2
+    assert "--base goes with --host-time" in capsys.readouterr().err
+
+
 class _FakeEvent:
     """A CUDA event whose elapsed time counts the events recorded in between."""
 
