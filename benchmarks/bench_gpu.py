@@ -7,6 +7,7 @@
     python benchmarks/bench_gpu.py --kernels  # where the fused path's time goes, kernel by kernel
     python benchmarks/bench_gpu.py --tiles    # each tensor-core kernel at each tile size
     python benchmarks/bench_gpu.py --auto     # the fused path against the dense one at small sizes
+    python benchmarks/bench_gpu.py --cache    # a decode step on a preallocated KV cache's views
     python benchmarks/bench_gpu.py --host-time --base HEAD~1  # npattn's Python per decode call, no GPU
 
 ``--targets`` prints, for each workload of the fused path's targets, torch
@@ -96,6 +97,15 @@ the fused one (best of ``AUTO_REPEATS`` synchronized calls each), at B=1,
 N=8, H=64, T=S from 16 to 2048, full and causal, forward+backward, and
 decode steps (T=1 against S from 128 to 32768, N=32 on 8 kv heads, H=128,
 forward), in float16, float32 and float64, with the path ``"auto"`` takes.
+
+``--cache`` times a decode step (float16, T=1, N=32 on 8 kv heads, H=128,
+``causal=True, align="bottom_right"``) on the first ``S`` positions of
+preallocated cache buffers (``CACHE_ROWS``: ``S`` and the buffers' spare
+positions past it), as a :class:`npattn.KVCache` hands them out: on
+C-order copies of those keys, on the views themselves (read where they lie),
+and on the views copied to C order first (what every step did before the
+fused kernels read such views), best of ``DECODE_REPEATS`` synchronized
+calls each, the three in turn, twice.
 
 ``--host-time`` needs no GPU either: the Python npattn runs per call on the
 fused path, which a decode step's kernels (tens of microseconds) wait on, with
@@ -341,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", action="store_true", help="the fused path's time, kernel by kernel")
     parser.add_argument("--tiles", action="store_true", help="each tensor-core kernel at each tile size")
     parser.add_argument("--auto", action="store_true", help="the fused path against the dense one at small sizes")
+    parser.add_argument("--cache", action="store_true", help="a decode step on a preallocated KV cache's views")
     parser.add_argument("--host-time", action="store_true", help="npattn's Python per decode call, on the CPU")
     parser.add_argument("--base", help="with --host-time: a git revision (or folder, or 'worktree') of npattn beside")
     args = parser.parse_args(argv)
@@ -372,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         return tiles(cp, args.repeats)
     if args.auto:
         return auto(cp)
+    if args.cache:
+        return cache(cp)
 
     B, N, H = 1, 8, 64
     lengths = args.lengths or ([256, 512] if args.quick else [1024, 4096, 8192, 16384])
@@ -780,6 +793,53 @@ def auto(cp) -> int:
         print(f"{label:<40} {times} {taken:>8}", flush=True)
         _free_pools(cp, None)
     return 0
+
+
+# --- a decode step on a preallocated KV cache -----------------------------------------
+
+#: ``--cache``'s rows: ``S``, and the cache buffers' spare positions past it.
+CACHE_ROWS = ((4096, 1024), (32768, 1024))
+
+
+def cache(cp) -> int:
+    """Print a decode step's time on a preallocated cache's views, on C-order
+    copies of them, and on the views copied first (see the module's docstring)."""
+    name = _device_name(cp)
+    print(f"npattn decode step on CuPy, {name}: float16, T=1, N=32 on K=8, H=128, causal bottom_right")
+    print(f"best of {DECODE_REPEATS} synchronized calls, twice in turn; ratios to the C-order keys")
+    header = f"{'S (spare)':<14} {'C-order ms':>10} {'views ms':>9} {'copied ms':>10} {'views x':>8} {'copied x':>9}"
+    print(f"{header} {'max|diff|':>10}")
+    rng = np.random.default_rng(0)
+    for S, spare in CACHE_ROWS:
+        _cache_row(cp, rng, S, spare)
+        _free_pools(cp, None)
+    return 0
+
+
+def _cache_row(cp, rng: np.random.Generator, S: int, spare: int) -> None:
+    q = cp.asarray(rng.standard_normal((1, 32, 1, 128), dtype=np.float32)).astype(cp.float16)
+    buffers = [cp.asarray(rng.standard_normal((1, 8, S + spare, 128), dtype=np.float32)) for _ in range(2)]
+    views = [b.astype(cp.float16)[:, :, :S] for b in buffers]  # (1, 8, S, 128), kv heads S + spare rows apart
+    packed = [x.copy() for x in views]
+
+    def step(k, v, copy=False):
+        k, v = (k.copy(), v.copy()) if copy else (k, v)
+        return attention_forward(q, k, v, causal=True, align="bottom_right")[0]
+
+    calls = {
+        "C-order": functools.partial(step, *packed),
+        "views": functools.partial(step, *views),
+        "copied": functools.partial(step, *views, copy=True),
+    }
+    diff = float(cp.max(cp.abs(calls["views"]().astype(cp.float32) - calls["C-order"]().astype(cp.float32))))
+    sync = cp.cuda.runtime.deviceSynchronize
+    times = dict.fromkeys(calls, float("inf"))
+    for _ in range(2):
+        for label, call in calls.items():
+            times[label] = min(times[label], _best_ms(call, sync, DECODE_REPEATS))
+    ms = " ".join(f"{times[label]:{width}.3f}" for label, width in (("C-order", 10), ("views", 9), ("copied", 10)))
+    ratios = f"{times['views'] / times['C-order']:8.2f} {times['copied'] / times['C-order']:9.2f}"
+    print(f"{f'{S} ({spare})':<14} {ms} {ratios} {diff:10.1e}", flush=True)
 
 
 # --- where the time goes ------------------------------------------------------------

@@ -303,6 +303,25 @@ def test_gpu_benchmark_auto_rows_time_both_paths_and_say_which_auto_takes(capsys
     assert all(line.split()[-1] == "chunked" and float(line.split()[-2]) > 0 for line in lines)
 
 
+def test_gpu_benchmark_cache_rows_time_views_copies_and_c_order_keys(capsys, monkeypatch):
+    """``bench_gpu.py --cache``'s own code on NumPy in CuPy's place, kernels
+    not run: a row per cache size, with the three steps' times and ratios."""
+    import numpy as np
+
+    bench_gpu, cp = _fake_gpu_bench(monkeypatch)
+    monkeypatch.setattr(cp, "max", np.max, raising=False)
+    monkeypatch.setattr(cp, "abs", np.abs, raising=False)
+    monkeypatch.setattr(bench_gpu, "CACHE_ROWS", ((300, 20), (64, 1)))
+    monkeypatch.setattr(bench_gpu, "DECODE_REPEATS", 2)
+    with np.errstate(all="ignore"):  # the arrays the kernels would fill hold whatever was in memory
+        assert bench_gpu.cache(cp) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line[:1].isdigit()]
+    assert [row[:2] for row in rows] == [["300", "(20)"], ["64", "(1)"]]
+    for row in rows:
+        ms, ratios = [float(x) for x in row[2:5]], [float(x) for x in row[5:7]]
+        assert min(ms) > 0 and ratios == pytest.approx([ms[1] / ms[0], ms[2] / ms[0]], rel=0.03)  # ms rounded
+
+
 def test_gpu_benchmark_tile_sweep_compiles_each_size_that_fits(capsys, monkeypatch):
     """``bench_gpu.py --tiles``' own code on NumPy in CuPy's place, kernels
     not run: a row per tile size whose two tiles fit, each kernel compiled
