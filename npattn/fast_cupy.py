@@ -751,7 +751,7 @@ def _head_rows(a: Any) -> int | None:
     S, W)`` (the batch and head axes flattened), where its rows are
     C-order, its heads a whole number of rows apart, evenly, and it starts
     on an :data:`ALIGNMENT` boundary (so then does every row the kernels
-    read, as in a C-order array); else None.
+    read, as in a C-order array), 0 to 2**31 - 1 rows apart; else None.
 
     >>> import numpy as np
     >>> cache = np.zeros((2, 4, 100, 8), np.float32)
@@ -773,8 +773,8 @@ def _head_rows(a: Any) -> int | None:
         elif step != stride * span:
             return None  # this axis's heads are not evenly spaced with the inner ones
         span *= size
-    if stride % row or _address(a) % ALIGNMENT:
-        return None
+    if stride % row or not 0 <= stride // row < 2**31 or _address(a) % ALIGNMENT:
+        return None  # pipeline.cuh's Problem holds the rows in an int, as it holds S
     return stride // row
 
 

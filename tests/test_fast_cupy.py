@@ -52,7 +52,7 @@ KERNEL_ARITY = {
     "npattn_backward_dkdv_tc": 15,
 }
 #: The kernels that read ``k`` and ``v`` (arguments 1 and 2) where they lie:
-#: C-order rows, kv heads ``Config.k_head_stride`` and ``v_head_stride`` apart.
+#: C-order rows, kv heads ``Config.kv_head_rows`` rows apart.
 KV_VIEWS_READ = {
     "npattn_forward",
     "npattn_backward_dq",
@@ -711,6 +711,25 @@ def _kv_view(layout: str, k: np.ndarray) -> np.ndarray:
     shifted = buffer[1:].reshape(k.shape)
     shifted[...] = k
     return shifted
+
+
+def test_head_rows_of_each_layout():
+    """The rows between kv heads that the kernels read a layout at, or None
+    where it is copied to C order first."""
+    from numpy.lib.stride_tricks import as_strided
+
+    k = np.zeros((2, 4, 10, 8))
+    row = 8 * k.itemsize
+    assert fast_cupy._head_rows(k) == 10 and fast_cupy._head_rows(k[:, :, :4]) == 10
+    assert fast_cupy._head_rows(k[:1, :1, :4]) == 4  # one head: C-order
+    assert fast_cupy._head_rows(k[:1, 1:, :4]) == 10 and fast_cupy._head_rows(k[1:, :1]) == 10
+    assert fast_cupy._head_rows(np.broadcast_to(k[:1, :1], (2, 1, 10, 8))) == 0
+    assert fast_cupy._head_rows(k[:, ::2]) == 20  # every other head: evenly spaced
+    assert fast_cupy._head_rows(k[:, :2]) is None and fast_cupy._head_rows(k[:, ::3]) is None  # uneven
+    assert fast_cupy._head_rows(k[:1, ::-1]) is None  # heads backwards
+    assert fast_cupy._head_rows(k[:, :, ::2]) is None and fast_cupy._head_rows(k[..., :4]) is None
+    assert fast_cupy._head_rows(as_strided(k, (2, 1, 4, 8), (2**31 * row, row, row, k.itemsize))) is None
+    assert fast_cupy._head_rows(as_strided(k, (2, 1, 4, 8), ((2**31 - 1) * row, row, row, k.itemsize))) == 2**31 - 1
 
 
 @emulated
