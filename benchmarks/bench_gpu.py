@@ -113,9 +113,7 @@ fused path, which a decode step's kernels (tens of microseconds) wait on, with
 nothing) and outputs from a pool of zeros: ``attention_forward``'s time per
 call, best of ``--repeats`` rounds of ``HOST_CALLS`` calls, for the decode
 step of ``--targets`` (``impl="chunked"``), the same step with
-``causal=True, align="bottom_right"`` (a KV cache's), and that step from a
-preallocated cache whose keys grow by one a call (views of one buffer, ``S``
-from 32512 to 32767). With ``--base REV`` that git revision of npattn (or a
+``causal=True, align="bottom_right"`` (a KV cache's). With ``--base REV`` that git revision of npattn (or a
 folder with a copy of the package, ``worktree`` for the files on disk) runs
 beside, round by round in one process, so that the ratio attributes a change
 on a CPU whose speed drifts. CuPy's own calls (allocations, launches, its
