@@ -54,8 +54,9 @@ launch shape) by CuPy's ``RawModule`` (NVRTC) and cached for the process
 The module talks to the GPU through a small :class:`Runtime` (compile,
 launch), so that the tests can run the same kernels on the CPU through a
 C++ emulator of CUDA's thread model (``tests/cuda_emulator``). A call
-copies nothing to the device before its kernels: its scalar options reach
-them by value, as one struct (:data:`CONFIG_DTYPE`).
+copies nothing to the device before its kernels: its scalar options and
+the addresses of its per-batch arrays reach them by value, as one struct
+(:data:`CONFIG_DTYPE`).
 """
 
 from __future__ import annotations
@@ -614,10 +615,17 @@ _CONFIG_INTS = (
     "splits",
     "dropout",
     "kv_head_rows",
+    "q_offsets",
+    "q_lengths",
+    "kv_lengths",
+    "q_segments",
+    "kv_segments",
+    "slopes",
 )
 _CONFIG_FLOATS = ("scale", "softcap", "keep_scale")
 #: ``pipeline.cuh``'s ``struct Config``, field for field: the call's scalar
-#: options, which every kernel takes by value (a NumPy array of one entry is
+#: options and its per-batch arrays' addresses (0: none), which every kernel
+#: takes by value (a NumPy array of one entry is
 #: a by-value argument to CuPy), so that a call copies nothing to the device
 #: before its kernels run (a test reads the struct's fields there).
 CONFIG_DTYPE = np.dtype([(name, np.int64) for name in _CONFIG_INTS] + [(name, np.float64) for name in _CONFIG_FLOATS])
@@ -640,17 +648,24 @@ def _config(values: tuple) -> np.ndarray:
 
 
 class _Call:
-    """The kernels' shared arguments for one call: ``pipeline.cuh``'s
-    ``Config`` (:data:`CONFIG_DTYPE`, one entry, passed by value) and the
-    optional per-batch arrays, each flattened over the batch axes and
-    contiguous on the device. ``kv_head_rows``: the rows of ``k`` and ``v``
-    from one kv head's first key to the next's (:func:`_kv_operands`)."""
+    """The kernels' shared argument for one call: ``pipeline.cuh``'s
+    ``Config`` (:data:`CONFIG_DTYPE`, one entry, passed by value), which
+    holds the addresses of the optional per-batch arrays (``optional``,
+    each flattened over the batch axes and contiguous on the device, kept
+    here for the call) where six arguments of their own held them (each a
+    conversion in CuPy's launch). ``kv_head_rows``: the rows of ``k`` and ``v`` from
+    one kv head's first key to the next's (:func:`_kv_operands`)."""
 
     def __init__(self, spec: AttentionSpec, kv_head_rows: int, splits: int = 1):
         B = spec.num_batch
         reach = window_reach(spec)  # a window side wider than this hides nothing
         offset = spec.q_offset if spec.q_offset is not None else 0
         per_batch_offset = hasattr(offset, "shape")  # bottom_right with lengths
+        per_batch = (spec.q_lengths, spec.kv_lengths, spec.q_segment_ids, spec.alibi_slopes)
+        if per_batch_offset or any(a is not None for a in per_batch):
+            self.optional = _per_batch_arrays(spec, offset if per_batch_offset else None)
+        else:  # a plain call's (a decode step's): none
+            self.optional = (None,) * 6
         self.config = _config(
             (
                 B,
@@ -668,20 +683,12 @@ class _Call:
                 splits,
                 int(spec.dropout_p > 0),
                 kv_head_rows,
+                *(0 if a is None else _address(a) for a in self.optional),
                 spec.scale,
                 spec.softcap or 0.0,
                 1.0 / (1.0 - spec.dropout_p),
             )
         )
-
-        per_batch = (spec.q_lengths, spec.kv_lengths, spec.q_segment_ids, spec.alibi_slopes)
-        if per_batch_offset or any(a is not None for a in per_batch):
-            self.optional = _per_batch_arrays(spec, offset if per_batch_offset else None)
-        else:  # a plain call's (a decode step's): none
-            self.optional = (None,) * 6
-
-    def args(self) -> tuple:
-        return (self.config, *self.optional)
 
 
 def _per_batch_arrays(spec: AttentionSpec, offsets: Any) -> tuple:
@@ -847,7 +854,7 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None
     out = _empty(spec, ranges + (B, N, T, Hv), spec.compute_dtype)
     lse = _empty(spec, ranges + (B, N, T), spec.compute_dtype)
     grid = (row_blocks, spec.num_kv_heads, B * splits)
-    runtime.launch(module, name, grid, threads, (qc, kc, vc, out, lse, *call.args()))
+    runtime.launch(module, name, grid, threads, (qc, kc, vc, out, lse, call.config))
     if splits > 1:  # (splits, B, N, T, Hv) -> (B, N, T, Hv), and lse (B, N, T)
         parts = (out, lse)
         out = _empty(spec, (B, N, T, Hv), spec.compute_dtype)
@@ -909,11 +916,9 @@ def backward(
         slope_rows = _empty(spec, (B, N, T), spec.compute_dtype)
     inputs = (qc, kc, vc, doc, lsec, D)
     runtime.launch(
-        module, "npattn_backward_dq" + suffix, (row_blocks, K, B), threads, (*inputs, dq, slope_rows, *call.args())
+        module, "npattn_backward_dq" + suffix, (row_blocks, K, B), threads, (*inputs, dq, slope_rows, call.config)
     )
-    runtime.launch(
-        module, "npattn_backward_dkdv" + suffix, (key_blocks, K, B), threads, (*inputs, dk, dv, *call.args())
-    )
+    runtime.launch(module, "npattn_backward_dkdv" + suffix, (key_blocks, K, B), threads, (*inputs, dk, dv, call.config))
     alibi_total = None if slope_rows is None else xp.reshape(xp.sum(slope_rows, axis=-1), bs + (N,))  # (..., N)
     params = param_grads_from_heads(spec, alibi_total)
     return (

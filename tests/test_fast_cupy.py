@@ -44,12 +44,12 @@ from npattn.scores.sinks import apply_sinks, sinks_grad
 KERNEL_ARITY = {
     "npattn_backward_d": 5,
     "npattn_merge_splits": 5,
-    "npattn_forward": 12,
-    "npattn_backward_dq": 15,
-    "npattn_backward_dkdv": 15,
-    "npattn_forward_tc": 12,
-    "npattn_backward_dq_tc": 15,
-    "npattn_backward_dkdv_tc": 15,
+    "npattn_forward": 6,
+    "npattn_backward_dq": 9,
+    "npattn_backward_dkdv": 9,
+    "npattn_forward_tc": 6,
+    "npattn_backward_dq_tc": 9,
+    "npattn_backward_dkdv_tc": 9,
 }
 #: The kernels that read ``k`` and ``v`` (arguments 1 and 2) where they lie:
 #: C-order rows, kv heads ``Config.kv_head_rows`` rows apart.

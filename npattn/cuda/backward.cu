@@ -27,13 +27,11 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                        const scalar_t* __restrict__ D,     // (B, N, T)
                        tile_t* __restrict__ dq,            // (B, N, T, H)
                        scalar_t* __restrict__ slope_rows,  // (B, N, T): -sum_j dS_ij |p_i - j|, with ALiBi
-                       const Config config, const long long* q_offsets,
-                       const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
-                       const long long* kv_segments, const scalar_t* slopes) {
+                       const Config config) {
   __shared__ __align__(16) scalar_t key_tile[KEYS * HEAD_DIM];
   __shared__ __align__(16) scalar_t value_tile[KEYS * VALUE_DIM];
   __shared__ long long scratch[2 * ROWS];
-  const Problem pb = read_problem(config, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
+  const Problem pb = read_problem(config);
   const int lane = threadIdx.x % LANES, group = threadIdx.x / LANES;
   const int h = blockIdx.y, b = blockIdx.z;
   const int stacked = pb.G * pb.T;
@@ -100,14 +98,12 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                          const scalar_t* __restrict__ D,     // (B, N, T)
                          tile_t* __restrict__ dk,            // (B, KH, S, H)
                          tile_t* __restrict__ dv,            // (B, KH, S, Hv)
-                         const Config config, const long long* q_offsets,
-                         const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
-                         const long long* kv_segments, const scalar_t* slopes) {
+                         const Config config) {
   __shared__ __align__(16) scalar_t query_tile[KEYS * HEAD_DIM];
   __shared__ __align__(16) scalar_t dout_tile[KEYS * VALUE_DIM];
   __shared__ Row tile_rows[KEYS];
   __shared__ scalar_t tile_lse[KEYS], tile_D[KEYS];
-  const Problem pb = read_problem(config, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
+  const Problem pb = read_problem(config);
   const int lane = threadIdx.x % LANES, group = threadIdx.x / LANES;
   const int h = blockIdx.y, b = blockIdx.z;
   long long key[TILE];

@@ -25,13 +25,11 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                    const tile_t* __restrict__ v,  // (B, KH, S, Hv), the same
                    scalar_t* __restrict__ out,      // (splits, B, N, T, Hv)
                    scalar_t* __restrict__ lse,      // (splits, B, N, T)
-                   const Config config, const long long* q_offsets,
-                   const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
-                   const long long* kv_segments, const scalar_t* slopes) {
+                   const Config config) {
   __shared__ __align__(16) scalar_t key_tile[KEYS * HEAD_DIM];
   __shared__ __align__(16) scalar_t value_tile[KEYS * VALUE_DIM];
   __shared__ long long scratch[2 * ROWS];
-  const Problem pb = read_problem(config, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
+  const Problem pb = read_problem(config);
   const int lane = threadIdx.x % LANES, group = threadIdx.x / LANES;
   const int splits = (int)config.splits;
   const int h = blockIdx.y, b = blockIdx.z / splits, split = blockIdx.z % splits;

@@ -18,8 +18,9 @@
 // Compiled with scalar_t defined as float or double (the compute dtype).
 
 // ---------------------------------------------------------------- config
-// The call's scalar options, passed to every kernel by value (no copy to the
-// device per call): npattn/fast_cupy.py's CONFIG_DTYPE, field for field.
+// The call's scalar options and the addresses of its per-batch arrays,
+// passed to every kernel by value (no copy to the device per call; one
+// argument, not seven): npattn/fast_cupy.py's CONFIG_DTYPE, field for field.
 struct Config {
   long long B;               // batch elements (the leading axes flattened)
   long long N;               // query heads
@@ -36,6 +37,12 @@ struct Config {
   long long splits;          // forward: key splits per (batch, kv head) (flash-decoding)
   long long dropout;         // 1 with dropout, else 0
   long long kv_head_rows;    // rows of k and v from one kv head's first key to the next's (S when contiguous)
+  long long q_offsets;       // address of (B,) int64 per-batch positions of query 0, or 0
+  long long q_lengths;       // address of (B,) int64, or 0
+  long long kv_lengths;      // address of (B,) int64, or 0
+  long long q_segments;      // address of (B, T) int64, or 0
+  long long kv_segments;     // address of (B, S) int64, or 0
+  long long slopes;          // address of ALiBi's (B, N) scalar_t, or 0
   double scale;              // softmax scale (rounded to scalar_t by read_problem)
   double softcap;            // softcap c, 0: none
   double keep_scale;         // 1 / (1 - dropout_p)
@@ -77,10 +84,7 @@ struct Problem {
   const scalar_t* slopes;        // ALiBi (B, N), or null
 };
 
-__device__ __forceinline__ Problem read_problem(const Config& config, const long long* q_offsets,
-                                                const long long* q_lengths, const long long* kv_lengths,
-                                                const long long* q_segments, const long long* kv_segments,
-                                                const scalar_t* slopes) {
+__device__ __forceinline__ Problem read_problem(const Config& config) {
   Problem pb;
   pb.B = (int)config.B;
   pb.N = (int)config.N;
@@ -100,12 +104,12 @@ __device__ __forceinline__ Problem read_problem(const Config& config, const long
   pb.scale = (scalar_t)config.scale;
   pb.softcap = (scalar_t)config.softcap;
   pb.keep_scale = (scalar_t)config.keep_scale;
-  pb.q_offsets = q_offsets;
-  pb.q_lengths = q_lengths;
-  pb.kv_lengths = kv_lengths;
-  pb.q_segments = q_segments;
-  pb.kv_segments = kv_segments;
-  pb.slopes = slopes;
+  pb.q_offsets = reinterpret_cast<const long long*>(config.q_offsets);
+  pb.q_lengths = reinterpret_cast<const long long*>(config.q_lengths);
+  pb.kv_lengths = reinterpret_cast<const long long*>(config.kv_lengths);
+  pb.q_segments = reinterpret_cast<const long long*>(config.q_segments);
+  pb.kv_segments = reinterpret_cast<const long long*>(config.kv_segments);
+  pb.slopes = reinterpret_cast<const scalar_t*>(config.slopes);
   return pb;
 }
 

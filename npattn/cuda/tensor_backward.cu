@@ -49,13 +49,11 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                           const scalar_t* __restrict__ D,     // (B, N, T)
                           tile_t* __restrict__ dq,         // (B, N, T, H)
                           scalar_t* __restrict__ slope_rows,  // (B, N, T): -sum_j dS_ij |p_i - j|, with ALiBi
-                          const Config config, const long long* q_offsets,
-                          const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
-                          const long long* kv_segments, const scalar_t* slopes) {
+                          const Config config) {
   __shared__ __align__(16) tile_t key_tile[TC_STAGES][TC_KEYS * STRIDE(HEAD_DIM)];
   __shared__ __align__(16) tile_t value_tile[TC_STAGES][TC_KEYS * STRIDE(VALUE_DIM)];
   __shared__ long long scratch[2 * TC_WARPS];
-  const Problem pb = read_problem(config, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
+  const Problem pb = read_problem(config);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
   const int h = blockIdx.y, b = blockIdx.z;
   const long long stacked = (long long)pb.G * pb.T;
@@ -157,15 +155,13 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                             const scalar_t* __restrict__ D,     // (B, N, T)
                             tile_t* __restrict__ dk,         // (B, KH, S, H)
                             tile_t* __restrict__ dv,         // (B, KH, S, Hv)
-                            const Config config, const long long* q_offsets,
-                            const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
-                            const long long* kv_segments, const scalar_t* slopes) {
+                            const Config config) {
   __shared__ __align__(16) tile_t query_tile[TC_STAGES][TC_KEYS * STRIDE(HEAD_DIM)];
   __shared__ __align__(16) tile_t dout_tile[TC_STAGES][TC_KEYS * STRIDE(VALUE_DIM)];
   __shared__ Row tile_rows[TC_STAGES][TC_KEYS];
   __shared__ long long tile_index[TC_STAGES][TC_KEYS];  // each row's index into (B, N, T) arrays
   __shared__ scalar_t tile_lse[TC_STAGES][TC_KEYS], tile_D[TC_STAGES][TC_KEYS];
-  const Problem pb = read_problem(config, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
+  const Problem pb = read_problem(config);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
   const int h = blockIdx.y, b = blockIdx.z;
 

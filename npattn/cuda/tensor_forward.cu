@@ -30,13 +30,11 @@ extern "C" __global__ void TC_FORWARD_BOUNDS
                       const tile_t* __restrict__ v,  // (B, KH, S, Hv), the same
                       scalar_t* __restrict__ out,       // (splits, B, N, T, Hv)
                       scalar_t* __restrict__ lse,       // (splits, B, N, T)
-                      const Config config, const long long* q_offsets,
-                      const long long* q_lengths, const long long* kv_lengths, const long long* q_segments,
-                      const long long* kv_segments, const scalar_t* slopes) {
+                      const Config config) {
   __shared__ __align__(16) tile_t key_tile[TC_STAGES][TC_KEYS * STRIDE(HEAD_DIM)];
   __shared__ __align__(16) tile_t value_tile[TC_STAGES][TC_KEYS * STRIDE(VALUE_DIM)];
   __shared__ long long scratch[2 * TC_WARPS];
-  const Problem pb = read_problem(config, q_offsets, q_lengths, kv_lengths, q_segments, kv_segments, slopes);
+  const Problem pb = read_problem(config);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
   const int splits = (int)config.splits;
   const int h = blockIdx.y, b = blockIdx.z / splits, split = blockIdx.z % splits;
