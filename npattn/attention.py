@@ -9,11 +9,8 @@ validated options, so the backward always follows the forward that made them.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any, NamedTuple
-
-import numpy as np
 
 from . import dense_numpy, fast_cupy, fast_numpy
 from .chunked import chunked_backward, chunked_forward
@@ -338,8 +335,7 @@ def forward_from_spec(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any,
     kernel = "dense" if spec.impl == "dense" else chunked_kernel(spec)
     if spec.impl == "auto":
         spec = _resolved(spec, kernel)  # choose_impl(spec), its kernel asked once
-    if spec.impl == "dense":
-        kernel = "dense"
+        kernel = "dense" if spec.impl == "dense" else kernel
     xp = spec.xp
     dtype = fast_cupy.operand_dtype(spec) if kernel == "cupy" else spec.compute_dtype  # what the kernel reads
     qc, kc, vc = _in_dtype(xp, q, dtype), _in_dtype(xp, k, dtype), _in_dtype(xp, v, dtype)
@@ -590,16 +586,8 @@ def _scalar_call_key(q: Any, k: Any, v: Any, options: dict[str, Any]) -> tuple |
 
 
 def _device_key(x: Any) -> Any:
-    """``x``'s device as a key (CuPy's ``Device`` by its id): NumPy's
-    ``"cpu"``; else ``x.device`` where it is an attribute (CuPy, torch,
-    array-api-strict: 0.1 µs, where ``array_api_compat.device`` takes 1.4 to
-    test ``x`` against each library it knows first, three times a call);
-    else :func:`~npattn.namespace.array_device`'s answer."""
-    if type(x) is np.ndarray:
-        return "cpu"
-    device = getattr(x, "device", None)
-    if device is None or inspect.ismethod(device):  # none, or an old JAX's method
-        device = array_device(x)
+    """``x``'s device as a key: CuPy's ``Device`` by its id."""
+    device = array_device(x)
     return getattr(device, "id", device)
 
 

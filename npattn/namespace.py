@@ -17,6 +17,7 @@ The compute dtype is also the dtype of ``lse`` and of the probabilities.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import array_api_compat
@@ -121,8 +122,23 @@ def resolve_namespace(named_arrays: dict[str, Any], xp: Any = None) -> Any:
 
 
 def array_device(x: Any) -> Any:
-    """The device ``x`` lives on, for ``device=`` of new arrays."""
-    return "cpu" if type(x) is np.ndarray else array_api_compat.device(x)
+    """The device ``x`` lives on, for ``device=`` of new arrays: NumPy's
+    ``"cpu"``; ``x.device`` where it is an attribute (CuPy, PyTorch,
+    array-api-strict: 0.1 µs, where ``array_api_compat.device`` takes 1.4 to
+    test ``x`` against each library it knows first, 2-core EPYC); else
+    ``array_api_compat.device``'s answer (an old JAX's ``device()`` method,
+    arrays without the attribute).
+
+    >>> import numpy as np
+    >>> array_device(np.zeros(3))
+    'cpu'
+    """
+    if type(x) is np.ndarray:
+        return "cpu"
+    device = getattr(x, "device", None)
+    if device is None or inspect.ismethod(device):
+        return array_api_compat.device(x)
+    return device
 
 
 def compute_dtype(xp: Any, dtype: Any) -> Any:
