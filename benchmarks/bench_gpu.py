@@ -113,7 +113,10 @@ fused path, which a decode step's kernels (tens of microseconds) wait on, with
 nothing) and outputs from a pool of zeros: ``attention_forward``'s time per
 call, best of ``--repeats`` rounds of ``HOST_CALLS`` calls, for the decode
 step of ``--targets`` (``impl="chunked"``), the same step with
-``causal=True, align="bottom_right"`` (a KV cache's). With ``--base REV`` that git revision of npattn (or a
+``causal=True, align="bottom_right"`` (a KV cache's), and of it the time
+before the call's first kernel launch, which a synchronized step waits
+through before its kernels start (the rest of the call overlaps the
+kernels). With ``--base REV`` that git revision of npattn (or a
 folder with a copy of the package, ``worktree`` for the files on disk) runs
 beside, round by round in one process, so that the ratio attributes a change
 on a CPU whose speed drifts. CuPy's own calls (allocations, launches, its
@@ -501,13 +504,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _NoKernels:
-    """``npattn.fast_cupy.Runtime`` whose kernels do nothing, on NumPy arrays."""
+    """``npattn.fast_cupy.Runtime`` whose kernels do nothing, on NumPy
+    arrays; ``first_launch``: the ``time.perf_counter()`` of the first
+    launch since it was last set to None."""
+
+    first_launch: float | None = None
 
     def module(self, source, defines):
-        return None
+        return defines  # a stand-in module, which fast_cupy keeps as it keeps CuPy's (None is not kept)
 
     def launch(self, module, name, grid, threads, args):
-        return None
+        if self.first_launch is None:
+            self.first_launch = time.perf_counter()
 
     def multiprocessors(self, like):
         return 132  # an H100's
@@ -522,14 +530,15 @@ def _forward_backward(q, k, v, dout) -> None:
 @contextlib.contextmanager
 def _fused_on_numpy(package):
     """``package`` (npattn, or another revision of it) sends NumPy arrays to
-    its fused CuPy path, whose kernels do nothing (:class:`_NoKernels`)."""
+    its fused CuPy path, whose kernels do nothing: yields its :class:`_NoKernels`."""
+    runtime = _NoKernels()
     with (
         mock.patch.object(package.fast_numpy, "supports", lambda spec: False),
         mock.patch.object(package.fast_cupy, "supports", package.fast_cupy._kernels_take),
-        mock.patch.object(package.fast_cupy, "_CUPY_RUNTIME", _NoKernels()),
+        mock.patch.object(package.fast_cupy, "_CUPY_RUNTIME", runtime),
         np.errstate(all="ignore"),  # the arrays the kernels would fill hold whatever was in memory
     ):
-        yield
+        yield runtime
 
 
 def count_memory(lengths: list[int]) -> int:
@@ -584,20 +593,28 @@ def _host_rows(rng: np.random.Generator):
     return rows, (q, k, v)
 
 
-def _best_call_us(calls: dict, rounds: int) -> dict:
-    """Best µs per call of each of ``calls``: round after round, in turn,
-    the order reversed every other round, the garbage collector paused."""
-    best = dict.fromkeys(calls, float("inf"))
+def _best_call_us(calls: dict, runtimes: dict, rounds: int) -> dict:
+    """Best µs per call of each of ``calls``, whole and before its first
+    launch (read from its :class:`_NoKernels` in ``runtimes``): round after
+    round, in turn, the order reversed every other round, the garbage
+    collector paused."""
+    best = {name: (float("inf"), float("inf")) for name in calls}
     names = list(calls)
+    clock = time.perf_counter
     gc.disable()
     try:
         for round_ in range(rounds):
             for name in names if round_ % 2 == 0 else names[::-1]:
-                call = calls[name]
-                start = time.perf_counter()
+                call, runtime = calls[name], runtimes[name]
+                whole = before = 0.0
                 for _ in range(HOST_CALLS):
+                    runtime.first_launch = None
+                    start = clock()
                     call()
-                best[name] = min(best[name], (time.perf_counter() - start) / HOST_CALLS * 1e6)
+                    whole += clock() - start
+                    before += runtime.first_launch - start
+                whole, before = whole / HOST_CALLS * 1e6, before / HOST_CALLS * 1e6
+                best[name] = (min(best[name][0], whole), min(best[name][1], before))
     finally:
         gc.enable()
     return best
@@ -611,11 +628,14 @@ def host_time(base: str | None, rounds: int) -> int:
     print(
         f"float16, N=32 on K=8, H=128; best of {rounds} rounds of {HOST_CALLS} calls"
         + (f"; base: {base}" if base else "")
+        + "; us a call, whole and (pre) before its first launch"
     )
-    print(f"{'call':<40} {'now us':>8}" + (f" {'base us':>8} {'now/base':>9}" if base else ""))
+    columns = ("now us", "pre") + (("base us", "pre", "now/base", "pre") if base else ())
+    print(f"{'call':<40}" + "".join(f" {column:>8}" for column in columns))
     with contextlib.ExitStack() as stack:
-        for package in packages.values():
-            stack.enter_context(_fused_on_numpy(package))
+        runtimes = {}
+        for name, package in packages.items():
+            runtimes[name] = stack.enter_context(_fused_on_numpy(package))
             stack.enter_context(mock.patch.object(package.fast_cupy, "_empty", _zeros_pool()))
         rows, arrays = _host_rows(np.random.default_rng(0))
         for label, options in rows:
@@ -625,9 +645,14 @@ def host_time(base: str | None, rounds: int) -> int:
             }
             for name, call in calls.items():
                 assert call()[1].kernel == "cupy", name  # and the caches warm
-            us = _best_call_us(calls, rounds)
-            ratio = f" {us['base']:8.2f} {us['now'] / us['base']:9.3f}" if base else ""
-            print(f"{label:<40} {us['now']:8.2f}{ratio}", flush=True)
+            us = _best_call_us(calls, runtimes, rounds)
+            cells = list(us["now"])
+            if base:
+                cells += [*us["base"], us["now"][0] / us["base"][0], us["now"][1] / us["base"][1]]
+            print(
+                f"{label:<40}" + "".join(f" {cell:8.2f}" if i < 4 else f" {cell:8.3f}" for i, cell in enumerate(cells)),
+                flush=True,
+            )
     return 0
 
 
@@ -994,11 +1019,14 @@ def _tile_row(timed: _TimedLaunches, problem: _Problem, spec, precision: str, ti
     def rule(spec, precision, backward=False):  # this size where two fit
         return tile if fast_cupy._two_tiles_fit(spec, precision, tile, backward) else chosen(spec, precision, backward)
 
-    with mock.patch.object(fast_cupy, "tensor_tile", rule):
+    with mock.patch.object(fast_cupy, "tensor_tile", rule), _fresh_lookups(fast_cupy):
         best = _best_kernel_ms(timed, problem, True, repeats)
         uncapped = None
         if fits[False] and fast_cupy.tensor_min_blocks(spec, precision):
-            with mock.patch.object(fast_cupy, "tensor_min_blocks", lambda spec, precision: 0):
+            with (
+                mock.patch.object(fast_cupy, "tensor_min_blocks", lambda spec, precision: 0),
+                _fresh_lookups(fast_cupy),
+            ):
                 uncapped = _best_kernel_ms(timed, problem, False, repeats)["npattn_forward_tc"]
     cells = [
         f"{best[kernel]:16.3f}{'*' if chosen(spec, precision, backward) == tile else ' '}"
@@ -1008,6 +1036,16 @@ def _tile_row(timed: _TimedLaunches, problem: _Problem, spec, precision: str, ti
     ]
     cells.append(f"{'-':>17}" if uncapped is None else f"{uncapped:16.3f} ")
     print(f"{label:<24} {tile:5d} " + " ".join(cells), flush=True)
+
+
+@contextlib.contextmanager
+def _fresh_lookups(fast_cupy):
+    """``fast_cupy``'s tensor-core modules looked up anew inside, and the
+    ones outside kept: they are kept by what picks their definitions
+    (precision, dims, warps), not by the definitions that ``--tiles``
+    patches the rules of (``TC_KEYS``, ``TC_MIN_BLOCKS``)."""
+    with mock.patch.dict(fast_cupy._TENSOR_MODULES, clear=True):
+        yield
 
 
 def _split_rows(cp, timed: _TimedLaunches, repeats: int) -> None:

@@ -198,8 +198,11 @@ def test_gpu_benchmark_times_the_decode_steps_python_without_a_gpu(capsys, monke
     rows = [line for line in capsys.readouterr().out.splitlines() if "decode" in line or "bottom_right" in line]
     assert len(rows) == 2
     for row in rows:
-        now, base, ratio = (float(x) for x in row.split()[-3:])
-        assert now > 0 and base > 0 and ratio == pytest.approx(now / base, abs=1e-3)
+        now, now_launch, base, base_launch, ratio, launch_ratio = (float(x) for x in row.split()[-6:])
+        assert 0 < now_launch < now and 0 < base_launch < base
+        assert ratio == pytest.approx(now / base, abs=1e-3) and launch_ratio == pytest.approx(
+            now_launch / base_launch, abs=1e-3
+        )
     assert _run_script("bench_gpu.py", ["--base", "HEAD"]) == 2
     assert "--base goes with --host-time" in capsys.readouterr().err
 
@@ -344,6 +347,7 @@ def test_gpu_benchmark_tile_sweep_compiles_each_size_that_fits(capsys, monkeypat
             self.tiles.add((values["PRECISION"], "npattn_backward_dq_tc(" in source, int(values["TC_KEYS"])))
             if "TC_MIN_BLOCKS" in values:  # the forward's
                 self.caps.add((values["PRECISION"], int(values["TC_KEYS"]), int(values["TC_MIN_BLOCKS"])))
+            return super().module(source, defines)  # a module, kept by fast_cupy's caches as CuPy's is
 
     runtime = Compiled()
     bench_gpu, cp = _fake_gpu_bench(monkeypatch, runtime)
