@@ -138,6 +138,7 @@ import runpy
 import sys
 import time
 import tracemalloc
+import weakref
 from unittest import mock
 
 import numpy as np
@@ -1040,11 +1041,15 @@ def _tile_row(timed: _TimedLaunches, problem: _Problem, spec, precision: str, ti
 
 @contextlib.contextmanager
 def _fresh_lookups(fast_cupy):
-    """``fast_cupy``'s tensor-core modules looked up anew inside, and the
-    ones outside kept: they are kept by what picks their definitions
-    (precision, dims, warps), not by the definitions that ``--tiles``
-    patches the rules of (``TC_KEYS``, ``TC_MIN_BLOCKS``)."""
-    with mock.patch.dict(fast_cupy._TENSOR_MODULES, clear=True):
+    """``fast_cupy``'s tensor-core modules and forward plans looked up anew
+    inside, and the ones outside kept: they are kept by what picks their
+    definitions and launches (precision, dims, warps; the spec), not by
+    what ``--tiles`` patches the rules of (``TC_KEYS``, ``TC_MIN_BLOCKS``,
+    the key ranges)."""
+    with (
+        mock.patch.dict(fast_cupy._TENSOR_MODULES, clear=True),
+        mock.patch.object(fast_cupy, "_FORWARD_PLANS", weakref.WeakKeyDictionary()),
+    ):
         yield
 
 
@@ -1056,7 +1061,7 @@ def _split_rows(cp, timed: _TimedLaunches, repeats: int) -> None:
     problem = _Problem(cp, None, *DECODE)
     print(f"decode T=1 S={S} N={N} K={K} H={H}: blocks per SM, key ranges, forward ms, merge ms, GB/s of k and v")
     for per_sm in SPLIT_SWEEP:
-        with mock.patch.object(fast_cupy, "SPLIT_BLOCKS_PER_SM", per_sm):
+        with mock.patch.object(fast_cupy, "SPLIT_BLOCKS_PER_SM", per_sm), _fresh_lookups(fast_cupy):
             best = _best_kernel_ms(timed, problem, False, repeats)
         splits = timed.grids["npattn_forward_tc"][2] // B  # the grid's z: batch elements times key ranges
         total = sum(best.values())

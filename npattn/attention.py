@@ -9,6 +9,7 @@ validated options, so the backward always follows the forward that made them.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -639,12 +640,29 @@ def choose_impl(spec: AttentionSpec, *, fused_cupy: bool = True) -> AttentionSpe
 def _resolved(spec: AttentionSpec, kernel: str, fused_cupy: bool = True) -> AttentionSpec:
     """:func:`choose_impl` for an ``impl="auto"`` spec whose
     :func:`chunked_kernel` is ``kernel`` (:func:`forward_from_spec` asks it
-    once for both)."""
-    scores = _scores(spec)
-    large = scores > AUTO_CHUNKED_MIN_SCORES
-    fast = kernel == "numpy" and scores >= _fast_min_scores(spec)
-    fused = fused_cupy and kernel == "cupy"
-    return spec.replace(impl="chunked" if large or fast or fused else "dense")
+    once for both): kept while ``spec`` lives, so that a spec handed out
+    again (:func:`scalar_call_spec`'s) resolves to the same spec, which the
+    fused path's launch plans are kept by (0.25 µs a lookup where making
+    and keeping the resolved spec takes 3.4)."""
+    kept = _RESOLVED_SPECS.get(spec)
+    if kept is None:
+        kept = _RESOLVED_SPECS[spec] = {}
+    resolved = kept.get((kernel, fused_cupy))
+    if resolved is None:
+        scores = _scores(spec)
+        large = scores > AUTO_CHUNKED_MIN_SCORES
+        fast = kernel == "numpy" and scores >= _fast_min_scores(spec)
+        fused = fused_cupy and kernel == "cupy"
+        resolved = spec.replace(impl="chunked" if large or fast or fused else "dense")
+        kept[(kernel, fused_cupy)] = resolved
+    return resolved
+
+
+#: :func:`_resolved`'s specs by the ``impl="auto"`` spec (an entry leaves
+#: with it), then by kernel and ``fused_cupy``.
+_RESOLVED_SPECS: weakref.WeakKeyDictionary[AttentionSpec, dict[tuple[str, bool], AttentionSpec]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def chunked_kernel(spec: AttentionSpec) -> str:

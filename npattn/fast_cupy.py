@@ -64,6 +64,7 @@ from __future__ import annotations
 import functools
 import os
 import struct
+import weakref
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Protocol
@@ -661,8 +662,7 @@ class _Call:
         reach = window_reach(spec)  # a window side wider than this hides nothing
         offset = spec.q_offset if spec.q_offset is not None else 0
         per_batch_offset = hasattr(offset, "shape")  # bottom_right with lengths
-        per_batch = (spec.q_lengths, spec.kv_lengths, spec.q_segment_ids, spec.alibi_slopes)
-        if per_batch_offset or any(a is not None for a in per_batch):
+        if _has_per_batch_arrays(spec):
             self.optional = _per_batch_arrays(spec, offset if per_batch_offset else None)
         else:  # a plain call's (a decode step's): none
             self.optional = (None,) * 6
@@ -689,6 +689,14 @@ class _Call:
                 1.0 / (1.0 - spec.dropout_p),
             )
         )
+
+
+def _has_per_batch_arrays(spec: AttentionSpec) -> bool:
+    """Whether ``spec`` holds arrays the kernels read by address: lengths
+    (and with them, under ``bottom_right``, per-batch query offsets),
+    segment ids or ALiBi slopes."""
+    per_batch = (spec.q_lengths, spec.kv_lengths, spec.q_segment_ids, spec.alibi_slopes)
+    return any(a is not None for a in per_batch)
 
 
 def _per_batch_arrays(spec: AttentionSpec, offsets: Any) -> tuple:
@@ -827,6 +835,74 @@ def _splits(spec: AttentionSpec, row_blocks: int, multiprocessors: int) -> int:
 # --- forward and backward -----------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _ForwardPlan:
+    """What :func:`forward` launches for one spec, worked out once
+    (:func:`_forward_plan`): kernel ``kernel`` of ``module`` in blocks of
+    ``threads`` over ``grid``, the keys cut into ``splits`` ranges, and
+    ``calls``, the kernels' :class:`_Call` by the rows between kv heads
+    (:func:`_kv_operands`), kept where the spec has no per-batch arrays
+    (whose copies, and so addresses, are a call's own)."""
+
+    module: Any
+    kernel: str
+    threads: int
+    grid: tuple[int, int, int]
+    splits: int
+    calls: dict[int, _Call]
+
+    def call(self, spec: AttentionSpec, kv_head_rows: int) -> _Call:
+        """The kernels' :class:`_Call` for ``spec`` (the plan's) with ``k``
+        and ``v`` heads ``kv_head_rows`` rows apart."""
+        call = self.calls.get(kv_head_rows)
+        if call is None:
+            call = _Call(spec, kv_head_rows, self.splits)
+            if not _has_per_batch_arrays(spec) and len(self.calls) < PLAN_CALLS:
+                self.calls[kv_head_rows] = call
+        return call
+
+
+#: :class:`_Call`\ s a :class:`_ForwardPlan` keeps, one per layout of
+#: ``k`` and ``v`` (a KV cache's, a C-order copy's).
+PLAN_CALLS = 4
+
+
+def _forward_plan(runtime: Runtime, spec: AttentionSpec, like: Any) -> _ForwardPlan:
+    """:func:`forward`'s plan for ``spec`` on ``runtime``, kept while the
+    spec lives (a decode step's spec lives on in
+    :func:`npattn.attention.scalar_call_spec`'s cache, and is handed out
+    again) for each value of ``NPATTN_CUPY_TENSOR_CORES``, which picks the
+    kernels: looked up in 1.7 µs (half of it reading the setting) where making
+    it takes 7.8 (2-core EPYC)."""
+    plans = _FORWARD_PLANS.get(spec)
+    if plans is None:
+        plans = _FORWARD_PLANS[spec] = {}
+    key = (runtime, os.environ.get("NPATTN_CUPY_TENSOR_CORES", "1"))
+    plan = plans.get(key)
+    if plan is not None:
+        return plan
+    precision = tensor_precision(spec)
+    if precision is None:
+        shape = launch_shape(spec)
+        module, kernel, threads = _module(runtime, spec, shape), "npattn_forward", BLOCK_THREADS
+        row_blocks = _grid_rows(spec, shape)
+    else:
+        warps = tensor_warps(spec)
+        module, kernel, threads = _tensor_module(runtime, spec, precision, warps), "npattn_forward_tc", 32 * warps
+        row_blocks = -(-spec.group_size * spec.q_len // (TENSOR_WARP_ROWS * warps))
+    splits = _splits(spec, row_blocks, runtime.multiprocessors(like))
+    grid = (row_blocks, spec.num_kv_heads, spec.num_batch * splits)
+    plan = plans[key] = _ForwardPlan(module, kernel, threads, grid, splits, {})
+    return plan
+
+
+#: :func:`_forward_plan`'s plans by spec (an entry leaves with its spec),
+#: then by runtime and the tensor cores' setting.
+_FORWARD_PLANS: weakref.WeakKeyDictionary[AttentionSpec, dict[tuple[Runtime, str], _ForwardPlan]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None = None) -> tuple[Any, Any]:
     """Online-softmax forward; same contract as :func:`npattn.chunked.chunked_forward`.
 
@@ -837,29 +913,21 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None
     """
     runtime = runtime or _CUPY_RUNTIME
     xp, B, N, T, Hv = spec.xp, spec.num_batch, spec.num_heads, spec.q_len, spec.value_dim
-    precision = tensor_precision(spec)
-    if precision is None:
-        shape = launch_shape(spec)
-        module, name, threads = _module(runtime, spec, shape), "npattn_forward", BLOCK_THREADS
-        row_blocks = _grid_rows(spec, shape)
-    else:
-        warps = tensor_warps(spec)
-        module, name, threads = _tensor_module(runtime, spec, precision, warps), "npattn_forward_tc", 32 * warps
-        row_blocks = -(-spec.group_size * T // (TENSOR_WARP_ROWS * warps))
-    splits = _splits(spec, row_blocks, runtime.multiprocessors(q))
+    plan = _forward_plan(runtime, spec, q)
     (qc,) = _operands(spec, q)
     kc, vc, kv_head_rows = _kv_operands(spec, k, v)
-    call = _Call(spec, kv_head_rows, splits)
-    ranges = (splits,) if splits > 1 else ()  # one range: (1, B, N, T, Hv) is (B, N, T, Hv), unsliced
+    call = plan.call(spec, kv_head_rows)
+    ranges = (plan.splits,) if plan.splits > 1 else ()  # one range: (1, B, N, T, Hv) is (B, N, T, Hv), unsliced
     out = _empty(spec, ranges + (B, N, T, Hv), spec.compute_dtype)
     lse = _empty(spec, ranges + (B, N, T), spec.compute_dtype)
-    grid = (row_blocks, spec.num_kv_heads, B * splits)
-    runtime.launch(module, name, grid, threads, (qc, kc, vc, out, lse, call.config))
-    if splits > 1:  # (splits, B, N, T, Hv) -> (B, N, T, Hv), and lse (B, N, T)
+    runtime.launch(plan.module, plan.kernel, plan.grid, plan.threads, (qc, kc, vc, out, lse, call.config))
+    if ranges:  # (splits, B, N, T, Hv) -> (B, N, T, Hv), and lse (B, N, T)
         parts = (out, lse)
         out = _empty(spec, (B, N, T, Hv), spec.compute_dtype)
         lse = _empty(spec, (B, N, T), spec.compute_dtype)
-        runtime.launch(module, "npattn_merge_splits", (B * N * T, 1, 1), MERGE_THREADS, (*parts, out, lse, call.config))
+        runtime.launch(
+            plan.module, "npattn_merge_splits", (B * N * T, 1, 1), MERGE_THREADS, (*parts, out, lse, call.config)
+        )
     bs = spec.batch_shape
     return _shaped(xp, out, bs + (N, T, Hv)), _shaped(xp, lse, bs + (N, T))  # (..., N, T, Hv), (..., N, T)
 

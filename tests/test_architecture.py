@@ -109,6 +109,28 @@ def test_make_spec_validates_only_and_choose_impl_picks_the_path():
     assert residuals.spec.impl == "chunked"  # the residuals record the path taken, never "auto"
 
 
+def test_choose_impl_resolves_a_spec_once_while_it_lives(monkeypatch):
+    """The same spec for the same ``impl="auto"`` spec and kernel (the
+    fused CuPy path keeps its launch plans by spec), another where the
+    kernel differs (``NPATTN_FAST_NUMPY=0``: the size rule alone), and
+    nothing kept past the auto spec's life."""
+    import gc
+    import weakref
+
+    x = np.zeros((1, 8, 1024, 8))  # 2**23 scores: the NumPy fast path's size, below the chunked rule's
+    spec = make_spec(x, x, x)
+    chosen = choose_impl(spec)
+    assert choose_impl(spec) is chosen and chosen.impl == "chunked"
+    monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")
+    assert choose_impl(spec).impl == "dense"
+    monkeypatch.delenv("NPATTN_FAST_NUMPY")
+    assert choose_impl(spec) is chosen
+    gone = weakref.ref(chosen)
+    del spec, chosen
+    gc.collect()
+    assert gone() is None
+
+
 def test_choose_impl_reads_the_documented_threshold(monkeypatch):
     monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")  # the size rule alone
     big = np.broadcast_to(np.zeros((), dtype=np.float32), (1, 1, 4096, 1))  # no memory behind it

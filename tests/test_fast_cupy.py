@@ -896,6 +896,64 @@ def test_preallocated_kv_cache_is_read_in_place(fused_on_numpy):
     assert all((args[1].ctypes.data, args[2].ctypes.data) == buffers for args in forwards)
 
 
+@emulated
+def test_repeated_calls_launch_from_their_specs_forward_plan(fused_on_numpy, monkeypatch):
+    """A repeated call (a decode step: its spec handed out again, resolved
+    to the same spec) launches the forward its spec's plan keeps: the same
+    kernel, grid and ``Config``; ``NPATTN_CUPY_TENSOR_CORES=0`` between two
+    such calls sends the next to the CUDA-core kernel. Every output is the
+    dense path's."""
+    q, k, v, _ = _problem(batch=(1,), N=4, K=2, T=1, S=600, Hv=8)  # float64 on the tensor cores, keys in ranges
+    options = dict(causal=True, align="bottom_right")
+    want, _ = npattn.attention_forward(q, k, v, impl="dense", **options)
+    outs = [npattn.attention_forward(q, k, v, **options) for _ in range(2)]
+    monkeypatch.setenv("NPATTN_CUPY_TENSOR_CORES", "0")
+    outs.append(npattn.attention_forward(q, k, v, **options))
+    assert outs[0][1].spec is outs[1][1].spec is outs[2][1].spec
+    launched = zip(fused_on_numpy.launches, fused_on_numpy.arguments)
+    forwards = [(launch, args[-1]) for launch, args in launched if launch[0].startswith("npattn_forward")]
+    assert [launch[0] for launch, _ in forwards] == ["npattn_forward_tc", "npattn_forward_tc", "npattn_forward"]
+    assert forwards[0][0] == forwards[1][0] and forwards[0][1] is forwards[1][1]  # the plan's Config, as it was
+    for out, _ in outs:
+        np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+
+
+class _NoKernels:
+    """A :class:`npattn.fast_cupy.Runtime` that compiles and runs nothing."""
+
+    def module(self, source, defines):
+        return defines
+
+    def launch(self, module, name, grid, threads, args):
+        pass
+
+    def multiprocessors(self, like):
+        return 4
+
+
+def test_forward_plans_keep_no_call_with_per_batch_arrays_and_leave_with_their_spec():
+    """A plan keeps its spec's ``Config`` for each layout of ``k`` and
+    ``v`` (C order, a longer buffer's view), none where the spec has
+    per-batch arrays (a call's own copies, whose addresses the ``Config``
+    holds), and leaves with its spec (it holds no reference to it)."""
+    import gc
+    import weakref
+
+    q, k, v, _ = _problem(batch=(1,), N=4, K=2, T=1, S=600, Hv=8)
+    runtime, buffer = _NoKernels(), np.zeros(k.shape[:-2] + (700, k.shape[-1]))
+    spec = make_spec(q, k, v)
+    for keys in (k, buffer[..., :600, :]):
+        fast_cupy.forward(spec, q, keys, keys, runtime=runtime)
+    assert sorted(fast_cupy._forward_plan(runtime, spec, q).calls) == [600, 700]
+    with_lengths = make_spec(q, k, v, kv_lengths=np.array([500]))
+    fast_cupy.forward(with_lengths, q, k, v, runtime=runtime)
+    assert fast_cupy._forward_plan(runtime, with_lengths, q).calls == {}
+    gone = weakref.ref(spec)
+    del spec
+    gc.collect()
+    assert gone() is None
+
+
 def test_config_dtype_follows_the_kernels_struct():
     """:data:`fast_cupy.CONFIG_DTYPE` has ``pipeline.cuh``'s ``struct Config``
     fields in its order and types, 8 bytes each, with no padding (the bytes
