@@ -1041,14 +1041,14 @@ def _tile_row(timed: _TimedLaunches, problem: _Problem, spec, precision: str, ti
 
 @contextlib.contextmanager
 def _fresh_lookups(fast_cupy):
-    """``fast_cupy``'s tensor-core modules and forward plans looked up anew
+    """``fast_cupy``'s tensor-core modules and launch plans looked up anew
     inside, and the ones outside kept: they are kept by what picks their
     definitions and launches (precision, dims, warps; the spec), not by
     what ``--tiles`` patches the rules of (``TC_KEYS``, ``TC_MIN_BLOCKS``,
     the key ranges)."""
     with (
         mock.patch.dict(fast_cupy._TENSOR_MODULES, clear=True),
-        mock.patch.object(fast_cupy, "_FORWARD_PLANS", weakref.WeakKeyDictionary()),
+        mock.patch.object(fast_cupy, "_PLANS", weakref.WeakKeyDictionary()),
     ):
         yield
 

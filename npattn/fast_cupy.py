@@ -67,7 +67,7 @@ import struct
 import weakref
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import array_api_compat
 import numpy as np
@@ -835,19 +835,26 @@ def _splits(spec: AttentionSpec, row_blocks: int, multiprocessors: int) -> int:
 # --- forward and backward -----------------------------------------------------------
 
 
+class _Launch(NamedTuple):
+    """One kernel's launch: its name, grid and threads per block."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    threads: int
+
+
 @dataclass(frozen=True)
-class _ForwardPlan:
-    """What :func:`forward` launches for one spec, worked out once
-    (:func:`_forward_plan`): kernel ``kernel`` of ``module`` in blocks of
-    ``threads`` over ``grid``, the keys cut into ``splits`` ranges, and
-    ``calls``, the kernels' :class:`_Call` by the rows between kv heads
+class _Plan:
+    """What :func:`forward` or :func:`backward` launches for one spec,
+    worked out once (:func:`_plan`): ``launches`` of ``module``'s kernels
+    (the forward's, then the merge's where the keys are cut into ``splits``
+    ranges; or ``D``'s, ``dQ``'s and ``dK``/``dV``'s), and ``calls``, the
+    kernels' :class:`_Call` by the rows between kv heads
     (:func:`_kv_operands`), kept where the spec has no per-batch arrays
     (whose copies, and so addresses, are a call's own)."""
 
     module: Any
-    kernel: str
-    threads: int
-    grid: tuple[int, int, int]
+    launches: tuple[_Launch, ...]
     splits: int
     calls: dict[int, _Call]
 
@@ -862,25 +869,37 @@ class _ForwardPlan:
         return call
 
 
-#: :class:`_Call`\ s a :class:`_ForwardPlan` keeps, one per layout of
-#: ``k`` and ``v`` (a KV cache's, a C-order copy's).
+#: :class:`_Call`\ s a :class:`_Plan` keeps, one per layout of ``k`` and
+#: ``v`` (a KV cache's, a C-order copy's).
 PLAN_CALLS = 4
 
 
-def _forward_plan(runtime: Runtime, spec: AttentionSpec, like: Any) -> _ForwardPlan:
-    """:func:`forward`'s plan for ``spec`` on ``runtime``, kept while the
-    spec lives (a decode step's spec lives on in
+def _plan(runtime: Runtime, spec: AttentionSpec, like: Any, backward: bool) -> _Plan:
+    """The forward's or the backward's plan for ``spec`` on ``runtime``,
+    kept while the spec lives (a decode step's spec lives on in
     :func:`npattn.attention.scalar_call_spec`'s cache, and is handed out
     again) for each value of ``NPATTN_CUPY_TENSOR_CORES``, which picks the
-    kernels: looked up in 1.7 µs (half of it reading the setting) where making
-    it takes 7.8 (2-core EPYC)."""
-    plans = _FORWARD_PLANS.get(spec)
+    kernels: looked up in 1.7 µs (half of it reading the setting) where
+    making the forward's takes 7.8 (2-core EPYC)."""
+    plans = _PLANS.get(spec)
     if plans is None:
-        plans = _FORWARD_PLANS[spec] = {}
-    key = (runtime, os.environ.get("NPATTN_CUPY_TENSOR_CORES", "1"))
+        plans = _PLANS[spec] = {}
+    key = (runtime, os.environ.get("NPATTN_CUPY_TENSOR_CORES", "1"), backward)
     plan = plans.get(key)
-    if plan is not None:
-        return plan
+    if plan is None:
+        plan = plans[key] = (_backward_plan if backward else _forward_plan)(runtime, spec, like)
+    return plan
+
+
+#: :func:`_plan`'s plans by spec (an entry leaves with its spec), then by
+#: runtime, the tensor cores' setting and direction.
+_PLANS: weakref.WeakKeyDictionary[AttentionSpec, dict[tuple[Runtime, str, bool], _Plan]] = weakref.WeakKeyDictionary()
+
+
+def _forward_plan(runtime: Runtime, spec: AttentionSpec, like: Any) -> _Plan:
+    """:func:`forward`'s launches: the forward kernel's over (row blocks,
+    kv heads, batch times key ranges), and with several ranges the merge's,
+    a block per row."""
     precision = tensor_precision(spec)
     if precision is None:
         shape = launch_shape(spec)
@@ -890,17 +909,37 @@ def _forward_plan(runtime: Runtime, spec: AttentionSpec, like: Any) -> _ForwardP
         warps = tensor_warps(spec)
         module, kernel, threads = _tensor_module(runtime, spec, precision, warps), "npattn_forward_tc", 32 * warps
         row_blocks = -(-spec.group_size * spec.q_len // (TENSOR_WARP_ROWS * warps))
+    B = spec.num_batch
     splits = _splits(spec, row_blocks, runtime.multiprocessors(like))
-    grid = (row_blocks, spec.num_kv_heads, spec.num_batch * splits)
-    plan = plans[key] = _ForwardPlan(module, kernel, threads, grid, splits, {})
-    return plan
+    launches: tuple[_Launch, ...] = (_Launch(kernel, (row_blocks, spec.num_kv_heads, B * splits), threads),)
+    if splits > 1:
+        rows = B * spec.num_heads * spec.q_len
+        launches += (_Launch("npattn_merge_splits", (rows, 1, 1), MERGE_THREADS),)
+    return _Plan(module, launches, splits, {})
 
 
-#: :func:`_forward_plan`'s plans by spec (an entry leaves with its spec),
-#: then by runtime and the tensor cores' setting.
-_FORWARD_PLANS: weakref.WeakKeyDictionary[AttentionSpec, dict[tuple[Runtime, str], _ForwardPlan]] = (
-    weakref.WeakKeyDictionary()
-)
+def _backward_plan(runtime: Runtime, spec: AttentionSpec, like: Any) -> _Plan:
+    """:func:`backward`'s launches: ``D``'s (a warp per row), then ``dQ``'s
+    over (row blocks, kv heads, batch) and ``dK``/``dV``'s over (key
+    blocks, kv heads, batch)."""
+    precision = tensor_precision(spec)
+    if precision is None:
+        shape = launch_shape(spec, backward=True)
+        module, threads, suffix = _module(runtime, spec, shape), BLOCK_THREADS, ""
+        row_blocks, key_blocks = _grid_rows(spec, shape), -(-spec.kv_len // (shape.rows * shape.tile))
+    else:
+        warps = TENSOR_BACKWARD_WARPS[precision]  # tensor_warps(spec, backward=True), the precision known
+        module = _tensor_module(runtime, spec, precision, warps, backward=True)
+        threads, suffix, block_rows = 32 * warps, "_tc", TENSOR_WARP_ROWS * warps
+        row_blocks, key_blocks = -(-spec.group_size * spec.q_len // block_rows), -(-spec.kv_len // block_rows)
+    B, K = spec.num_batch, spec.num_kv_heads
+    rows = B * spec.num_heads * spec.q_len
+    launches = (
+        _Launch("npattn_backward_d", (-(-rows // (BLOCK_THREADS // 32)), 1, 1), BLOCK_THREADS),
+        _Launch("npattn_backward_dq" + suffix, (row_blocks, K, B), threads),
+        _Launch("npattn_backward_dkdv" + suffix, (key_blocks, K, B), threads),
+    )
+    return _Plan(module, launches, 1, {})
 
 
 def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None = None) -> tuple[Any, Any]:
@@ -913,21 +952,20 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None
     """
     runtime = runtime or _CUPY_RUNTIME
     xp, B, N, T, Hv = spec.xp, spec.num_batch, spec.num_heads, spec.q_len, spec.value_dim
-    plan = _forward_plan(runtime, spec, q)
+    plan = _plan(runtime, spec, q, backward=False)
     (qc,) = _operands(spec, q)
     kc, vc, kv_head_rows = _kv_operands(spec, k, v)
     call = plan.call(spec, kv_head_rows)
-    ranges = (plan.splits,) if plan.splits > 1 else ()  # one range: (1, B, N, T, Hv) is (B, N, T, Hv), unsliced
+    forward_launch, *merge = plan.launches
+    ranges = (plan.splits,) if merge else ()  # one range: (1, B, N, T, Hv) is (B, N, T, Hv), unsliced
     out = _empty(spec, ranges + (B, N, T, Hv), spec.compute_dtype)
     lse = _empty(spec, ranges + (B, N, T), spec.compute_dtype)
-    runtime.launch(plan.module, plan.kernel, plan.grid, plan.threads, (qc, kc, vc, out, lse, call.config))
-    if ranges:  # (splits, B, N, T, Hv) -> (B, N, T, Hv), and lse (B, N, T)
+    runtime.launch(plan.module, *forward_launch, (qc, kc, vc, out, lse, call.config))
+    if merge:  # (splits, B, N, T, Hv) -> (B, N, T, Hv), and lse (B, N, T)
         parts = (out, lse)
         out = _empty(spec, (B, N, T, Hv), spec.compute_dtype)
         lse = _empty(spec, (B, N, T), spec.compute_dtype)
-        runtime.launch(
-            plan.module, "npattn_merge_splits", (B * N * T, 1, 1), MERGE_THREADS, (*parts, out, lse, call.config)
-        )
+        runtime.launch(plan.module, *merge[0], (*parts, out, lse, call.config))
     bs = spec.batch_shape
     return _shaped(xp, out, bs + (N, T, Hv)), _shaped(xp, lse, bs + (N, T))  # (..., N, T, Hv), (..., N, T)
 
@@ -958,23 +996,14 @@ def backward(
     runtime = runtime or _CUPY_RUNTIME
     xp, B, N, K, T, S = spec.xp, spec.num_batch, spec.num_heads, spec.num_kv_heads, spec.q_len, spec.kv_len
     H, Hv, bs = spec.head_dim, spec.value_dim, spec.batch_shape
+    plan = _plan(runtime, spec, q, backward=True)
     qc, doc = _operands(spec, q, dout)
     kc, vc, kv_head_rows = _kv_operands(spec, k, v)
-    call = _Call(spec, kv_head_rows)
-    precision = tensor_precision(spec)
-    if precision is None:
-        shape = launch_shape(spec, backward=True)
-        module, threads, suffix = _module(runtime, spec, shape), BLOCK_THREADS, ""
-        row_blocks, key_blocks = _grid_rows(spec, shape), -(-S // (shape.rows * shape.tile))
-    else:
-        warps = TENSOR_BACKWARD_WARPS[precision]  # tensor_warps(spec, backward=True), the precision known
-        module = _tensor_module(runtime, spec, precision, warps, backward=True)
-        threads, suffix, block_rows = 32 * warps, "_tc", TENSOR_WARP_ROWS * warps
-        row_blocks, key_blocks = -(-spec.group_size * T // block_rows), -(-S // block_rows)
+    call = plan.call(spec, kv_head_rows)
+    d_launch, dq_launch, dkdv_launch = plan.launches
     D = _empty(spec, (B, N, T), spec.compute_dtype)
     outc, lsec, dlsec = (None if x is None else _contiguous(x) for x in (out, lse, dlse))
-    blocks = -(-B * N * T // (BLOCK_THREADS // 32))  # a warp per row
-    runtime.launch(module, "npattn_backward_d", (blocks, 1, 1), BLOCK_THREADS, (doc, outc, dlsec, D, call.config))
+    runtime.launch(plan.module, *d_launch, (doc, outc, dlsec, D, call.config))
     grads = operand_dtype(spec)
     dq = _empty(spec, (B, N, T, H), grads)
     dk = _empty(spec, (B, K, S, H), grads)
@@ -983,10 +1012,8 @@ def backward(
     if spec.alibi_slopes is not None:
         slope_rows = _empty(spec, (B, N, T), spec.compute_dtype)
     inputs = (qc, kc, vc, doc, lsec, D)
-    runtime.launch(
-        module, "npattn_backward_dq" + suffix, (row_blocks, K, B), threads, (*inputs, dq, slope_rows, call.config)
-    )
-    runtime.launch(module, "npattn_backward_dkdv" + suffix, (key_blocks, K, B), threads, (*inputs, dk, dv, call.config))
+    runtime.launch(plan.module, *dq_launch, (*inputs, dq, slope_rows, call.config))
+    runtime.launch(plan.module, *dkdv_launch, (*inputs, dk, dv, call.config))
     alibi_total = None if slope_rows is None else xp.reshape(xp.sum(slope_rows, axis=-1), bs + (N,))  # (..., N)
     params = param_grads_from_heads(spec, alibi_total)
     return (

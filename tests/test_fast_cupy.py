@@ -897,25 +897,34 @@ def test_preallocated_kv_cache_is_read_in_place(fused_on_numpy):
 
 
 @emulated
-def test_repeated_calls_launch_from_their_specs_forward_plan(fused_on_numpy, monkeypatch):
-    """A repeated call (a decode step: its spec handed out again, resolved
-    to the same spec) launches the forward its spec's plan keeps: the same
-    kernel, grid and ``Config``; ``NPATTN_CUPY_TENSOR_CORES=0`` between two
-    such calls sends the next to the CUDA-core kernel. Every output is the
-    dense path's."""
+def test_repeated_calls_launch_from_their_specs_plans(fused_on_numpy, monkeypatch):
+    """A repeated step (a decode step's forward and backward: its spec handed
+    out again, resolved to the same spec) launches what its spec's plans
+    keep: the same kernels, grids and configurations;
+    ``NPATTN_CUPY_TENSOR_CORES=0`` between two such steps sends the next to
+    the CUDA-core kernels. Every output and gradient is the dense path's."""
     q, k, v, _ = _problem(batch=(1,), N=4, K=2, T=1, S=600, Hv=8)  # float64 on the tensor cores, keys in ranges
+    dout = np.random.default_rng(5).standard_normal((1, 4, 1, 8))
     options = dict(causal=True, align="bottom_right")
-    want, _ = npattn.attention_forward(q, k, v, impl="dense", **options)
-    outs = [npattn.attention_forward(q, k, v, **options) for _ in range(2)]
+
+    def step(**impl):
+        out, res = npattn.attention_forward(q, k, v, **options, **impl)
+        return res.spec, (out, *npattn.attention_backward(dout, res)[:3])
+
+    _, want = step(impl="dense")
+    steps = [step(), step()]
     monkeypatch.setenv("NPATTN_CUPY_TENSOR_CORES", "0")
-    outs.append(npattn.attention_forward(q, k, v, **options))
-    assert outs[0][1].spec is outs[1][1].spec is outs[2][1].spec
-    launched = zip(fused_on_numpy.launches, fused_on_numpy.arguments)
-    forwards = [(launch, args[-1]) for launch, args in launched if launch[0].startswith("npattn_forward")]
-    assert [launch[0] for launch, _ in forwards] == ["npattn_forward_tc", "npattn_forward_tc", "npattn_forward"]
-    assert forwards[0][0] == forwards[1][0] and forwards[0][1] is forwards[1][1]  # the plan's Config, as it was
-    for out, _ in outs:
-        np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+    steps.append(step())
+    assert steps[0][0] is steps[1][0] is steps[2][0]
+    launched = list(zip(fused_on_numpy.launches, fused_on_numpy.arguments))
+    tensor = ["npattn_forward_tc", "npattn_merge_splits", "npattn_backward_d", "npattn_backward_dq_tc"]
+    tensor.append("npattn_backward_dkdv_tc")
+    assert [launch[0] for launch, _ in launched] == tensor * 2 + [name.removesuffix("_tc") for name in tensor]
+    for (launch, args), (again, args_again) in zip(launched[:5], launched[5:10]):
+        assert launch == again and args[-1] is args_again[-1]  # the plans' Configs, as they were
+    for _, got in steps:
+        for value, expected in zip(got, want):
+            np.testing.assert_allclose(value, expected, rtol=1e-11, atol=1e-12)
 
 
 class _NoKernels:
@@ -931,7 +940,7 @@ class _NoKernels:
         return 4
 
 
-def test_forward_plans_keep_no_call_with_per_batch_arrays_and_leave_with_their_spec():
+def test_plans_keep_no_call_with_per_batch_arrays_and_leave_with_their_spec():
     """A plan keeps its spec's ``Config`` for each layout of ``k`` and
     ``v`` (C order, a longer buffer's view), none where the spec has
     per-batch arrays (a call's own copies, whose addresses the ``Config``
@@ -944,10 +953,10 @@ def test_forward_plans_keep_no_call_with_per_batch_arrays_and_leave_with_their_s
     spec = make_spec(q, k, v)
     for keys in (k, buffer[..., :600, :]):
         fast_cupy.forward(spec, q, keys, keys, runtime=runtime)
-    assert sorted(fast_cupy._forward_plan(runtime, spec, q).calls) == [600, 700]
+    assert sorted(fast_cupy._plan(runtime, spec, q, backward=False).calls) == [600, 700]
     with_lengths = make_spec(q, k, v, kv_lengths=np.array([500]))
     fast_cupy.forward(with_lengths, q, k, v, runtime=runtime)
-    assert fast_cupy._forward_plan(runtime, with_lengths, q).calls == {}
+    assert fast_cupy._plan(runtime, with_lengths, q, backward=False).calls == {}
     gone = weakref.ref(spec)
     del spec
     gc.collect()
