@@ -49,7 +49,10 @@ Two kinds of kernels, chosen per call (:func:`tensor_precision`):
 
 The kernels are compiled at first use for each (kind, dtype, ``H``, ``Hv``,
 launch shape) by CuPy's ``RawModule`` (NVRTC) and cached for the process
-(and on disk by CuPy).
+(and on disk by CuPy); what a call launches (module, kernels, grids, key
+ranges, the ``Config`` struct) is worked out once per spec and kept while
+the spec lives (``_plan``), so that a repeated call (a decode step) runs
+little Python before its first launch.
 
 The module talks to the GPU through a small :class:`Runtime` (compile,
 launch), so that the tests can run the same kernels on the CPU through a
