@@ -8,7 +8,9 @@ Compiles ``npattn.fast_cupy``'s tensor-core kernels as CuPy would (NVRTC,
 and disassembles them (``cuobjdump -sass``), with the tiles ``fast_cupy``
 picks for T=S=4096 (and for a decode step's forward: T=1 at 32 query heads
 on 8 kv heads, in blocks of one warp), and prints per kernel: the registers
-a thread takes and the bytes it spills (the shipped kernels), and the
+a thread takes and the bytes it spills (the shipped kernels: those built
+for plain scores, ``PLAIN_SCORES=1``, which plain calls run, and those
+built for every option, ``all``), and the
 instructions of the loop over tiles on a plain call's path: the kernels
 built again with that call's runtime flags made compile-time (no softcap,
 ALiBi, dropout or segment ids; a positive scale; every key of a tile seen,
@@ -165,8 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     tools = Tools(args.nvrtc, args.ptxas, args.cuobjdump)
     H = args.head_dim
-    print(f"tensor-core kernels, H=Hv={H}, sm_90: registers / spilled bytes (as shipped); the plain tile loop")
-    header = f"{'precision':<10} {'kernel':<26} {'registers':>9} {'spilled':>8}"
+    print(
+        f"tensor-core kernels, H=Hv={H}, sm_90: registers / spilled bytes (as shipped for plain scores, "
+        "and for every option); the plain tile loop"
+    )
+    header = f"{'precision':<10} {'kernel':<26} {'registers':>9} {'spilled':>8} {'all: regs':>9} {'spilled':>8}"
     print(f"{header} {'loop instr':>11} {'MMA':>5} {'per MMA':>9} {'loop spills':>12} {'shipped loop':>13}")
     with tempfile.TemporaryDirectory() as folder:
         for dtype in (np.float16, np.float32, np.float64):
@@ -180,18 +185,20 @@ def main(argv: list[str] | None = None) -> int:
                 plain = source
                 for text, replacement in PLAIN_CALL:
                     plain = plain.replace(text, replacement)
-                defines = dict(fast_cupy._tensor_defines(spec, precision, backward))
+                defines = dict(fast_cupy._tensor_defines(spec, precision, backward))  # PLAIN_SCORES=1
                 options = ["--std=c++17", "-arch=compute_90"] + [f"-D{k}={v}" for k, v in defines.items()]
                 report, listing = tools.assemble(tools.ptx(source, options), folder)
                 shipped, shipped_loops = registers(report), tile_loops(listing)
+                every = [option.replace("-DPLAIN_SCORES=1", "-DPLAIN_SCORES=0") for option in options]
+                general = registers(tools.assemble(tools.ptx(source, every), folder)[0])
                 loops = tile_loops(tools.assemble(tools.ptx(plain, options), folder)[1])
                 for name in (
                     ("npattn_backward_dq_tc", "npattn_backward_dkdv_tc") if backward else ("npattn_forward_tc",)
                 ):
                     count, mma, loop_spills = loops[name]
-                    regs, spilled = shipped[name]
                     label = name + (" (decode)" if spec is step else "")
-                    figures = f"{regs:9d} {spilled:8d} {count:11d} {mma:5d} {count / mma:9.1f} {loop_spills:12d}"
+                    figures = "".join(f"{regs:9d} {spilled:8d} " for regs, spilled in (shipped[name], general[name]))
+                    figures += f"{count:11d} {mma:5d} {count / mma:9.1f} {loop_spills:12d}"
                     figures += f" {shipped_loops[name][2]:13d}"
                     print(f"{precision:<10} {label:<26} {figures}")
     return 0

@@ -90,6 +90,7 @@ __all__ = [
     "tensor_precision",
     "tensor_warps",
     "operand_dtype",
+    "plain_scores",
 ]
 
 #: Largest ``H`` and ``Hv`` the kernels take (their rows live in registers).
@@ -360,6 +361,7 @@ def _module(runtime: Runtime, spec: AttentionSpec, shape: LaunchShape) -> Any:
     scalar = "double" if spec.compute_dtype == np.float64 else "float"
     defines = (
         ("scalar_t", scalar),
+        ("PLAIN_SCORES", str(int(plain_scores(spec)))),
         ("OPERANDS_F16", str(int(operand_dtype(spec) == np.float16))),
         ("HEAD_DIM", str(spec.head_dim)),
         ("VALUE_DIM", str(spec.value_dim)),
@@ -370,6 +372,24 @@ def _module(runtime: Runtime, spec: AttentionSpec, shape: LaunchShape) -> Any:
         ("CHUNK", str(shape.chunk)),
     )
     return _compiled(runtime, "cuda_cores", defines)
+
+
+def plain_scores(spec: AttentionSpec) -> bool:
+    """Whether ``spec``'s call runs the kernels built for plain scores
+    (``PLAIN_SCORES``, ``pipeline.cuh``): no softcap, ALiBi, dropout or
+    segment ids, options those kernels leave out at compile time, so that
+    their branches and the registers those hold leave them too (ptxas for
+    sm_90, H=64: the float32 forward 167 registers against 201, the float64
+    dQ spilling 184 bytes against 356; ``benchmarks/count_sass.py``). Other
+    calls run the kernels built for every option.
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> x = np.zeros((1, 8, 1024, 64), np.float32)
+    >>> plain_scores(make_spec(x, x, x, causal=True)), plain_scores(make_spec(x, x, x, softcap=30.0))
+    (True, False)
+    """
+    return spec.softcap is None and spec.alibi_slopes is None and not spec.dropout_p and spec.q_segment_ids is None
 
 
 def _compiled(runtime: Runtime, kind: str, defines: tuple[tuple[str, str], ...]) -> Any:
@@ -486,9 +506,9 @@ def _tensor_module(runtime: Runtime, spec: AttentionSpec, precision: str, warps:
     """The tensor-core forward (with the merge of key ranges) or backward
     (with ``D``) for ``spec``'s dims, ``precision`` and ``warps``
     (:func:`tensor_warps`), each with its own tiles (:func:`tensor_tile`):
-    looked up by these alone (1 µs; building its definitions takes 2.5 more,
-    2-core EPYC)."""
-    key = (runtime, precision, spec.head_dim, spec.value_dim, warps, backward)
+    looked up by these and :func:`plain_scores` alone (1 µs; building its
+    definitions takes 2.5 more, 2-core EPYC)."""
+    key = (runtime, precision, spec.head_dim, spec.value_dim, warps, backward, plain_scores(spec))
     module = _TENSOR_MODULES.get(key)
     if module is None:
         kind = "tensor_backward" if backward else "tensor_forward"
@@ -496,7 +516,7 @@ def _tensor_module(runtime: Runtime, spec: AttentionSpec, precision: str, warps:
     return module
 
 
-_TENSOR_MODULES: dict[tuple[Runtime, str, int, int, int, bool], Any] = {}
+_TENSOR_MODULES: dict[tuple[Runtime, str, int, int, int, bool, bool], Any] = {}
 
 
 def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tuple[tuple[str, str], ...]:
@@ -504,6 +524,7 @@ def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tupl
     tile = tensor_tile(spec, precision, backward)
     defines = (
         ("scalar_t", "double" if precision == "f64" else "float"),
+        ("PLAIN_SCORES", str(int(plain_scores(spec)))),
         ("OPERANDS_F16", str(int(precision == "f16"))),
         ("PRECISION", TENSOR_PRECISIONS[precision][0]),
         ("HEAD_DIM", str(spec.head_dim)),

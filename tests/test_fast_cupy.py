@@ -940,6 +940,38 @@ class _NoKernels:
         return 4
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+@pytest.mark.parametrize("H", [64, 200])  # the tensor cores', and (above their widest heads) the CUDA cores'
+def test_plain_calls_run_the_kernels_built_without_the_variants(dtype, H):
+    """Calls with no softcap, ALiBi, dropout or segment ids (masks,
+    windows and lengths included) run the kernels built with
+    ``PLAIN_SCORES=1``, which leave those options out; every other call
+    the kernels built for every option, forward and backward."""
+    q, k, v, _ = _problem(batch=(2,), N=4, K=2, T=5, S=40, H=H, Hv=H, dtype=dtype)
+    segments = np.array([[0, 0, 1, 1, 1], [0, 0, 0, 0, 1]])
+    calls = {
+        True: [
+            {},
+            dict(causal=True, align="top_left"),
+            dict(window=(3, 2), align="bottom_right"),
+            dict(kv_lengths=np.array([30, 40])),
+        ],
+        False: [
+            dict(softcap=20.0),
+            dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625]), align="top_left"),
+            dict(dropout_p=0.1, seed=3),
+            dict(q_segment_ids=segments, kv_segment_ids=np.repeat(segments, 8, axis=1)),
+        ],
+    }
+    runtime = _NoKernels()
+    for plain, options in ((plain, options) for plain, cases in calls.items() for options in cases):
+        spec = make_spec(q, k, v, **options)
+        assert fast_cupy.plain_scores(spec) is plain
+        for backward in (False, True):
+            defines = dict(fast_cupy._plan(runtime, spec, q, backward).module)
+            assert defines["PLAIN_SCORES"] == str(int(plain)), (options, backward)
+
+
 def test_plans_keep_no_call_with_per_batch_arrays_and_leave_with_their_spec():
     """A plan keeps its spec's ``Config`` for each layout of ``k`` and
     ``v`` (C order, a longer buffer's view), none where the spec has

@@ -84,6 +84,15 @@ struct Problem {
   const scalar_t* slopes;        // ALiBi (B, N), or null
 };
 
+// PLAIN_SCORES 1: kernels built for calls with plain scores and no segment
+// ids (no softcap, ALiBi, dropout or segment ids: npattn.fast_cupy picks
+// them per call), where read_problem makes those options compile-time
+// absent, so that their branches, and the registers they hold, leave the
+// kernels; 0: every option read from the call's Config.
+#ifndef PLAIN_SCORES
+#define PLAIN_SCORES 0
+#endif
+
 __device__ __forceinline__ Problem read_problem(const Config& config) {
   Problem pb;
   pb.B = (int)config.B;
@@ -110,6 +119,12 @@ __device__ __forceinline__ Problem read_problem(const Config& config) {
   pb.q_segments = reinterpret_cast<const long long*>(config.q_segments);
   pb.kv_segments = reinterpret_cast<const long long*>(config.kv_segments);
   pb.slopes = reinterpret_cast<const scalar_t*>(config.slopes);
+#if PLAIN_SCORES
+  pb.dropout = false;
+  pb.softcap = 0;
+  pb.q_segments = pb.kv_segments = nullptr;
+  pb.slopes = nullptr;
+#endif
   return pb;
 }
 
