@@ -113,7 +113,9 @@ fused path, which a decode step's kernels (tens of microseconds) wait on, with
 nothing) and outputs from a pool of zeros: ``attention_forward``'s time per
 call, best of ``--repeats`` rounds of ``HOST_CALLS`` calls, for the decode
 step of ``--targets`` (``impl="chunked"``), the same step with
-``causal=True, align="bottom_right"`` (a KV cache's), and of it the time
+``causal=True, align="bottom_right"`` (a KV cache's), the same step with
+the keys growing by one a call (a decoding loop's, each call a spec not
+seen before), and of each the time
 before the call's first kernel launch, which a synchronized step waits
 through before its kernels start (the rest of the call overlaps the
 kernels). With ``--base REV`` that git revision of npattn (or a
@@ -138,7 +140,6 @@ import runpy
 import sys
 import time
 import tracemalloc
-import weakref
 from unittest import mock
 
 import numpy as np
@@ -151,7 +152,7 @@ except ImportError:  # run from a checkout without installing
 from npattn import attention_backward, attention_forward
 from npattn.__main__ import cupy_peak_bytes
 from npattn.chunked import default_blocks
-from npattn.options import DEFAULT_BLOCK_Q, make_spec
+from npattn.options import DEFAULT_BLOCK_Q, SpecMemo, make_spec
 
 #: Dense forward+backward keeps about this many (B, N, T, S) float32 tensors
 #: alive at its peak (scores, probabilities, dP, dS and a temporary).
@@ -583,15 +584,34 @@ def _zeros_pool():
     return empty
 
 
-def _host_rows(rng: np.random.Generator):
-    """``(label, options)`` of ``--host-time``'s rows, and the rows' ``q``, ``k``, ``v``."""
+def _host_rows(rng: np.random.Generator, calls: int):
+    """``(label, calls)`` of ``--host-time``'s rows: ``calls(package)`` is
+    a step of that revision of npattn, a function of no argument. The last
+    row's keys grow by one a call, from views of preallocated buffers, as a
+    decoding loop's do (through :class:`npattn.KVCache`), for up to
+    ``calls`` calls, each of a key count not seen before."""
     q = rng.standard_normal((1, 32, 1, 128)).astype(np.float16)
-    k, v = (rng.standard_normal((1, 8, 32768, 128)).astype(np.float16) for _ in range(2))
-    rows = [
-        ("decode T=1 S=32768 (--targets')", dict(impl="chunked")),
-        ("  causal, bottom_right (a KV cache's)", dict(causal=True, align="bottom_right")),
+    S = 32768
+    k, v = (np.zeros((1, 8, S + calls, 128), np.float16) for _ in range(2))
+    kc, vc = (rng.standard_normal((1, 8, S, 128)).astype(np.float16) for _ in range(2))
+
+    def fixed(**options):
+        return lambda package: functools.partial(package.attention_forward, q, kc, vc, **options)
+
+    def growing(package):
+        lengths = iter(range(S + 1, S + calls + 1))
+
+        def step():
+            n = next(lengths)
+            return package.attention_forward(q, k[:, :, :n], v[:, :, :n], causal=True, align="bottom_right")
+
+        return step
+
+    return [
+        ("decode T=1 S=32768 (--targets')", fixed(impl="chunked")),
+        ("  causal, bottom_right (a KV cache's)", fixed(causal=True, align="bottom_right")),
+        ("  the same, S growing a key a call", growing),
     ]
-    return rows, (q, k, v)
 
 
 def _best_call_us(calls: dict, runtimes: dict, rounds: int) -> dict:
@@ -638,12 +658,8 @@ def host_time(base: str | None, rounds: int) -> int:
         for name, package in packages.items():
             runtimes[name] = stack.enter_context(_fused_on_numpy(package))
             stack.enter_context(mock.patch.object(package.fast_cupy, "_empty", _zeros_pool()))
-        rows, arrays = _host_rows(np.random.default_rng(0))
-        for label, options in rows:
-            calls = {
-                name: functools.partial(package.attention_forward, *arrays, **options)
-                for name, package in packages.items()
-            }
+        for label, make in _host_rows(np.random.default_rng(0), (rounds + 1) * HOST_CALLS):
+            calls = {name: make(package) for name, package in packages.items()}
             for name, call in calls.items():
                 assert call()[1].kernel == "cupy", name  # and the caches warm
             us = _best_call_us(calls, runtimes, rounds)
@@ -1048,7 +1064,7 @@ def _fresh_lookups(fast_cupy):
     the key ranges)."""
     with (
         mock.patch.dict(fast_cupy._TENSOR_MODULES, clear=True),
-        mock.patch.object(fast_cupy, "_PLANS", weakref.WeakKeyDictionary()),
+        mock.patch.object(fast_cupy, "RECURRING_SPECS", SpecMemo()),
     ):
         yield
 

@@ -191,12 +191,13 @@ def test_gpu_benchmark_counts_the_fused_paths_memory_without_a_gpu(capsys):
 
 def test_gpu_benchmark_times_the_decode_steps_python_without_a_gpu(capsys, monkeypatch):
     """``bench_gpu.py --host-time --base worktree`` times each decode row's
-    call on the fused path's Python side, this checkout's and the base's,
-    on the CPU; ``--base`` alone is an error."""
+    call on the fused path's Python side (a fixed ``S``, twice, and ``S``
+    growing a key a call), this checkout's and the base's, on the CPU;
+    ``--base`` alone is an error."""
     monkeypatch.setattr(sys, "path", list(sys.path))  # the base package's folder goes onto it
     assert _run_script("bench_gpu.py", ["--host-time", "--base", "worktree", "--repeats", "1"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if "decode" in line or "bottom_right" in line]
-    assert len(rows) == 2
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("decode", "  "))]
+    assert len(rows) == 3 and "growing" in rows[2]
     for row in rows:
         now, now_launch, base, base_launch, ratio, launch_ratio = (float(x) for x in row.split()[-6:])
         assert 0 < now_launch < now and 0 < base_launch < base
