@@ -20,11 +20,12 @@ compiler drops the other branches and the loop holds what a whole tile of a
 plain call executes, with its tensor-core instructions (HMMA; DMMA in
 float64) and its spill loads and stores (LDL, STL: spilled bytes outside
 the loop cost once a block) counted apart; and the spill loads and stores
-in the shipped kernel's tile loop ("shipped loop"), whose registers are
-allocated for every branch of it, so that a plain call can spill there
-where the plain build does not (the float16 forward, capped to 4 blocks:
-Nsight Compute counted 3.5 million spill requests in one call at
-T=S=4096 on an H100). Fewer instructions per MMA is what a kernel bound
+in the tile loop of the kernel shipped for plain scores ("shipped loop"),
+whose registers are allocated for every branch left in it (masks,
+windows, lengths), so that a plain call can spill there where the plain
+build does not (the float16 forward, capped to 4 blocks: Nsight Compute
+counted 3.5 million spill requests in one call at T=S=4096 on an H100,
+before the kernels were built apart for plain scores). Fewer instructions per MMA is what a kernel bound
 by instruction issue needs; whether a change makes the kernels faster is
 for ``bench_gpu.py --targets`` on a GPU to say.
 

@@ -9,7 +9,6 @@ validated options, so the backward always follows the forward that made them.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -22,6 +21,7 @@ from .options import (
     AUTO_FAST_MIN_SCORES,
     AUTO_FAST_SINGLE_HEAD_MIN_SCORES,
     AUTO_FAST_VARIANT_MIN_SCORES,
+    RECURRING_SPECS,
     AttentionSpec,
     make_spec,
     plain_key,
@@ -518,7 +518,8 @@ def scalar_call_spec(q: Any, k: Any, v: Any, **options: Any) -> AttentionSpec:
         spec = _SCALAR_CALLS.get(key) if key is not None else None
     except TypeError:  # a device that cannot be hashed
         key = spec = None
-    if spec is not None:
+    if spec is not None:  # handed out again: it recurs
+        RECURRING_SPECS.values(spec)
         return spec
     family = None
     if key is not None:
@@ -640,29 +641,22 @@ def choose_impl(spec: AttentionSpec, *, fused_cupy: bool = True) -> AttentionSpe
 def _resolved(spec: AttentionSpec, kernel: str, fused_cupy: bool = True) -> AttentionSpec:
     """:func:`choose_impl` for an ``impl="auto"`` spec whose
     :func:`chunked_kernel` is ``kernel`` (:func:`forward_from_spec` asks it
-    once for both): kept while ``spec`` lives, so that a spec handed out
-    again (:func:`scalar_call_spec`'s) resolves to the same spec, which the
-    fused path's launch plans are kept by (0.25 µs a lookup where making
-    and keeping the resolved spec takes 3.4)."""
-    kept = _RESOLVED_SPECS.get(spec)
-    if kept is None:
-        kept = _RESOLVED_SPECS[spec] = {}
-    resolved = kept.get((kernel, fused_cupy))
+    once for both). A spec that recurs
+    (:data:`~npattn.options.RECURRING_SPECS`) resolves to the same spec
+    each time, which recurs too, so that the fused path's launch plans kept
+    by spec are found (0.3 µs a lookup where making the spec takes 1.5)."""
+    kept = RECURRING_SPECS.get(spec)
+    resolved = None if kept is None else kept.get((kernel, fused_cupy))
     if resolved is None:
         scores = _scores(spec)
         large = scores > AUTO_CHUNKED_MIN_SCORES
         fast = kernel == "numpy" and scores >= _fast_min_scores(spec)
         fused = fused_cupy and kernel == "cupy"
         resolved = spec.replace(impl="chunked" if large or fast or fused else "dense")
-        kept[(kernel, fused_cupy)] = resolved
+        if kept is not None:
+            kept[(kernel, fused_cupy)] = resolved
+            RECURRING_SPECS.values(resolved)
     return resolved
-
-
-#: :func:`_resolved`'s specs by the ``impl="auto"`` spec (an entry leaves
-#: with it), then by kernel and ``fused_cupy``.
-_RESOLVED_SPECS: weakref.WeakKeyDictionary[AttentionSpec, dict[tuple[str, bool], AttentionSpec]] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 def chunked_kernel(spec: AttentionSpec) -> str:

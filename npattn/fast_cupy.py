@@ -49,10 +49,11 @@ Two kinds of kernels, chosen per call (:func:`tensor_precision`):
 
 The kernels are compiled at first use for each (kind, dtype, ``H``, ``Hv``,
 launch shape) by CuPy's ``RawModule`` (NVRTC) and cached for the process
-(and on disk by CuPy); what a call launches (module, kernels, grids, key
-ranges, the ``Config`` struct) is worked out once per spec and kept while
-the spec lives (``_plan``), so that a repeated call (a decode step) runs
-little Python before its first launch.
+(and on disk by CuPy), each twice where a process needs both: for calls
+with plain scores (:func:`plain_scores`) and for every other. What a call
+launches (module, kernels, grids, key ranges, the ``Config`` struct) is
+kept for a spec that recurs (``_plan``), so that a repeated call (a decode
+step at a fixed ``S``) runs little Python before its first launch.
 
 The module talks to the GPU through a small :class:`Runtime` (compile,
 launch), so that the tests can run the same kernels on the CPU through a
@@ -67,7 +68,6 @@ from __future__ import annotations
 import functools
 import os
 import struct
-import weakref
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, NamedTuple, Protocol
@@ -76,7 +76,7 @@ import array_api_compat
 import numpy as np
 
 from .dropout import _seed_hash, keep_threshold
-from .options import AttentionSpec
+from .options import RECURRING_SPECS, AttentionSpec
 from .scores.pipeline import param_grads_from_heads
 from .scores.visibility import window_reach
 
@@ -432,7 +432,13 @@ def tensor_precision(spec: AttentionSpec) -> str | None:
     >>> [tensor_precision(make_spec(a, a, a)) for a in (x, y, wide)]
     ['f16', 'f64', None]
     """
-    if os.environ.get("NPATTN_CUPY_TENSOR_CORES", "1") == "0" or not _tensor_capable(spec.device):
+    return _precision(spec, os.environ.get("NPATTN_CUPY_TENSOR_CORES", "1"))
+
+
+def _precision(spec: AttentionSpec, setting: str) -> str | None:
+    """:func:`tensor_precision` with ``NPATTN_CUPY_TENSOR_CORES`` read as
+    ``setting`` (:func:`_plan` reads it once a call: 0.8 µs where it is unset)."""
+    if setting == "0" or not _tensor_capable(spec.device):
         return None
     if spec.compute_dtype == np.float64:
         precision, step, widest = "f64", 8, TENSOR_F64_MAX_HEAD_DIM
@@ -689,7 +695,7 @@ class _Call:
         if _has_per_batch_arrays(spec):
             self.optional = _per_batch_arrays(spec, offset if per_batch_offset else None)
         else:  # a plain call's (a decode step's): none
-            self.optional = (None,) * 6
+            self.optional = _NO_ARRAYS
         self.config = _config(
             (
                 B,
@@ -715,12 +721,21 @@ class _Call:
         )
 
 
+#: :class:`_Call`'s ``optional`` where a call has no per-batch array.
+_NO_ARRAYS = (None,) * 6
+
+
 def _has_per_batch_arrays(spec: AttentionSpec) -> bool:
-    """Whether ``spec`` holds arrays the kernels read by address: lengths
-    (and with them, under ``bottom_right``, per-batch query offsets),
-    segment ids or ALiBi slopes."""
-    per_batch = (spec.q_lengths, spec.kv_lengths, spec.q_segment_ids, spec.alibi_slopes)
-    return any(a is not None for a in per_batch)
+    """Whether ``spec`` holds arrays the kernels read by address: per-batch
+    query offsets (``bottom_right`` with lengths), lengths, segment ids or
+    ALiBi slopes."""
+    return not (  # one chain of identity tests (0.15 µs; any() over a tuple takes 0.5)
+        spec.q_lengths is None
+        and spec.kv_lengths is None
+        and spec.q_segment_ids is None
+        and spec.alibi_slopes is None
+        and not hasattr(spec.q_offset, "shape")
+    )
 
 
 def _per_batch_arrays(spec: AttentionSpec, offsets: Any) -> tuple:
@@ -859,16 +874,12 @@ def _splits(spec: AttentionSpec, row_blocks: int, multiprocessors: int) -> int:
 # --- forward and backward -----------------------------------------------------------
 
 
-class _Launch(NamedTuple):
-    """One kernel's launch: its name, grid and threads per block."""
-
-    kernel: str
-    grid: tuple[int, int, int]
-    threads: int
+#: One kernel's launch: its name, grid and threads per block (a plain
+#: tuple: a NamedTuple takes 0.3 µs more to make, on every new spec's call).
+_Launch = tuple[str, tuple[int, int, int], int]
 
 
-@dataclass(frozen=True)
-class _Plan:
+class _Plan(NamedTuple):
     """What :func:`forward` or :func:`backward` launches for one spec,
     worked out once (:func:`_plan`): ``launches`` of ``module``'s kernels
     (the forward's, then the merge's where the keys are cut into ``splits``
@@ -888,7 +899,7 @@ class _Plan:
         call = self.calls.get(kv_head_rows)
         if call is None:
             call = _Call(spec, kv_head_rows, self.splits)
-            if not _has_per_batch_arrays(spec) and len(self.calls) < PLAN_CALLS:
+            if call.optional is _NO_ARRAYS and len(self.calls) < PLAN_CALLS:  # no address of the call's own
                 self.calls[kv_head_rows] = call
         return call
 
@@ -899,32 +910,28 @@ PLAN_CALLS = 4
 
 
 def _plan(runtime: Runtime, spec: AttentionSpec, like: Any, backward: bool) -> _Plan:
-    """The forward's or the backward's plan for ``spec`` on ``runtime``,
-    kept while the spec lives (a decode step's spec lives on in
-    :func:`npattn.attention.scalar_call_spec`'s cache, and is handed out
-    again) for each value of ``NPATTN_CUPY_TENSOR_CORES``, which picks the
-    kernels: looked up in 1.7 µs (half of it reading the setting) where
-    making the forward's takes 7.8 (2-core EPYC)."""
-    plans = _PLANS.get(spec)
-    if plans is None:
-        plans = _PLANS[spec] = {}
-    key = (runtime, os.environ.get("NPATTN_CUPY_TENSOR_CORES", "1"), backward)
-    plan = plans.get(key)
+    """The forward's or the backward's plan for ``spec`` on ``runtime``:
+    kept for a spec that recurs (:data:`~npattn.options.RECURRING_SPECS`:
+    a repeated call's, which :func:`npattn.attention.scalar_call_spec` hands
+    out again) by ``NPATTN_CUPY_TENSOR_CORES``, which picks the kernels,
+    and made anew for any other (a decoding loop's next step, whose keys
+    grew)."""
+    setting = os.environ.get("NPATTN_CUPY_TENSOR_CORES", "1")
+    plans = RECURRING_SPECS.get(spec)
+    plan = None if plans is None else plans.get((runtime, setting, backward))
     if plan is None:
-        plan = plans[key] = (_backward_plan if backward else _forward_plan)(runtime, spec, like)
+        make = _backward_plan if backward else _forward_plan
+        plan = make(runtime, spec, like, _precision(spec, setting))
+        if plans is not None:
+            plans[(runtime, setting, backward)] = plan
     return plan
 
 
-#: :func:`_plan`'s plans by spec (an entry leaves with its spec), then by
-#: runtime, the tensor cores' setting and direction.
-_PLANS: weakref.WeakKeyDictionary[AttentionSpec, dict[tuple[Runtime, str, bool], _Plan]] = weakref.WeakKeyDictionary()
-
-
-def _forward_plan(runtime: Runtime, spec: AttentionSpec, like: Any) -> _Plan:
-    """:func:`forward`'s launches: the forward kernel's over (row blocks,
-    kv heads, batch times key ranges), and with several ranges the merge's,
-    a block per row."""
-    precision = tensor_precision(spec)
+def _forward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: str | None) -> _Plan:
+    """:func:`forward`'s launches on the tensor cores of ``precision``
+    (None: the CUDA cores): the forward kernel's over (row blocks, kv heads,
+    batch times key ranges), and with several ranges the merge's, a block
+    per row."""
     if precision is None:
         shape = launch_shape(spec)
         module, kernel, threads = _module(runtime, spec, shape), "npattn_forward", BLOCK_THREADS
@@ -935,18 +942,17 @@ def _forward_plan(runtime: Runtime, spec: AttentionSpec, like: Any) -> _Plan:
         row_blocks = -(-spec.group_size * spec.q_len // (TENSOR_WARP_ROWS * warps))
     B = spec.num_batch
     splits = _splits(spec, row_blocks, runtime.multiprocessors(like))
-    launches: tuple[_Launch, ...] = (_Launch(kernel, (row_blocks, spec.num_kv_heads, B * splits), threads),)
+    launches: tuple[_Launch, ...] = ((kernel, (row_blocks, spec.num_kv_heads, B * splits), threads),)
     if splits > 1:
         rows = B * spec.num_heads * spec.q_len
-        launches += (_Launch("npattn_merge_splits", (rows, 1, 1), MERGE_THREADS),)
+        launches += (("npattn_merge_splits", (rows, 1, 1), MERGE_THREADS),)
     return _Plan(module, launches, splits, {})
 
 
-def _backward_plan(runtime: Runtime, spec: AttentionSpec, like: Any) -> _Plan:
+def _backward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: str | None) -> _Plan:
     """:func:`backward`'s launches: ``D``'s (a warp per row), then ``dQ``'s
     over (row blocks, kv heads, batch) and ``dK``/``dV``'s over (key
     blocks, kv heads, batch)."""
-    precision = tensor_precision(spec)
     if precision is None:
         shape = launch_shape(spec, backward=True)
         module, threads, suffix = _module(runtime, spec, shape), BLOCK_THREADS, ""
@@ -959,9 +965,9 @@ def _backward_plan(runtime: Runtime, spec: AttentionSpec, like: Any) -> _Plan:
     B, K = spec.num_batch, spec.num_kv_heads
     rows = B * spec.num_heads * spec.q_len
     launches = (
-        _Launch("npattn_backward_d", (-(-rows // (BLOCK_THREADS // 32)), 1, 1), BLOCK_THREADS),
-        _Launch("npattn_backward_dq" + suffix, (row_blocks, K, B), threads),
-        _Launch("npattn_backward_dkdv" + suffix, (key_blocks, K, B), threads),
+        ("npattn_backward_d", (-(-rows // (BLOCK_THREADS // 32)), 1, 1), BLOCK_THREADS),
+        ("npattn_backward_dq" + suffix, (row_blocks, K, B), threads),
+        ("npattn_backward_dkdv" + suffix, (key_blocks, K, B), threads),
     )
     return _Plan(module, launches, 1, {})
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, overload
 
@@ -269,6 +270,71 @@ class AttentionSpec:
     @property
     def num_batch(self) -> int:
         return math.prod(self.batch_shape)
+
+
+class SpecMemo:
+    """Values derived from specs, kept by each spec's identity: a dict per
+    spec, dropped when the spec is (each entry holds a weak reference to
+    its spec, so that it keeps no spec alive and is found for no other),
+    for at most ``size`` specs at once (emptied when full).
+
+    >>> import numpy as np
+    >>> memo, x = SpecMemo(), np.zeros((1, 2, 3))
+    >>> spec = make_spec(x, x, x)
+    >>> memo.get(spec) is None
+    True
+    >>> memo.values(spec)["answer"] = 42
+    >>> memo.get(spec), memo.get(make_spec(x, x, x))
+    ({'answer': 42}, None)
+    >>> del spec
+    >>> len(memo)
+    0
+    """
+
+    def __init__(self, size: int = 256):
+        self.size = size
+        self._entries: dict[int, tuple[weakref.ref[AttentionSpec], dict[Any, Any]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, spec: AttentionSpec) -> dict[Any, Any] | None:
+        """The values kept for ``spec``, or None where it has no entry."""
+        entry = self._entries.get(id(spec))
+        return entry[1] if entry is not None and entry[0]() is spec else None
+
+    def values(self, spec: AttentionSpec) -> dict[Any, Any]:
+        """The values kept for ``spec``: a new, empty dict where it had no entry."""
+        values = self.get(spec)
+        if values is None:
+            if len(self._entries) >= self.size:
+                self._entries.clear()
+            values = {}
+            self._entries[id(spec)] = (weakref.ref(spec, self._forget(id(spec))), values)
+        return values
+
+    def _forget(self, key: int) -> Any:
+        """The callback that drops entry ``key`` when its spec is gone (and
+        not a newer entry that took the same id)."""
+        entries = self._entries
+
+        def forget(ref: weakref.ref[AttentionSpec]) -> None:
+            entry = entries.get(key)
+            if entry is not None and entry[0] is ref:
+                del entries[key]
+
+        return forget
+
+
+#: The specs that recur, and what is derived from them once: a spec that
+#: :func:`npattn.attention.scalar_call_spec` hands out again (a repeated
+#: call's: a decode step with a fixed ``S``, a training step) gets an
+#: entry, in which :func:`npattn.attention.choose_impl` keeps its resolved
+#: spec (itself given an entry) and :mod:`npattn.fast_cupy` its launch
+#: plans. A spec made for one call (a decoding loop's next step, whose keys
+#: grew; a call with array options) gets none, so that such a call pays a
+#: lookup (0.3 µs) and no entry.
+RECURRING_SPECS = SpecMemo()
 
 
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

@@ -109,16 +109,22 @@ def test_make_spec_validates_only_and_choose_impl_picks_the_path():
     assert residuals.spec.impl == "chunked"  # the residuals record the path taken, never "auto"
 
 
-def test_choose_impl_resolves_a_spec_once_while_it_lives(monkeypatch):
-    """The same spec for the same ``impl="auto"`` spec and kernel (the
-    fused CuPy path keeps its launch plans by spec), another where the
-    kernel differs (``NPATTN_FAST_NUMPY=0``: the size rule alone), and
-    nothing kept past the auto spec's life."""
+def test_choose_impl_resolves_a_recurring_spec_once_while_it_lives(monkeypatch):
+    """A spec that recurs (``RECURRING_SPECS``, as ``scalar_call_spec``
+    marks one it hands out again) resolves to the same spec for the same
+    kernel (the fused CuPy path keeps its launch plans by spec), to another
+    where the kernel differs (``NPATTN_FAST_NUMPY=0``: the size rule
+    alone), and keeps none past its own life; a spec made for one call
+    resolves anew each time."""
     import gc
     import weakref
 
+    from npattn.options import RECURRING_SPECS
+
     x = np.zeros((1, 8, 1024, 8))  # 2**23 scores: the NumPy fast path's size, below the chunked rule's
-    spec = make_spec(x, x, x)
+    once, spec = make_spec(x, x, x), make_spec(x, x, x)
+    assert choose_impl(once) is not choose_impl(once)
+    RECURRING_SPECS.values(spec)
     chosen = choose_impl(spec)
     assert choose_impl(spec) is chosen and chosen.impl == "chunked"
     monkeypatch.setenv("NPATTN_FAST_NUMPY", "0")

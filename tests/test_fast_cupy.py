@@ -912,15 +912,15 @@ def test_repeated_calls_launch_from_their_specs_plans(fused_on_numpy, monkeypatc
         return res.spec, (out, *npattn.attention_backward(dout, res)[:3])
 
     _, want = step(impl="dense")
-    steps = [step(), step()]
+    steps = [step(), step(), step()]  # the spec recurs from the second: its plans are kept from then
     monkeypatch.setenv("NPATTN_CUPY_TENSOR_CORES", "0")
     steps.append(step())
-    assert steps[0][0] is steps[1][0] is steps[2][0]
+    assert steps[1][0] is steps[2][0] is steps[3][0]
     launched = list(zip(fused_on_numpy.launches, fused_on_numpy.arguments))
     tensor = ["npattn_forward_tc", "npattn_merge_splits", "npattn_backward_d", "npattn_backward_dq_tc"]
     tensor.append("npattn_backward_dkdv_tc")
-    assert [launch[0] for launch, _ in launched] == tensor * 2 + [name.removesuffix("_tc") for name in tensor]
-    for (launch, args), (again, args_again) in zip(launched[:5], launched[5:10]):
+    assert [launch[0] for launch, _ in launched] == tensor * 3 + [name.removesuffix("_tc") for name in tensor]
+    for (launch, args), (again, args_again) in zip(launched[5:10], launched[10:15]):
         assert launch == again and args[-1] is args_again[-1]  # the plans' Configs, as they were
     for _, got in steps:
         for value, expected in zip(got, want):
@@ -972,27 +972,35 @@ def test_plain_calls_run_the_kernels_built_without_the_variants(dtype, H):
             assert defines["PLAIN_SCORES"] == str(int(plain)), (options, backward)
 
 
-def test_plans_keep_no_call_with_per_batch_arrays_and_leave_with_their_spec():
-    """A plan keeps its spec's ``Config`` for each layout of ``k`` and
-    ``v`` (C order, a longer buffer's view), none where the spec has
-    per-batch arrays (a call's own copies, whose addresses the ``Config``
-    holds), and leaves with its spec (it holds no reference to it)."""
+def test_plans_are_kept_for_recurring_specs_alone_and_leave_with_them():
+    """A spec that recurs (``RECURRING_SPECS``, as ``scalar_call_spec``
+    marks one it hands out again) keeps its plans, and in them its
+    ``Config`` for each layout of ``k`` and ``v`` (C order, a longer
+    buffer's view), none where the spec has per-batch arrays (a call's own
+    copies, whose addresses the ``Config`` holds); a spec made for one call
+    keeps none; and a plan leaves with its spec."""
     import gc
     import weakref
 
+    from npattn.options import RECURRING_SPECS
+
     q, k, v, _ = _problem(batch=(1,), N=4, K=2, T=1, S=600, Hv=8)
     runtime, buffer = _NoKernels(), np.zeros(k.shape[:-2] + (700, k.shape[-1]))
-    spec = make_spec(q, k, v)
+    once, spec = make_spec(q, k, v), make_spec(q, k, v)
+    assert fast_cupy._plan(runtime, once, q, False) is not fast_cupy._plan(runtime, once, q, False)
+    RECURRING_SPECS.values(spec)
     for keys in (k, buffer[..., :600, :]):
         fast_cupy.forward(spec, q, keys, keys, runtime=runtime)
-    assert sorted(fast_cupy._plan(runtime, spec, q, backward=False).calls) == [600, 700]
+    plan = fast_cupy._plan(runtime, spec, q, backward=False)
+    assert fast_cupy._plan(runtime, spec, q, backward=False) is plan and sorted(plan.calls) == [600, 700]
     with_lengths = make_spec(q, k, v, kv_lengths=np.array([500]))
+    RECURRING_SPECS.values(with_lengths)
     fast_cupy.forward(with_lengths, q, k, v, runtime=runtime)
     assert fast_cupy._plan(runtime, with_lengths, q, backward=False).calls == {}
-    gone = weakref.ref(spec)
+    spec_gone, entries = weakref.ref(spec), len(RECURRING_SPECS)
     del spec
     gc.collect()
-    assert gone() is None
+    assert spec_gone() is None and len(RECURRING_SPECS) == entries - 1  # its entry, and its plans, gone with it
 
 
 def test_config_dtype_follows_the_kernels_struct():
