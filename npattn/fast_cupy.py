@@ -881,7 +881,8 @@ _Launch = tuple[str, tuple[int, int, int], int]
 
 class _Plan(NamedTuple):
     """What :func:`forward` or :func:`backward` launches for one spec,
-    worked out once (:func:`_plan`): ``launches`` of ``module``'s kernels
+    worked out by :func:`_plan` (and kept there for a spec that recurs):
+    ``launches`` of ``module``'s kernels
     (the forward's, then the merge's where the keys are cut into ``splits``
     ranges; or ``D``'s, ``dQ``'s and ``dK``/``dV``'s), and ``calls``, the
     kernels' :class:`_Call` by the rows between kv heads
@@ -952,7 +953,7 @@ def _forward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: s
 def _backward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: str | None) -> _Plan:
     """:func:`backward`'s launches: ``D``'s (a warp per row), then ``dQ``'s
     over (row blocks, kv heads, batch) and ``dK``/``dV``'s over (key
-    blocks, kv heads, batch)."""
+    blocks, kv heads, batch). ``like`` is unused: the forward's signature."""
     if precision is None:
         shape = launch_shape(spec, backward=True)
         module, threads, suffix = _module(runtime, spec, shape), BLOCK_THREADS, ""
