@@ -921,8 +921,8 @@ def _plan(runtime: Runtime, spec: AttentionSpec, like: Any, backward: bool) -> _
     plans = RECURRING_SPECS.get(spec)
     plan = None if plans is None else plans.get((runtime, setting, backward))
     if plan is None:
-        make = _backward_plan if backward else _forward_plan
-        plan = make(runtime, spec, like, _precision(spec, setting))
+        precision = _precision(spec, setting)
+        plan = _backward_plan(runtime, spec, precision) if backward else _forward_plan(runtime, spec, like, precision)
         if plans is not None:
             plans[(runtime, setting, backward)] = plan
     return plan
@@ -950,10 +950,10 @@ def _forward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: s
     return _Plan(module, launches, splits, {})
 
 
-def _backward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: str | None) -> _Plan:
+def _backward_plan(runtime: Runtime, spec: AttentionSpec, precision: str | None) -> _Plan:
     """:func:`backward`'s launches: ``D``'s (a warp per row), then ``dQ``'s
     over (row blocks, kv heads, batch) and ``dK``/``dV``'s over (key
-    blocks, kv heads, batch). ``like`` is unused: the forward's signature."""
+    blocks, kv heads, batch)."""
     if precision is None:
         shape = launch_shape(spec, backward=True)
         module, threads, suffix = _module(runtime, spec, shape), BLOCK_THREADS, ""
