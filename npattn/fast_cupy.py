@@ -543,31 +543,32 @@ def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tupl
 
 #: Blocks per multiprocessor the tensor-core forward's registers are capped
 #: to fit (``TC_MIN_BLOCKS``), by precision, for heads up to 64 and wider
-#: ones: as many as leave its tile loop, built for a plain call, without a
-#: spill load or store (ptxas for sm_90, every head size; the loops'
-#: instruction counts within 5 of the uncapped ones; the shipped float16
-#: forward at H=64 does spill in its loop, ``count_sass.py``). 0: the
-#: compiler's choice. On an H100 at T=S=4096,
-#: H=64: float16 capped to 4 blocks 0.198 ms, uncapped (167 registers, 3
-#: blocks) 0.200; at 32-key tiles 0.227 against 0.283. float32 capped to 3
-#: blocks (168 registers) 0.916 ms, uncapped (202, 2 blocks) 0.675: no cap.
-#: float64's 252 registers spill in the loop at 3 blocks.
-TENSOR_FORWARD_MIN_BLOCKS = {"f16": (4, 3), "tf32x3": (0, 0), "f64": (0, 0)}
+#: ones; 0: the compiler's choice. Measured on an H100 (2026-11-27, T=S=4096
+#: unless said, H=64, the build for plain scores, best of 3 interleaved
+#: rounds): float16 capped to 3 blocks (167 registers, no spill) 0.179 ms
+#: full, 0.129 causal, 2.164 at 16384 full, against 0.179, 0.160 and 2.296
+#: capped to 4 (128 registers, spilling in its loop) and 0.178, 0.131 and
+#: 2.148 uncapped (167). float32 capped to 2 blocks 0.663 ms: the cap
+#: allows 256 registers, but ptxas then takes 196 where uncapped it took
+#: 167, which let 3 blocks run a multiprocessor at 0.850 ms (capped to 3,
+#: 0.869). float64 uncapped 1.227 ms, capped to 3 1.594. Wider heads:
+#: float16 at 3 (168 registers, like uncapped; ptxas for sm_90), float32's
+#: 255 registers fit 2 blocks uncapped.
+TENSOR_FORWARD_MIN_BLOCKS = {"f16": (3, 3), "tf32x3": (2, 0), "f64": (0, 0)}
 
 
 def tensor_min_blocks(spec: AttentionSpec, precision: str) -> int:
     """Blocks of 4 warps per multiprocessor the tensor-core forward is
     compiled to fit (``__launch_bounds__``'s second argument): from
-    :data:`TENSOR_FORWARD_MIN_BLOCKS`, so that more warps hide the
-    latencies of its copies and products; 0 (the compiler's choice) for
+    :data:`TENSOR_FORWARD_MIN_BLOCKS`, the caps measured fastest; 0 (the compiler's choice) for
     the blocks of one or two warps of a few stacked rows, which registers
     do not limit.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
-    >>> x, wide = np.zeros((1, 8, 1024, 64), np.float16), np.zeros((1, 8, 1024, 128), np.float16)
-    >>> tensor_min_blocks(make_spec(x, x, x), "f16"), tensor_min_blocks(make_spec(wide, wide, wide), "f16")
-    (4, 3)
+    >>> x, wide = np.zeros((1, 8, 1024, 64), np.float32), np.zeros((1, 8, 1024, 128), np.float32)
+    >>> tensor_min_blocks(make_spec(x, x, x), "tf32x3"), tensor_min_blocks(make_spec(wide, wide, wide), "tf32x3")
+    (2, 0)
     """
     if tensor_warps(spec) < 4:
         return 0
