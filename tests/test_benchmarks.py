@@ -370,9 +370,9 @@ def test_gpu_benchmark_tile_sweep_compiles_each_size_that_fits(capsys, monkeypat
         ("float64", "16"),
     ]
     assert [sum(cell.endswith("*") for cell in row[3:]) for row in table] == [0, 0, 3, 3]
-    # the forward again with its registers uncapped where they are capped (float16: 4 blocks an SM)
+    # the forward again with its registers uncapped where they are capped (float16: 3 blocks an SM)
     assert [row[-1] for row in table][-1] == "-" and all(row[-1] != "-" for row in table[:3])
-    assert runtime.caps == {("PRECISION_F16", t, c) for t in (16, 32, 64) for c in (4, 0)} | {("PRECISION_F64", 16, 0)}
+    assert runtime.caps == {("PRECISION_F16", t, c) for t in (16, 32, 64) for c in (3, 0)} | {("PRECISION_F64", 16, 0)}
     f16 = {(backward, tile) for precision, backward, tile in runtime.tiles if precision == "PRECISION_F16"}
     assert f16 == {(backward, tile) for backward in (False, True) for tile in (16, 32, 64)}
     # the decode step's keys split for 2, 4, 8, 16 blocks per SM of 132 (8 one-warp blocks a range),
