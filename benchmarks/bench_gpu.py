@@ -570,18 +570,24 @@ def count_memory(lengths: list[int]) -> int:
 HOST_CALLS = 500
 
 
-def _zeros_pool():
-    """A stand-in for ``fast_cupy._empty``: one array of zeros per shape and
-    dtype, handed out again (an allocation's cost is CuPy's, not timed here)."""
+def _zeros_pool(fast_cupy):
+    """A patch of ``fast_cupy``'s allocations (``_empties``; ``_empty`` in
+    revisions before 2026-11-27's fourth session): one array of zeros per
+    shape and dtype, handed out again (an allocation's cost is CuPy's, not
+    timed here)."""
     pool: dict = {}
 
-    def empty(spec, shape, dtype):
+    def empty(shape, dtype):
         key = (tuple(shape), np.dtype(dtype))
         if key not in pool:
             pool[key] = np.zeros(shape, dtype)
         return pool[key]
 
-    return empty
+    if hasattr(fast_cupy, "_empties"):
+        return mock.patch.object(
+            fast_cupy, "_empties", lambda spec, *requests: [None if r is None else empty(*r) for r in requests]
+        )
+    return mock.patch.object(fast_cupy, "_empty", lambda spec, shape, dtype: empty(shape, dtype))
 
 
 def _host_rows(rng: np.random.Generator, calls: int):
@@ -657,7 +663,7 @@ def host_time(base: str | None, rounds: int) -> int:
         runtimes = {}
         for name, package in packages.items():
             runtimes[name] = stack.enter_context(_fused_on_numpy(package))
-            stack.enter_context(mock.patch.object(package.fast_cupy, "_empty", _zeros_pool()))
+            stack.enter_context(_zeros_pool(package.fast_cupy))
         for label, make in _host_rows(np.random.default_rng(0), (rounds + 1) * HOST_CALLS):
             calls = {name: make(package) for name, package in packages.items()}
             for name, call in calls.items():

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import sys
 from importlib import resources
 
 import numpy as np
@@ -1025,14 +1026,20 @@ def test_merge_threads_follow_the_kernel():
     assert f"constexpr int MERGE_THREADS = {fast_cupy.MERGE_THREADS};" in source
 
 
-def test_cupy_runtime_looks_each_kernel_up_once():
+def test_cupy_runtime_looks_each_kernel_up_once(monkeypatch):
     """CupyRuntime asks a module for a kernel once, then reuses it (without
-    CuPy: a module and arrays that record what they are asked), passing
-    ``None`` as a null pointer and the ``Config`` struct as its bytes,
-    unstructured (CuPy builds a structured array's interface field by field)."""
+    CuPy: a module, arrays and a ``CPointer`` that record what they are
+    given), passing ``None`` as a pointer to eight zero bytes and the
+    ``Config`` struct as a pointer to its bytes, kept for the next launch."""
     import contextlib
     import types
 
+    class CPointer:  # cupy.cuda.function's: the address of an argument's bytes
+        def __init__(self, p=0):
+            self.ptr = p
+
+    for name in ("cupy", "cupy.cuda", "cupy.cuda.function"):
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(CPointer=CPointer))
     asked, launched = [], []
 
     class Module:
@@ -1044,13 +1051,19 @@ def test_cupy_runtime_looks_each_kernel_up_once():
     runtime, module = fast_cupy.CupyRuntime(), Module()
     config = np.zeros(1, fast_cupy.CONFIG_DTYPE)
     config["T"], config["scale"] = 7, 0.125
+    before = config.copy()
     for name in ("npattn_forward_tc", "npattn_merge_splits", "npattn_forward_tc"):
         runtime.launch(module, name, (1, 2, 3), 32, (array, None, config))
     assert asked == ["npattn_forward_tc", "npattn_merge_splits"] and len(launched) == 3
-    assert launched[0][1:3] == ((1, 2, 3), (32, 1, 1)) and launched[0][3][1] == 0  # None: a null pointer
-    passed = launched[0][3][2]
-    assert passed.dtype.names is None and passed.shape == (1,) and passed.tobytes() == config.tobytes()
-    assert config.dtype == fast_cupy.CONFIG_DTYPE  # the caller's array is left as it was
+    assert launched[0][1:3] == ((1, 2, 3), (32, 1, 1)) and launched[0][3][0] is array
+    null, passed = launched[0][3][1:]
+    assert ctypes.c_uint64.from_address(null.ptr).value == 0  # None: a null pointer
+    assert ctypes.string_at(passed.ptr, config.nbytes) == config.tobytes()
+    assert all(launch[3][2] is passed for launch in launched)  # kept by the config's identity
+    assert config.dtype == fast_cupy.CONFIG_DTYPE and config.tobytes() == before.tobytes()  # left as it was
+    for _ in range(fast_cupy.BY_VALUE_POINTERS + 1):  # a new config a call: the kept pointers stay few
+        runtime.launch(module, "npattn_forward_tc", (1, 1, 1), 32, (array, config.copy()))
+    assert len(runtime._by_value) <= fast_cupy.BY_VALUE_POINTERS
 
 
 def test_splits_stay_within_the_grid():
