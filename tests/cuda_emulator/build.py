@@ -78,11 +78,16 @@ def build(
         return _loaded[library]
     if not library.exists():
         CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        unit_path = CACHE_DIR / f"{stem}.cu"
+        # each process its own source and library, the library renamed when
+        # complete: safe with parallel builds (a shared source, rewritten by
+        # one process while another's g++ read it, once built a library
+        # without its functions)
+        unit_path = CACHE_DIR / f"{stem}.{os.getpid()}.cu"
         unit_path.write_text(unit)
-        partial = CACHE_DIR / f"{stem}.{os.getpid()}.so"  # renamed when complete: safe with parallel builds
+        partial = CACHE_DIR / f"{stem}.{os.getpid()}.so"
         command = [CXX, *FLAGS, "-include", str(HEADER), *args, "-x", "c++", str(unit_path), "-o", str(partial)]
         result = subprocess.run(command, capture_output=True, text=True, check=False)
+        unit_path.unlink(missing_ok=True)
         if result.returncode != 0:
             partial.unlink(missing_ok=True)
             sources = ", ".join(str(p) for p in paths) or "no sources"
