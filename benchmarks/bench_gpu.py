@@ -570,11 +570,12 @@ def count_memory(lengths: list[int]) -> int:
 HOST_CALLS = 500
 
 
+@contextlib.contextmanager
 def _zeros_pool(fast_cupy):
-    """A patch of ``fast_cupy``'s allocations (``_empties``; ``_empty`` in
-    revisions before 2026-11-27's fourth session): one array of zeros per
-    shape and dtype, handed out again (an allocation's cost is CuPy's, not
-    timed here)."""
+    """``fast_cupy``'s allocations patched (``_empties`` and ``_scratch``;
+    ``_empty`` in revisions before 2026-11-27's fourth session): one array
+    of zeros per shape and dtype (or scratch size), handed out again (an
+    allocation's cost is CuPy's, not timed here)."""
     pool: dict = {}
 
     def empty(shape, dtype):
@@ -583,11 +584,16 @@ def _zeros_pool(fast_cupy):
             pool[key] = np.zeros(shape, dtype)
         return pool[key]
 
-    if hasattr(fast_cupy, "_empties"):
-        return mock.patch.object(
-            fast_cupy, "_empties", lambda spec, *requests: [None if r is None else empty(*r) for r in requests]
-        )
-    return mock.patch.object(fast_cupy, "_empty", lambda spec, shape, dtype: empty(shape, dtype))
+    with contextlib.ExitStack() as stack:
+        if hasattr(fast_cupy, "_empties"):
+            allocate = lambda spec, *requests: [None if r is None else empty(*r) for r in requests]  # noqa: E731
+            stack.enter_context(mock.patch.object(fast_cupy, "_empties", allocate))
+        else:
+            stack.enter_context(mock.patch.object(fast_cupy, "_empty", lambda spec, shape, dtype: empty(shape, dtype)))
+        if hasattr(fast_cupy, "_scratch"):
+            scratch = lambda spec, sizes: [empty((size,), np.uint8) for size in sizes]  # noqa: E731
+            stack.enter_context(mock.patch.object(fast_cupy, "_scratch", scratch))
+        yield
 
 
 def _host_rows(rng: np.random.Generator, calls: int):

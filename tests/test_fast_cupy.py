@@ -505,6 +505,23 @@ def test_decoding_splits_the_keys(case):
     assert name == "npattn_forward" and grid[2] > 1, f"one key range only: grid {grid}"
     assert merge == "npattn_merge_splits"
     assert fast_cupy.launch_shape(_spec(*_problem(**CASES["decode splits"])[:3], {})).lanes == fast_cupy.FEW_ROWS_LANES
+    parts = runtime.arguments[0][3:5]  # the forward's (O_r, lse_r): pieces of one scratch allocation
+    B, N, T, Hv = runtime.arguments[1][2].shape  # the merge's out, float64
+    splits = grid[2] // B
+    assert [a.nbytes for a in parts] == [splits * B * N * T * Hv * 8, splits * B * N * T * 8]
+    assert parts[0].base is parts[1].base and all(a.ctypes.data % fast_cupy.SCRATCH_ALIGNMENT == 0 for a in parts)
+    assert parts[0].ctypes.data + parts[0].nbytes <= parts[1].ctypes.data  # apart
+
+
+def test_scratch_pieces_are_aligned_and_apart():
+    """``_scratch``'s pieces of one allocation: each of its size, starting on
+    a SCRATCH_ALIGNMENT boundary, none overlapping the next."""
+    x = np.zeros((1, 1, 1, 8))
+    pieces = fast_cupy._scratch(make_spec(x, x, x), (1, 300, 256, 8))
+    assert [piece.nbytes for piece in pieces] == [1, 300, 256, 8]
+    starts = [piece.ctypes.data for piece in pieces]
+    assert all(start % fast_cupy.SCRATCH_ALIGNMENT == 0 for start in starts)
+    assert [b - a for a, b in itertools.pairwise(starts)] == [256, 512, 256]
 
 
 @emulated
