@@ -23,11 +23,12 @@ the loop cost once a block) counted apart; and the spill loads and stores
 in the tile loop of the kernel shipped for plain scores ("shipped loop"),
 whose registers are allocated for every branch left in it (masks,
 windows, lengths), so that a plain call can spill there where the plain
-build does not (the float16 forward, capped to 4 blocks: Nsight Compute
-counted 3.5 million spill requests in one call at T=S=4096 on an H100,
-before the kernels were built apart for plain scores). Fewer instructions per MMA is what a kernel bound
-by instruction issue needs; whether a change makes the kernels faster is
-for ``bench_gpu.py --targets`` on a GPU to say.
+build does not (the float16 forward when it was capped to 4 blocks:
+Nsight Compute counted 3.5 million spill requests in one call at T=S=4096
+on an H100, before the kernels were built apart for plain scores). Fewer
+instructions per MMA is what a kernel bound by instruction issue needs;
+whether a change makes the kernels faster is for ``bench_gpu.py
+--targets`` on a GPU to say.
 
 The tools come from NVIDIA's pip wheels (none of them a dependency of
 npattn): ``nvidia-cuda-nvrtc-cu12`` (libnvrtc), ``nvidia-cuda-nvcc-cu12``
