@@ -588,9 +588,9 @@ TENSOR_FORWARD_MIN_BLOCKS = {"f16": (3, 3), "tf32x3": (2, 0), "f64": (0, 0)}
 def tensor_min_blocks(spec: AttentionSpec, precision: str) -> int:
     """Blocks of 4 warps per multiprocessor the tensor-core forward is
     compiled to fit (``__launch_bounds__``'s second argument): from
-    :data:`TENSOR_FORWARD_MIN_BLOCKS`, the caps measured fastest; 0 (the compiler's choice) for
-    the blocks of one or two warps of a few stacked rows, which registers
-    do not limit.
+    :data:`TENSOR_FORWARD_MIN_BLOCKS`, the caps measured fastest; 0 (the
+    compiler's choice) for the blocks of one or two warps of a few stacked
+    rows, which registers do not limit.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
@@ -943,16 +943,18 @@ class _Plan(NamedTuple):
     worked out by :func:`_plan` (and kept there for a spec that recurs):
     ``launches`` of ``module``'s kernels
     (the forward's, then the merge's where the keys are cut into ``splits``
-    ranges; or ``D``'s, ``dQ``'s and ``dK``/``dV``'s), and ``calls``, the
+    ranges; or ``D``'s, ``dQ``'s and ``dK``/``dV``'s); ``calls``, the
     kernels' :class:`_Call` by the rows between kv heads
     (:func:`_kv_operands`), kept where the spec has no per-batch arrays
-    (whose copies, and so addresses, are a call's own)."""
+    (whose copies, and so addresses, are a call's own); and ``scratch``,
+    the bytes of the ranges' outputs before their merge (:func:`_scratch`),
+    with several ranges."""
 
     module: Any
     launches: tuple[_Launch, ...]
     splits: int
     calls: dict[int, _Call]
-    scratch: tuple[int, ...] = ()  # bytes of the key ranges' (O_r, lse_r) (_scratch), with several
+    scratch: tuple[int, ...] = ()
 
     def call(self, spec: AttentionSpec, kv_head_rows: int) -> _Call:
         """The kernels' :class:`_Call` for ``spec`` (the plan's) with ``k``
