@@ -414,7 +414,7 @@ def plain_scores(spec: AttentionSpec) -> bool:
     >>> plain_scores(make_spec(x, x, x, causal=True)), plain_scores(make_spec(x, x, x, softcap=30.0))
     (True, False)
     """
-    return spec.softcap is None and spec.alibi_slopes is None and not spec.dropout_p and spec.q_segment_ids is None
+    return spec.softcap is None and spec.alibi_slopes is None and not spec.dropout_p and not spec.has_segments
 
 
 def _compiled(runtime: Runtime, kind: str, defines: tuple[tuple[str, str], ...]) -> Any:
@@ -1099,9 +1099,13 @@ def backward(
     call = plan.call(spec, kv_head_rows)
     d_launch, dq_launch, dkdv_launch = plan.launches
     grads, rows = operand_dtype(spec), ((B, N, T), spec.compute_dtype)
-    slope_rows = rows if spec.alibi_slopes is not None else None  # ALiBi's per-row sums
-    D, dq, dk, dv, slope_rows = _empties(
-        spec, rows, ((B, N, T, H), grads), ((B, K, S, H), grads), ((B, K, S, Hv), grads), slope_rows
+    D, dq, dk, dv, slope_rows = _empties(  # slope_rows: ALiBi's per-row sums, None without ALiBi
+        spec,
+        rows,
+        ((B, N, T, H), grads),
+        ((B, K, S, H), grads),
+        ((B, K, S, Hv), grads),
+        rows if spec.alibi_slopes is not None else None,
     )
     outc, lsec, dlsec = (None if x is None else _contiguous(x) for x in (out, lse, dlse))
     runtime.launch(plan.module, *d_launch, (doc, outc, dlsec, D, call.config))
