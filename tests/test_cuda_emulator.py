@@ -258,3 +258,94 @@ def test_divergent_barrier_aborts(tmp_path, kernel, message):
 def test_compile_error_raises(tmp_path):
     with pytest.raises(RuntimeError, match=r"broken\.cu:2"):
         _build(tmp_path, "__global__ void k() {\n  undeclared_name = 1;\n}\n", "", "broken")
+
+
+SANITIZED = r"""
+extern "C" __global__ void read_past_the_end(const float* x, float* y) {
+    y[threadIdx.x] = x[threadIdx.x + 1];  // the last thread reads x[n]
+}
+
+extern "C" __global__ void write_past_shared(float* y) {
+    __shared__ float s[4];
+    s[threadIdx.x + 1] = 1.0f;  // the last thread writes s[4]
+    __syncthreads();
+    y[threadIdx.x] = s[threadIdx.x];
+}
+
+extern "C" __global__ void overflow_an_index(const int* start, int* y) {
+    y[threadIdx.x] = start[0] + (int)threadIdx.x;  // from INT_MAX: INT_MAX + 1 in the second thread
+}
+
+extern "C" __global__ void read_misaligned(const float* x, float* y) {
+    const float* shifted = (const float*)((const char*)x + OFFSET);  // bytes; 1: off a float's alignment
+    y[threadIdx.x] = shifted[threadIdx.x];
+}
+"""
+SANITIZED_WRAPPER = r"""
+extern "C" void run_read_past_the_end(const float* x, float* y) {
+    cuda_emulator::launch(dim3(1), dim3(4), [&] { read_past_the_end(x, y); });
+}
+extern "C" void run_write_past_shared(float* y) {
+    cuda_emulator::launch(dim3(1), dim3(4), [&] { write_past_shared(y); });
+}
+extern "C" void run_overflow_an_index(const int* start, int* y) {
+    cuda_emulator::launch(dim3(1), dim3(4), [&] { overflow_an_index(start, y); });
+}
+extern "C" void run_read_misaligned(const float* x, float* y) {
+    cuda_emulator::launch(dim3(1), dim3(4), [&] { read_misaligned(x, y); });
+}
+"""
+SANITIZED_CALLS = {  # each launch (START: the first thread's index, set by the test)
+    "read_past_the_end": "lib.run_read_past_the_end(p(np.ones(4, np.float32)), p(np.zeros(4, np.float32)))",
+    "write_past_shared": "lib.run_write_past_shared(p(np.zeros(4, np.float32)))",
+    "overflow_an_index": "lib.run_overflow_an_index(p(np.full(1, START, np.int32)), p(np.zeros(4, np.int32)))",
+    "read_misaligned": "lib.run_read_misaligned(p(np.ones(5, np.float32)), p(np.zeros(4, np.float32)))",
+}
+
+
+def _run_sanitized(tmp_path: Path, source: str, call: str) -> subprocess.CompletedProcess:
+    """Build ``source`` with SANITIZED_WRAPPER under the sanitizers and make
+    ``call`` (``lib``: the library, ``p``: an array's pointer) in a new
+    process."""
+    environment = build.sanitizer_environment(tmp_path / "cache")
+    if environment is None:
+        pytest.skip("no AddressSanitizer runtime (libasan) that a Python starts with")
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "sanitized.cu"
+    path.write_text(source)
+    script = (
+        "import ctypes, sys, numpy as np\n"
+        "from cuda_emulator import build\n"
+        f"lib = build.build([sys.argv[1]], {SANITIZED_WRAPPER!r}, {{}}, 'sanitized')\n"
+        "p = lambda a: ctypes.c_void_p(a.ctypes.data)\n"
+        f"{call}\n"
+    )
+    command = [sys.executable, "-c", script, str(path)]
+    cwd = Path(__file__).parent  # cuda_emulator importable
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "report"),
+    [
+        ("read_past_the_end", "AddressSanitizer: heap-buffer-overflow"),
+        ("write_past_shared", "index 4 out of bounds for type 'float [4]'"),
+        ("overflow_an_index", "runtime error: signed integer overflow"),
+        ("read_misaligned", "runtime error: load of misaligned address"),
+    ],
+)
+def test_sanitized_builds_stop_at_a_kernels_first_fault(tmp_path, kernel, report):
+    """Under :func:`build.sanitizer_environment` a kernel that reads past
+    an array, writes past a static shared array, overflows a signed index
+    or reads a float off its alignment stops its process with the
+    sanitizer's report naming it (so test_fast_cupy's sanitized run of the
+    fused kernels would fail on one); the same launch within bounds (from
+    INT_MAX - 3, at an offset of 4 bytes) runs clean."""
+    call = SANITIZED_CALLS[kernel]
+    faulty_source = SANITIZED.replace("OFFSET", "1")
+    faulty = _run_sanitized(tmp_path / "faulty", faulty_source, call.replace("START", "2**31 - 1"))
+    assert faulty.returncode != 0, faulty.stderr[-2000:]
+    assert report in faulty.stderr and kernel in faulty.stderr, faulty.stderr[-2000:]
+    within = SANITIZED.replace("[threadIdx.x + 1]", "[threadIdx.x]").replace("OFFSET", "4")
+    clean = _run_sanitized(tmp_path / "clean", within, call.replace("START", "2**31 - 4"))
+    assert clean.returncode == 0, clean.stderr[-2000:]

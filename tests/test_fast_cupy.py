@@ -23,6 +23,8 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import re
+import subprocess
 import sys
 from importlib import resources
 
@@ -1111,6 +1113,43 @@ def test_launch_shape_fits_static_shared_memory():
             rows_part = shape.keys * (ROW_BYTES + 2 * item) if backward else 2 * shape.rows * 8
             assert tiles + rows_part <= 48 * 1024, (H, Hv, dtype, T, backward, shape)
             assert shape.lanes * shape.rows == fast_cupy.BLOCK_THREADS and shape.keys % shape.chunk == 0
+
+
+#: The emulated tests that :func:`test_fused_kernels_run_clean_under_the_sanitizers`
+#: reruns (a ``-k`` expression): every option on the CUDA and the tensor
+#: cores, drawn problems, KV cache views read in place, misaligned inputs,
+#: key ranges and their merge, windows far out, fully masked rows; of the
+#: views on the CUDA cores (60-70 s each under the sanitizers) only the KV
+#: cache's.
+SANITIZED_TESTS = (
+    "test_emulated_kernels_match_generic_float64 or test_emulated_tensor_cores_match_float64"
+    " or test_emulated_kernels_match_generic_on_drawn_problems or test_emulated_tensor_cores_on_drawn_problems"
+    " or (test_kv_views_are_read_where_they_lie and (True] or cache-True-False))"
+    " or test_misaligned_inputs or test_merge_kernel_merges or test_decoding_splits_the_keys"
+    " or test_windows_wider or test_fully_masked_rows"
+)
+
+
+@emulated
+@pytest.mark.slow
+def test_fused_kernels_run_clean_under_the_sanitizers():
+    """:data:`SANITIZED_TESTS` rerun in a process of their own whose kernels
+    are built under AddressSanitizer and UndefinedBehaviorSanitizer
+    (:func:`cuda_emulator.build.sanitizer_environment`, whose own test shows
+    each fault stopping its process): no kernel reads or writes outside an
+    array or past a static shared array, overflows a signed index or reads
+    off an entry's alignment, as the outputs alone cannot show (a GPU reads
+    a neighbour's bytes unnoticed)."""
+    environment = build.sanitizer_environment(build.CACHE_DIR / "sanitized")
+    if environment is None:
+        pytest.skip("no AddressSanitizer runtime (libasan) that a Python starts with")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", SANITIZED_TESTS]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=3600, cwd=root)
+    report = result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, report
+    passed = re.search(r"(\d+) passed", result.stdout)
+    assert passed is not None and int(passed.group(1)) >= 80, report  # the selection ran, not skipped
 
 
 # --- on a GPU ------------------------------------------------------------------------------------

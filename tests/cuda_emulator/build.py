@@ -13,6 +13,15 @@ directory), keyed by a hash of every input. A wrapper::
     }
 
 is then ``build([path], wrapper, {}, "scale").run_scale(x_ptr, y_ptr, n)`` through ctypes.
+
+``$CUDA_EMULATOR_FLAGS`` adds g++ flags to every build (and to its cache
+key). :func:`sanitizer_environment` is the environment of a new Python
+process whose builds run under AddressSanitizer and
+UndefinedBehaviorSanitizer: a kernel's read or write outside an array (its
+global memory is NumPy's, on the heap) or past a static shared array, a signed
+overflow in its index arithmetic, a misaligned access, each stops the
+process with the source line, where on a GPU it would read a neighbour's
+bytes unnoticed.
 """
 
 from __future__ import annotations
@@ -22,15 +31,20 @@ import functools
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 HEADER = Path(__file__).with_name("emulator.h")
 CXX = "g++"
-FLAGS = ("-std=c++17", "-O1", "-shared", "-fPIC")
+FLAGS = ("-std=c++17", "-O1", "-shared", "-fPIC", *shlex.split(os.environ.get("CUDA_EMULATOR_FLAGS", "")))
+#: ``$CUDA_EMULATOR_FLAGS`` under :func:`sanitizer_environment`: each
+#: sanitizer's first report is fatal.
+SANITIZER_FLAGS = "-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 CACHE_DIR = Path(os.environ.get("CUDA_EMULATOR_CACHE") or Path(tempfile.gettempdir()) / "npattn-cuda-emulator")
 
 _EXTERN_SHARED = re.compile(r"\bextern\s+__shared__\s+(?P<type>[^;\[\]{}]*?)\b(?P<name>[A-Za-z_]\w*)\s*\[\s*\]\s*;")
@@ -115,3 +129,27 @@ def available() -> bool:
         return bool(build([], _PROBE, {}, "probe").cuda_emulator_probe() == 6)
     except (RuntimeError, OSError):
         return False
+
+
+def sanitizer_environment(cache: str | os.PathLike[str]) -> dict[str, str] | None:
+    """``os.environ`` for a new Python process whose builds take
+    :data:`SANITIZER_FLAGS` and are kept in ``cache``: g++'s AddressSanitizer
+    runtime preloaded (a Python not built with it must load it first), leak
+    checks off (the interpreter's own allocations outlive it). None where
+    g++ has no AddressSanitizer runtime, or a Python cannot start with it
+    (some kernels' address-space layouts)."""
+    result = subprocess.run([CXX, "-print-file-name=libasan.so"], capture_output=True, text=True, check=False)
+    runtime = result.stdout.strip()
+    if result.returncode != 0 or not os.path.isabs(runtime) or not os.path.exists(runtime):
+        return None  # g++ prints the bare name when it has no such file
+    preload = " ".join(filter(None, (runtime, os.environ.get("LD_PRELOAD"))))
+    environment = dict(
+        os.environ,
+        LD_PRELOAD=preload,
+        CUDA_EMULATOR_FLAGS=SANITIZER_FLAGS,
+        CUDA_EMULATOR_CACHE=str(cache),
+        ASAN_OPTIONS="detect_leaks=0:halt_on_error=1",
+        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
+    )
+    started = subprocess.run([sys.executable, "-c", "pass"], env=environment, capture_output=True, check=False)
+    return environment if started.returncode == 0 else None
