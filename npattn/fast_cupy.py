@@ -141,8 +141,8 @@ FLOAT64_MAX_SCORES = 2**22
 #: The headers every kind of kernels starts with: the score pipeline, the
 #: stacked rows, and the entries' dtypes.
 _COMMON_SOURCES = ("pipeline.cuh", "rows.cuh", "half.cuh", "entries.cuh")
-#: The tensor-core kernels' own headers: PTX, fragments and the tile loop.
-_TENSOR_SOURCES = _COMMON_SOURCES + ("ptx.cuh", "operands.cuh", "tensor_tiles.cuh")
+#: The tensor-core kernels' own headers: PTX, float64's exp2, fragments and the tile loop.
+_TENSOR_SOURCES = _COMMON_SOURCES + ("ptx.cuh", "exp2.cuh", "operands.cuh", "tensor_tiles.cuh")
 
 #: The kernels' source files (``npattn/cuda``), in order, by kind: the
 #: CUDA-core kernels (every dtype and head size), and the tensor-core
@@ -618,7 +618,7 @@ def _two_tiles_fit(spec: AttentionSpec, precision: str, tile: int, backward: boo
     item = TENSOR_PRECISIONS[precision][1]
     padded = spec.head_dim + spec.value_dim + 2 * 16 // item  # STRIDE(H) + STRIDE(Hv), operands.cuh
     per_stage = tile * (padded * item + (TENSOR_ROW_BYTES[precision] if backward else 0))
-    return 2 * per_stage <= 48 * 1024 - 256
+    return 2 * per_stage <= 48 * 1024 - 256  # 256: the block's key span (16 bytes a warp), exp2.cuh's table
 
 
 def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> int:

@@ -286,6 +286,8 @@ TENSOR_CASES = {
         "key splits": dict(batch=(1,), N=4, K=1, T=16, S=700, causal=True, align="bottom_right"),
         # 28 stacked rows a kv head: blocks of two warps, the second one's last rows past the end
         "two warps": dict(N=4, K=1, T=7, S=90, window=(30, 0), align="bottom_right"),
+        # scores hundreds apart: exp2's arguments past -1022 (float64's flushed to 0), and past -126
+        "peaked scores": dict(batch=(1,), N=2, K=1, T=40, S=70, scale=60.0),
     }.items()
 }
 
@@ -418,6 +420,78 @@ def test_decoding_on_the_tensor_cores_in_one_warp_blocks():
     (forward, grid, threads), (merge, *_), *backward = runtime.launches
     assert (forward, merge, threads) == ("npattn_forward_tc", "npattn_merge_splits", 32) and grid[2] > 1
     assert [threads for name, _, threads in backward if name.endswith("_tc")] == [128, 128]
+
+
+EXP2_KERNEL = r"""
+extern "C" __global__ void exp2_each(const double* x, double* y, long long n) {
+  load_exp2_table();
+  for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) y[i] = fast_exp2(x[i]);
+}
+extern "C" void run_exp2(const double* x, double* y, long long n) {
+  cuda_emulator::launch(dim3(3), dim3(64), [&] { exp2_each(x, y, n); });
+}
+"""
+
+
+def _float64_exp2(x: np.ndarray) -> np.ndarray:
+    """exp2.cuh's fast_exp2(double) of each entry, run by the emulator."""
+    source = resources.files("npattn") / "cuda" / "exp2.cuh"
+    defines = {"PRECISION": "3", "PRECISION_F64": "3"}  # ptx.cuh's
+    library = build.build([str(source)], EXP2_KERNEL, defines, "exp2")
+    y = np.full_like(x, -1.0)
+    library.run_exp2(ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(y.ctypes.data), ctypes.c_longlong(x.size))
+    return y
+
+
+@emulated
+@pytest.mark.skipif(np.finfo(np.longdouble).nmant < 63, reason="needs an 80-bit or wider long double as reference")
+def test_float64_exp2_within_an_ulp():
+    """The float64 kernels' 2^x (exp2.cuh: a table of 2^(j/16) and a degree-7
+    polynomial) within 1.1 ulp of 2^x in long double wherever the result is
+    a normal float64, at the table's boundaries and across the range; flushed
+    to 0 below 2^-1022, inf from 2^1024, NaN for NaN."""
+    rng = np.random.default_rng(7)
+    sixteenths = np.arange(-1022 * 16, 1024 * 16) / 16.0
+    x = np.concatenate(
+        [
+            rng.uniform(-1022.0, 1024.0, 100_000),
+            rng.uniform(-1.0, 0.0, 50_000),  # the softmax's arguments: s - m <= 0
+            sixteenths[:-1],
+            sixteenths + 1 / 32,
+            np.nextafter(sixteenths + 1 / 32, -np.inf),  # where rint(16 x) turns
+            np.nextafter(sixteenths + 1 / 32, np.inf),
+            [-1022.0, 0.0, -0.0, 1e-300, -1e-300, 5e-324, np.nextafter(1024.0, 0.0)],
+        ]
+    )
+    x = x[(x >= -1022.0) & (x < 1024.0)]
+    y = _float64_exp2(x)
+    exact = np.exp2(x.astype(np.longdouble))
+    ulps = np.abs(y - exact) / np.spacing(exact.astype(np.float64))
+    assert ulps.max() <= 1.1, (x[ulps.argmax()], ulps.max())
+    edges = np.array([-1022.0 - 2**-40, -1075.0, -1e10, -np.inf, 1024.0, 1e10, np.inf, np.nan])
+    np.testing.assert_array_equal(_float64_exp2(edges), [0, 0, 0, 0, np.inf, np.inf, np.inf, np.nan])
+
+
+def test_float64_exp2_tables_are_correctly_rounded():
+    """exp2.cuh's constants: 2^(j/16) and (ln 2)^i / i!, each the float64
+    nearest the 60-digit value."""
+    from decimal import Decimal, localcontext
+
+    text = (resources.files("npattn") / "cuda" / "exp2.cuh").read_text()
+
+    def table(name: str) -> list[float]:
+        body = re.search(name + r"\[\d+\] = \{(.*?)\};", text, re.S).group(1)
+        return [float.fromhex(item) for item in re.findall(r"0x[0-9a-f.]+p[-+]\d+", body)]
+
+    with localcontext() as decimal:
+        decimal.prec = 60
+        sixteenths = [float(Decimal(2) ** (Decimal(j) / 16)) for j in range(16)]
+        taylor, term = [], Decimal(1)
+        for i in range(1, 8):
+            term = term * Decimal(2).ln() / i
+            taylor.append(float(term))
+    assert table("EXP2_SIXTEENTHS") == sixteenths
+    assert table("EXP2_TAYLOR") == taylor
 
 
 class _Device:
@@ -1126,7 +1200,7 @@ SANITIZED_TESTS = (
     " or test_emulated_kernels_match_generic_on_drawn_problems or test_emulated_tensor_cores_on_drawn_problems"
     " or (test_kv_views_are_read_where_they_lie and (True] or cache-True-False))"
     " or test_misaligned_inputs or test_merge_kernel_merges or test_decoding_splits_the_keys"
-    " or test_windows_wider or test_fully_masked_rows"
+    " or test_windows_wider or test_fully_masked_rows or test_float64_exp2_within_an_ulp"
 )
 
 

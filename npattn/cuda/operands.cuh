@@ -266,6 +266,6 @@ __device__ __forceinline__ scalar_t group_sum(scalar_t x) {
 }
 
 __device__ __forceinline__ scalar_t group_max(scalar_t x) {
-  x = max(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return max(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  x = larger(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return larger(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }

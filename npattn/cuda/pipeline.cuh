@@ -54,6 +54,11 @@ __device__ __forceinline__ float fn_log(float x) { return logf(x); }
 __device__ __forceinline__ double fn_log(double x) { return log(x); }
 __device__ __forceinline__ float fn_tanh(float x) { return tanhf(x); }
 __device__ __forceinline__ double fn_tanh(double x) { return tanh(x); }
+// The larger of a running maximum `m` (never NaN) and `x`: fmax for float
+// (one instruction), a compare and a select for double, where fmax takes
+// about 7 (its NaN rules); a NaN x leaves m as fmax would.
+__device__ __forceinline__ float larger(float m, float x) { return fmaxf(m, x); }
+__device__ __forceinline__ double larger(double m, double x) { return x > m ? x : m; }
 __device__ __forceinline__ float negative_infinity(float) { return -__int_as_float(0x7f800000); }
 __device__ __forceinline__ double negative_infinity(double) { return -__longlong_as_double(0x7ff0000000000000LL); }
 

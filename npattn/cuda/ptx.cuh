@@ -135,10 +135,9 @@ __device__ __forceinline__ void async_wait() {
 }
 
 // 2^x (ex2.approx: about 2 ulp; the softmax's exponentials in base 2); in
-// float64, exp2 to float64's accuracy.
+// float64, exp2.cuh's.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-__device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }

@@ -54,6 +54,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   __shared__ __align__(16) tile_t value_tile[TC_STAGES][TC_KEYS * STRIDE(VALUE_DIM)];
   __shared__ long long scratch[2 * TC_WARPS];
   const Problem pb = read_problem(config);
+  load_exp2_table();  // fast_exp2's, in float64
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
   const int h = blockIdx.y, b = blockIdx.z;
   const long long stacked = (long long)pb.G * pb.T;
@@ -162,6 +163,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   __shared__ long long tile_index[TC_STAGES][TC_KEYS];  // each row's index into (B, N, T) arrays
   __shared__ scalar_t tile_lse[TC_STAGES][TC_KEYS], tile_D[TC_STAGES][TC_KEYS];
   const Problem pb = read_problem(config);
+  load_exp2_table();  // fast_exp2's, in float64
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
   const int h = blockIdx.y, b = blockIdx.z;
 

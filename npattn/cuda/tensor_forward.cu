@@ -35,6 +35,7 @@ extern "C" __global__ void TC_FORWARD_BOUNDS
   __shared__ __align__(16) tile_t value_tile[TC_STAGES][TC_KEYS * STRIDE(VALUE_DIM)];
   __shared__ long long scratch[2 * TC_WARPS];
   const Problem pb = read_problem(config);
+  load_exp2_table();  // fast_exp2's, in float64
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
   const int splits = (int)config.splits;
   const int h = blockIdx.y, b = blockIdx.z / splits, split = blockIdx.z % splits;
@@ -82,7 +83,7 @@ extern "C" __global__ void TC_FORWARD_BOUNDS
 #pragma unroll
       for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) tile_max[e / 2] = max(tile_max[e / 2], s[nb][e]);
+        for (int e = 0; e < 4; ++e) tile_max[e / 2] = larger(tile_max[e / 2], s[nb][e]);
       // s stays q . k, scaled inside the exponentials' fma; the max scales exactly (rounding is monotone)
       to_log2 = scale_log2;
       tile_max[0] *= scale_log2;
@@ -98,13 +99,13 @@ extern "C" __global__ void TC_FORWARD_BOUNDS
           const scalar_t x =
               plain ? s[nb][e] * scale_log2 : score(pb, rows[i], tile + offset, s[nb][e], capped_tanh) * LOG2_E;
           s[nb][e] = sees(range, pb, rows, b, i, offset) ? x : minus_inf;
-          tile_max[i] = max(tile_max[i], s[nb][e]);
+          tile_max[i] = larger(tile_max[i], s[nb][e]);
         }
     }
     scalar_t reference[2];  // m, or 0 while no key is seen (so that -inf - m is not NaN)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const scalar_t new_m = max(m[i], group_max(tile_max[i]));
+      const scalar_t new_m = larger(m[i], group_max(tile_max[i]));
       const scalar_t alpha = new_m == minus_inf ? (scalar_t)1 : fast_exp2(m[i] - new_m);  // 0 while m = -inf
       l[i] *= alpha;
 #pragma unroll

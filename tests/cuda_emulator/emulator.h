@@ -380,10 +380,15 @@ inline float __uint_as_float(unsigned v) { float r; std::memcpy(&r, &v, sizeof r
 inline unsigned __float_as_uint(float v) { unsigned r; std::memcpy(&r, &v, sizeof r); return r; }
 inline double __longlong_as_double(long long v) { double r; std::memcpy(&r, &v, sizeof r); return r; }
 inline long long __double_as_longlong(double v) { long long r; std::memcpy(&r, &v, sizeof r); return r; }
+inline int __double2hiint(double v) { return (int)(__double_as_longlong(v) >> 32); }
+inline int __double2loint(double v) { return (int)(unsigned)__double_as_longlong(v); }
+inline double __hiloint2double(int hi, int lo) {
+  return __longlong_as_double((long long)(((unsigned long long)(unsigned)hi << 32) | (unsigned)lo));
+}
 
 // CUDA's float overloads in the global namespace (exp(float) is a float exp).
 using std::abs, std::exp, std::log, std::tanh, std::fabs, std::sqrt, std::fmax, std::fmin, std::pow;
-using std::floor, std::ceil, std::isinf, std::isnan, std::isfinite, std::log1p, std::expm1, std::exp2, std::log2;
+using std::fma, std::floor, std::ceil, std::isinf, std::isnan, std::isfinite, std::log1p, std::expm1, std::exp2, std::log2;
 
 // CUDA's unqualified min/max: the common type of the arguments (int, unsigned,
 // long long, ... and mixed signed/unsigned like CUDA's overloads); float and

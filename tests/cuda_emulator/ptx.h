@@ -118,7 +118,6 @@ template <int PENDING>
 inline void async_wait() {}
 
 inline float fast_exp2(float x) { return std::exp2(x); }
-inline double fast_exp2(double x) { return std::exp2(x); }
 
 #define load_matrices(r, row) \
   ::cuda_emulator::load_matrices_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, r, row, false)
