@@ -32,9 +32,11 @@ whether a change makes the kernels faster is for ``bench_gpu.py
 
 The tools come from NVIDIA's pip wheels (none of them a dependency of
 npattn): ``nvidia-cuda-nvrtc-cu12`` (libnvrtc), ``nvidia-cuda-nvcc-cu12``
-(ptxas) and ``nvidia-cuda-cuobjdump`` (cuobjdump), found in the Python
-path's ``nvidia`` packages or given by ``--nvrtc``, ``--ptxas`` and
-``--cuobjdump``. Without them it prints ``skipped: ...`` and exits with 0.
+(ptxas), ``nvidia-cuda-cuobjdump`` (cuobjdump) and ``nvidia-cuda-nvdisasm``
+(nvdisasm, which cuobjdump 13 runs to print machine code), found in the
+Python path's ``nvidia`` packages or given by ``--nvrtc``, ``--ptxas``,
+``--cuobjdump`` and ``--nvdisasm``. Without the first three it prints
+``skipped: ...`` and exits with 0.
 """
 
 from __future__ import annotations
@@ -83,10 +85,14 @@ def _find(pattern: str) -> str | None:
 
 
 class Tools:
-    """NVRTC through ctypes, ptxas and cuobjdump."""
+    """NVRTC through ctypes, ptxas and cuobjdump (which runs nvdisasm, found
+    on ``PATH``: ``nvdisasm``'s folder goes first there when given)."""
 
-    def __init__(self, nvrtc: str, ptxas: str, cuobjdump: str):
+    def __init__(self, nvrtc: str, ptxas: str, cuobjdump: str, nvdisasm: str | None = None):
         self.lib, self.ptxas, self.cuobjdump = ctypes.CDLL(nvrtc), ptxas, cuobjdump
+        self.environment = dict(os.environ)
+        if nvdisasm:
+            self.environment["PATH"] = os.pathsep.join((os.path.dirname(nvdisasm), os.environ.get("PATH", "")))
 
     def ptx(self, source: str, options: list[str]) -> str:
         lib, program, size = self.lib, ctypes.c_void_p(), ctypes.c_size_t()
@@ -114,7 +120,9 @@ class Tools:
         )
         if report.returncode:
             raise RuntimeError(f"ptxas failed:\n{report.stderr}")
-        listing = subprocess.run([self.cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True)
+        listing = subprocess.run([self.cuobjdump, "-sass", cubin], capture_output=True, text=True, env=self.environment)
+        if listing.returncode:
+            raise RuntimeError(f"cuobjdump failed:\n{listing.stderr}")
         return report.stderr, listing.stdout
 
 
@@ -155,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nvrtc", default=_find("libnvrtc.so*"), help="libnvrtc (default: the nvidia wheels')")
     parser.add_argument("--ptxas", default=_find("ptxas"), help="ptxas (default: the nvidia wheels')")
     parser.add_argument("--cuobjdump", default=_find("cuobjdump"), help="cuobjdump (default: the nvidia wheels')")
+    parser.add_argument(
+        "--nvdisasm", default=_find("nvdisasm"), help="nvdisasm, which cuobjdump runs (default: the nvidia wheels')"
+    )
     args = parser.parse_args(argv)
     if not 0 < args.head_dim <= fast_cupy.TENSOR_MAX_HEAD_DIM or args.head_dim % 16:
         parser.error(
@@ -164,10 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(
             f"skipped: no {', '.join(missing)} (pip install nvidia-cuda-nvrtc-cu12 nvidia-cuda-nvcc-cu12 "
-            "nvidia-cuda-cuobjdump, or give their paths)"
+            "nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm, or give their paths)"
         )
         return 0
-    tools = Tools(args.nvrtc, args.ptxas, args.cuobjdump)
+    tools = Tools(args.nvrtc, args.ptxas, args.cuobjdump, args.nvdisasm)
     H = args.head_dim
     print(
         f"tensor-core kernels, H=Hv={H}, sm_90: registers / spilled bytes (as shipped for plain scores, "
