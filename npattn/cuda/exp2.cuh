@@ -11,7 +11,7 @@
 // pair per entry, so that a warp's 32 lookups never conflict. The product
 // 2^(j/16) (1 + (2^r - 1)) is one fma, and 2^n is added to its exponent
 // field. Error: within 1.1 ulp (the table's and the fma's roundings, 0.5
-// ulp each; tests/test_cuda_emulator.py measures it); results below
+// ulp each; tests/test_fast_cupy.py measures it); results below
 // 2^-1022 (x < -1022) are flushed to 0, 2^x for x >= 1024 is inf, and NaN
 // stays NaN.
 //
