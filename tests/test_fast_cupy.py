@@ -422,11 +422,16 @@ def test_decoding_on_the_tensor_cores_in_one_warp_blocks():
     assert [threads for name, _, threads in backward if name.endswith("_tc")] == [128, 128]
 
 
+#: exp2.cuh's fast_exp2(double) of each of n entries (with PRECISION and
+#: PRECISION_F64 defined as ptx.cuh defines them), and its launch on the emulator.
+EXP2_DEFINES = {"PRECISION": "3", "PRECISION_F64": "3"}
 EXP2_KERNEL = r"""
 extern "C" __global__ void exp2_each(const double* x, double* y, long long n) {
   load_exp2_table();
   for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) y[i] = fast_exp2(x[i]);
 }
+"""
+EXP2_LAUNCH = r"""
 extern "C" void run_exp2(const double* x, double* y, long long n) {
   cuda_emulator::launch(dim3(3), dim3(64), [&] { exp2_each(x, y, n); });
 }
@@ -436,11 +441,42 @@ extern "C" void run_exp2(const double* x, double* y, long long n) {
 def _float64_exp2(x: np.ndarray) -> np.ndarray:
     """exp2.cuh's fast_exp2(double) of each entry, run by the emulator."""
     source = resources.files("npattn") / "cuda" / "exp2.cuh"
-    defines = {"PRECISION": "3", "PRECISION_F64": "3"}  # ptx.cuh's
-    library = build.build([str(source)], EXP2_KERNEL, defines, "exp2")
+    library = build.build([str(source)], EXP2_KERNEL + EXP2_LAUNCH, EXP2_DEFINES, "exp2")
     y = np.full_like(x, -1.0)
     library.run_exp2(ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(y.ctypes.data), ctypes.c_longlong(x.size))
     return y
+
+
+def _exp2_arguments() -> np.ndarray:
+    """Where fast_exp2(double) must be within an ulp: across its range, the
+    softmax's [-1, 0], and on both sides of each point where rint(16 x) turns."""
+    rng = np.random.default_rng(7)
+    sixteenths = np.arange(-1022 * 16, 1024 * 16) / 16.0
+    x = np.concatenate(
+        [
+            rng.uniform(-1022.0, 1024.0, 100_000),
+            rng.uniform(-1.0, 0.0, 50_000),  # the softmax's arguments: s - m <= 0
+            sixteenths[:-1],
+            sixteenths + 1 / 32,
+            np.nextafter(sixteenths + 1 / 32, -np.inf),
+            np.nextafter(sixteenths + 1 / 32, np.inf),
+            [-1022.0, 0.0, -0.0, 1e-300, -1e-300, 5e-324, np.nextafter(1024.0, 0.0)],
+        ]
+    )
+    return x[(x >= -1022.0) & (x < 1024.0)]
+
+
+#: Arguments past the range, and what fast_exp2(double) gives for them.
+EXP2_EDGES = (
+    np.array([-1022.0 - 2**-40, -1075.0, -1e10, -np.inf, 1024.0, 1e10, np.inf, np.nan]),
+    [0, 0, 0, 0, np.inf, np.inf, np.inf, np.nan],
+)
+
+
+def _ulps(y: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """|y - 2^x| in units in the last place of 2^x in float64 (2^x in long double)."""
+    exact = np.exp2(x.astype(np.longdouble))
+    return np.abs(y - exact) / np.spacing(exact.astype(np.float64))
 
 
 @emulated
@@ -450,26 +486,10 @@ def test_float64_exp2_within_an_ulp():
     polynomial) within 1.1 ulp of 2^x in long double wherever the result is
     a normal float64, at the table's boundaries and across the range; flushed
     to 0 below 2^-1022, inf from 2^1024, NaN for NaN."""
-    rng = np.random.default_rng(7)
-    sixteenths = np.arange(-1022 * 16, 1024 * 16) / 16.0
-    x = np.concatenate(
-        [
-            rng.uniform(-1022.0, 1024.0, 100_000),
-            rng.uniform(-1.0, 0.0, 50_000),  # the softmax's arguments: s - m <= 0
-            sixteenths[:-1],
-            sixteenths + 1 / 32,
-            np.nextafter(sixteenths + 1 / 32, -np.inf),  # where rint(16 x) turns
-            np.nextafter(sixteenths + 1 / 32, np.inf),
-            [-1022.0, 0.0, -0.0, 1e-300, -1e-300, 5e-324, np.nextafter(1024.0, 0.0)],
-        ]
-    )
-    x = x[(x >= -1022.0) & (x < 1024.0)]
-    y = _float64_exp2(x)
-    exact = np.exp2(x.astype(np.longdouble))
-    ulps = np.abs(y - exact) / np.spacing(exact.astype(np.float64))
+    x = _exp2_arguments()
+    ulps = _ulps(_float64_exp2(x), x)
     assert ulps.max() <= 1.1, (x[ulps.argmax()], ulps.max())
-    edges = np.array([-1022.0 - 2**-40, -1075.0, -1e10, -np.inf, 1024.0, 1e10, np.inf, np.nan])
-    np.testing.assert_array_equal(_float64_exp2(edges), [0, 0, 0, 0, np.inf, np.inf, np.inf, np.nan])
+    np.testing.assert_array_equal(_float64_exp2(EXP2_EDGES[0]), EXP2_EDGES[1])
 
 
 def test_float64_exp2_tables_are_correctly_rounded():
@@ -1285,6 +1305,33 @@ def test_gpu_kv_views_give_the_bits_of_copies(backend, dtype, H, T):
     for a, b in zip(in_place[1], copied[1]):
         if b is not None:
             assert np.array_equal(backend.to_numpy(a), backend.to_numpy(b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cupy"], indirect=True)
+@pytest.mark.skipif(np.finfo(np.longdouble).nmant < 63, reason="needs an 80-bit or wider long double as reference")
+def test_gpu_float64_exp2_within_an_ulp_and_the_emulators_bits(backend):
+    """On the GPU, the float64 kernels' 2^x (exp2.cuh) within 1.1 ulp, and,
+    where g++ builds the emulator, the emulator's bits: each of its steps
+    (fma, the table, integer arithmetic) is exact or IEEE-rounded on both,
+    so test_float64_exp2_within_an_ulp speaks for the GPU."""
+    import cupy
+
+    source = (resources.files("npattn") / "cuda" / "exp2.cuh").read_text()
+    defines = tuple(f"-D{name}={value}" for name, value in EXP2_DEFINES.items())
+    kernel = cupy.RawModule(code=source + EXP2_KERNEL, options=("--std=c++17", *defines)).get_function("exp2_each")
+    for x, expected in ((_exp2_arguments(), None), EXP2_EDGES):
+        on_device = cupy.asarray(x)
+        y = cupy.full_like(on_device, -1.0)
+        kernel((256,), (64,), (on_device, y, np.int64(x.size)))
+        y = cupy.asnumpy(y)
+        if expected is None:
+            ulps = _ulps(y, x)
+            assert ulps.max() <= 1.1, (x[ulps.argmax()], ulps.max())
+        else:
+            np.testing.assert_array_equal(y, expected)
+        if build.available():
+            np.testing.assert_array_equal(y, _float64_exp2(x))  # NaN as NaN, whatever its payload
 
 
 class _HostBackend:
