@@ -138,6 +138,32 @@ def test_shfl_xor_butterfly(tmp_path, width):
         np.testing.assert_array_equal(out[6], np.repeat(x.reshape(-1, 4).sum(axis=1, dtype=dtype), 4))
 
 
+ANY = r"""
+extern "C" __global__ void any_lane(const int* flags, int* out, unsigned mask) {
+    out[threadIdx.x] = __any_sync(mask, flags[threadIdx.x]);
+}
+"""
+ANY_WRAPPER = r"""
+extern "C" void run_any(const int* flags, int* out, unsigned mask) {
+    cuda_emulator::launch(dim3(1), dim3(128), [&] { any_lane(flags, out, mask); });
+}
+"""
+
+
+def test_any_sync_votes_per_warp(tmp_path):
+    """__any_sync: each lane learns whether any lane of its own warp holds a
+    nonzero flag."""
+    lib = _build(tmp_path, ANY, ANY_WRAPPER, "any")
+    flags = np.zeros(128, np.int32)
+    flags[[5, 70, 71]] = [1, 3, 1]  # warps 0 and 2; warps 1 and 3 have none
+    out = np.full(128, -1, np.int32)
+    lib.run_any(_ptr(flags), _ptr(out), ctypes.c_uint(0xFFFFFFFF))
+    np.testing.assert_array_equal(out, np.repeat([1, 0, 1, 0], 32))
+    flags[:] = 0
+    lib.run_any(_ptr(flags), _ptr(out), ctypes.c_uint(0xFFFFFFFF))
+    np.testing.assert_array_equal(out, 0)
+
+
 INDICES = r"""
 extern "C" __global__ void indices(int* ids, int* coords) {
     const int tid = threadIdx.x + threadIdx.y * blockDim.x + threadIdx.z * blockDim.x * blockDim.y;

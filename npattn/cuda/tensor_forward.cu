@@ -102,20 +102,27 @@ extern "C" __global__ void TC_FORWARD_BOUNDS
           tile_max[i] = larger(tile_max[i], s[nb][e]);
         }
     }
+    scalar_t new_m[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) new_m[i] = larger(m[i], group_max(tile_max[i]));
+    // A row whose maximum stayed has alpha = 2^0 = 1: a warp whose rows all kept theirs (most
+    // tiles, once a row has seen a few) skips the rescaling, with the same bits.
+    if (__any_sync(0xffffffffu, new_m[0] > m[0] || new_m[1] > m[1])) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const scalar_t alpha = new_m[i] == minus_inf ? (scalar_t)1 : fast_exp2(m[i] - new_m[i]);  // 0 while m = -inf
+        l[i] *= alpha;
+#pragma unroll
+        for (int nd = 0; nd < VALUE_DIM / 8; ++nd) {
+          acc[nd][2 * i] *= alpha;
+          acc[nd][2 * i + 1] *= alpha;
+        }
+        m[i] = new_m[i];
+      }
+    }
     scalar_t reference[2];  // m, or 0 while no key is seen (so that -inf - m is not NaN)
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const scalar_t new_m = larger(m[i], group_max(tile_max[i]));
-      const scalar_t alpha = new_m == minus_inf ? (scalar_t)1 : fast_exp2(m[i] - new_m);  // 0 while m = -inf
-      l[i] *= alpha;
-#pragma unroll
-      for (int nd = 0; nd < VALUE_DIM / 8; ++nd) {
-        acc[nd][2 * i] *= alpha;
-        acc[nd][2 * i + 1] *= alpha;
-      }
-      m[i] = new_m;
-      reference[i] = new_m == minus_inf ? (scalar_t)0 : new_m;
-    }
+    for (int i = 0; i < 2; ++i) reference[i] = m[i] == minus_inf ? (scalar_t)0 : m[i];
 #pragma unroll
     for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll

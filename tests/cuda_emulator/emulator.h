@@ -19,9 +19,10 @@
 //   barrier, or two threads waiting at different call sites, abort.
 // - `__shfl_xor_sync` is a block-wide exchange (a staging buffer and two
 //   barriers), so every thread of the block, not only of the warp, must call
-//   it; so is `warp_gather` (every lane's value to every lane of its warp:
-//   what ptx.h's warp-wide instructions, mma.sync and ldmatrix, are built on). Reading a lane outside `mask`, or a lane past the end of a partial
-//   last warp, aborts.
+//   it; so are `__any_sync` and `warp_gather` (every lane's value to every
+//   lane of its warp: what `__any_sync` and ptx.h's warp-wide instructions,
+//   mma.sync and ldmatrix, are built on). Reading a lane outside `mask`, or
+//   a lane past the end of a partial last warp, aborts.
 // - No warp-synchronous programming without barriers: threads run one after
 //   the other between barriers.
 // - `extern __shared__ T name[];` (dynamic shared memory) needs the source
@@ -329,6 +330,19 @@ inline void warp_gather(Site site, const T& mine, T* all) {
   barrier(site, Kind::gather_read);
 }
 
+// __any_sync: whether `predicate` is nonzero on any lane of the caller's warp
+// in `mask`. A block-wide exchange like __shfl_xor_sync (every thread of the
+// block calls it at the same site; the warps whole).
+inline int any_sync(Site site, unsigned mask, int predicate) {
+  int all[32];
+  warp_gather(site, predicate, all);
+  const unsigned lane = current_launch("__any_sync()").current % 32;
+  if (((mask >> lane) & 1u) == 0) fail("__any_sync at %s:%d: lane %u is not in the mask 0x%08x", site.file, site.line, lane, mask);
+  for (unsigned i = 0; i < 32; ++i)
+    if (((mask >> i) & 1u) != 0 && all[i] != 0) return 1;
+  return 0;
+}
+
 #define CUDA_EMULATOR_SHFL_XOR(T)                                                                   \
   inline T shfl_xor_sync(Site site, unsigned mask, T value, int lane_mask, int width = warpSize) { \
     return shfl_xor<T>(site, mask, value, lane_mask, width);                                      \
@@ -367,6 +381,7 @@ T* dynamic_shared() {
   ::cuda_emulator::detail::barrier(::cuda_emulator::detail::Site{__FILE__, __LINE__}, ::cuda_emulator::detail::Kind::syncthreads)
 #define __shfl_xor_sync(...) \
   ::cuda_emulator::detail::shfl_xor_sync(::cuda_emulator::detail::Site{__FILE__, __LINE__}, __VA_ARGS__)
+#define __any_sync(...) ::cuda_emulator::detail::any_sync(::cuda_emulator::detail::Site{__FILE__, __LINE__}, __VA_ARGS__)
 
 // ------------------------------------------------------- device math helpers
 struct __attribute__((aligned(16))) float4 {
