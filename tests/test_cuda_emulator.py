@@ -1,5 +1,5 @@
-"""The CPU emulator of CUDA kernels (tests/cuda_emulator): barriers, warp shuffles, indices, dynamic
-shared memory, and that divergent barriers abort instead of hanging."""
+"""The CPU emulator of CUDA kernels (tests/cuda_emulator): barriers, warp shuffles and votes, indices,
+dynamic shared memory, and that divergent barriers abort instead of hanging."""
 
 from __future__ import annotations
 

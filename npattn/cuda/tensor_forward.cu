@@ -106,7 +106,7 @@ extern "C" __global__ void TC_FORWARD_BOUNDS
 #pragma unroll
     for (int i = 0; i < 2; ++i) new_m[i] = larger(m[i], group_max(tile_max[i]));
     // A row whose maximum stayed has alpha = 2^0 = 1: a warp whose rows all kept theirs (most
-    // tiles, once a row has seen a few) skips the rescaling, with the same bits.
+    // tiles, once the rows have seen a few) skips the rescaling, with the same bits.
     if (__any_sync(0xffffffffu, new_m[0] > m[0] || new_m[1] > m[1])) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
