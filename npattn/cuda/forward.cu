@@ -81,7 +81,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
           const long long j = tile + c0 + c;
           scalar_t capped_tanh;
           s[t][c] = (j < end && visible(pb, rows[t], b, j)) ? score(pb, rows[t], j, s[t][c], capped_tanh) : minus_inf;
-          chunk_max = max(chunk_max, s[t][c]);
+          chunk_max = larger(chunk_max, s[t][c]);
         }
         if (chunk_max > m[t]) {  // FlashAttention-2's rescale
           const scalar_t alpha = fn_exp(m[t] - chunk_max);  // 0 while m = -inf
