@@ -5,6 +5,7 @@
     python benchmarks/bench_gpu.py --targets  # issue 18's table: the fused CuPy path against torch
     python benchmarks/bench_gpu.py --count-memory  # the fused path's arrays, counted on the CPU
     python benchmarks/bench_gpu.py --kernels  # where the fused path's time goes, kernel by kernel
+    python benchmarks/bench_gpu.py --kernels --base HEAD~3  # each kernel against a revision's, interleaved
     python benchmarks/bench_gpu.py --tiles    # each tensor-core kernel at each tile size
     python benchmarks/bench_gpu.py --auto     # the fused path against the dense one at small sizes
     python benchmarks/bench_gpu.py --cache    # a decode step on a preallocated KV cache's views
@@ -75,7 +76,11 @@ whole call's wall time (synchronized before and after, as ``--targets``
 measures it), and the host's share: the wall time of ``DECODE_REPEATS``
 calls issued back to back without synchronizing, per call, against the
 host's own time to issue them (which the device time hides only where it
-is the longer).
+is the longer). With ``--base REV``, that git revision of npattn (or a
+folder with a copy of the package, ``worktree`` for the files on disk)
+runs beside, call by call in turn on the same arrays, and each kernel's
+best device ms is printed for both with their ratio: a kernel change's
+effect, measured on one machine in one process.
 
 ``--tiles`` times each tensor-core kernel (forward, dQ, dK/dV) at each
 tile size of ``TILE_SIZES`` whose two tiles fit its shared memory
@@ -356,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--auto", action="store_true", help="the fused path against the dense one at small sizes")
     parser.add_argument("--cache", action="store_true", help="a decode step on a preallocated KV cache's views")
     parser.add_argument("--host-time", action="store_true", help="npattn's Python per decode call, on the CPU")
-    parser.add_argument("--base", help="with --host-time: a git revision (or folder, or 'worktree') of npattn beside")
+    parser.add_argument(
+        "--base", help="with --host-time or --kernels: a git revision (or folder, or 'worktree') of npattn beside"
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -367,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         if d not in ("float32", "float16", "bfloat16"):
             parser.error(f"--dtypes: unknown dtype {d!r} (choose from float32, float16, bfloat16)")
 
-    if args.base is not None and not args.host_time:
-        parser.error("--base goes with --host-time")
+    if args.base is not None and not (args.host_time or args.kernels):
+        parser.error("--base goes with --host-time or --kernels")
     if args.count_memory:
         return count_memory(args.lengths or [16384])
     if args.host_time:
@@ -381,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.targets:
         return targets(cp, torch, why_no_torch, args.repeats)
     if args.kernels:
+        if args.base is not None:
+            return kernels_against(cp, _load_base(args.base), args.base, args.repeats)
         return kernels(cp, args.repeats)
     if args.tiles:
         return tiles(cp, args.repeats)
@@ -653,10 +662,20 @@ def _best_call_us(calls: dict, runtimes: dict, rounds: int) -> dict:
     return best
 
 
+def _workload_helpers() -> dict:
+    """``bench_workloads.py``'s functions (``load_base``, ``cpu_model``)."""
+    return runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_workloads.py"))
+
+
+def _load_base(revision: str):
+    """npattn at ``revision`` (a git revision, a folder or ``worktree``) as ``npattn_base``."""
+    return _workload_helpers()["load_base"](revision)
+
+
 def host_time(base: str | None, rounds: int) -> int:
     """Print npattn's Python per decode call on the fused path (see the module's docstring)."""
-    helpers = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_workloads.py"))
-    packages = {"now": npattn} | ({"base": helpers["load_base"](base)} if base else {})
+    helpers = _workload_helpers()
+    packages = {"now": npattn} | ({"base": _load_base(base)} if base else {})
     print(f"npattn's Python per call on the fused CuPy path, on the CPU ({helpers['cpu_model']()}; kernels not run)")
     print(
         f"float16, N=32 on K=8, H=128; best of {rounds} rounds of {HOST_CALLS} calls"
@@ -709,12 +728,13 @@ class _Problem:
             self.tensors = [torch.tensor(a, device="cuda").to(getattr(torch, dtype)) for a in host]
         self.options = dict(causal=causal, align="bottom_right" if causal and T != S else None)
 
-    def npattn(self, backward: bool, settings: dict[str, str] | None = None, impl: str = "chunked"):
+    def npattn(self, backward: bool, settings: dict[str, str] | None = None, impl: str = "chunked", package=npattn):
+        """One call of ``package``'s (this npattn's, or ``--base``'s)."""
         q, k, v, dout = self.arrays
         with _environment(settings or {}):
-            out, res = attention_forward(q, k, v, impl=impl, **self.options)
+            out, res = package.attention_forward(q, k, v, impl=impl, **self.options)
             if backward:
-                attention_backward(dout, res)
+                package.attention_backward(dout, res)
         return out
 
     def sdpa(self, backward: bool):
@@ -951,6 +971,39 @@ def kernels(cp, repeats: int) -> int:
         for label, arguments, backward in _kernel_rows():
             print(label)
             _kernel_row(cp, timed, _Problem(cp, None, *arguments), arguments, backward, repeats)
+            _free_pools(cp, None)
+    return 0
+
+
+def kernels_against(cp, base, label: str, repeats: int) -> int:
+    """Print each kernel's device ms against those of ``base``, another
+    npattn package (``label``'s: see the module's docstring)."""
+    packages = {"now": npattn, "base": base}
+    print(
+        f"npattn fused CuPy path on {_device_name(cp)}, against {label}: device ms per kernel (CUDA events), "
+        f"best of {repeats} calls each, the two in turn"
+    )
+    with contextlib.ExitStack() as stack:
+        timed = {}
+        for name, package in packages.items():
+            timed[name] = _TimedLaunches(cp, package.fast_cupy._CUPY_RUNTIME)
+            stack.enter_context(mock.patch.object(package.fast_cupy, "_CUPY_RUNTIME", timed[name]))
+        for label, arguments, backward in _kernel_rows():
+            problem = _Problem(cp, None, *arguments)
+            best: dict[str, dict[str, float]] = {name: {} for name in packages}
+            for package in packages.values():  # compiles
+                problem.npattn(backward, package=package)
+            for round_ in range(repeats):
+                for name in packages if round_ % 2 == 0 else reversed(packages):
+                    timed[name].kernel_ms()
+                    problem.npattn(backward, package=packages[name])
+                    for kernel, ms in timed[name].kernel_ms().items():
+                        best[name][kernel] = min(best[name].get(kernel, float("inf")), ms)
+            print(f"{label}: {'now ms':>9} {'base ms':>9} {'now/base':>9}")
+            for kernel in dict.fromkeys([*best["now"], *best["base"]]):  # in launch order
+                now, then = best["now"].get(kernel, float("nan")), best["base"].get(kernel, float("nan"))
+                print(f"  {kernel:<26} {now:9.3f} {then:9.3f} {now / then:9.3f}", flush=True)
+            del problem
             _free_pools(cp, None)
     return 0
 

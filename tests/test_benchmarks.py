@@ -205,7 +205,7 @@ def test_gpu_benchmark_times_the_decode_steps_python_without_a_gpu(capsys, monke
             now_launch / base_launch, abs=1e-3
         )
     assert _run_script("bench_gpu.py", ["--base", "HEAD"]) == 2
-    assert "--base goes with --host-time" in capsys.readouterr().err
+    assert "--base goes with --host-time or --kernels" in capsys.readouterr().err
 
 
 class _FakeEvent:
@@ -285,6 +285,32 @@ def test_gpu_benchmark_kernel_breakdown_runs_its_python_side(capsys, monkeypatch
     # each launch spans one fake "ms"; 2 flops a multiply-add, B N T S H of them a product, halved by causal
     rates = [float(line.split()[3]) for line in out.splitlines() if line.endswith("TFLOP/s")]
     assert rates == pytest.approx([2 * products * 8 * 4096**2 * 16 / 2 / 1e9 for products in (2, 3, 4)], abs=0.06)
+
+
+def test_gpu_benchmark_kernels_against_a_base_time_both_in_turn(capsys, monkeypatch):
+    """``bench_gpu.py --kernels --base worktree``'s own code on NumPy in
+    CuPy's place, kernels not run: each kernel of each package timed by its
+    own events, both packages' rows printed with their ratio."""
+    import numpy as np
+
+    bench_gpu, cp = _fake_gpu_bench(monkeypatch)
+    base = bench_gpu._load_base("worktree")
+    monkeypatch.setattr(base.fast_numpy, "supports", lambda spec: False)
+    monkeypatch.setattr(base.fast_cupy, "supports", base.fast_cupy._kernels_take)
+    monkeypatch.setattr(base.fast_cupy, "_CUPY_RUNTIME", bench_gpu._NoKernels())
+    rows = [("float32 full", ("float32", 1, 2, 2, 256, 256, 16, False), True)]
+    monkeypatch.setattr(bench_gpu, "_kernel_rows", lambda: rows)
+    with np.errstate(all="ignore"):
+        assert bench_gpu.kernels_against(cp, base, "worktree", repeats=2) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  npattn_")]
+    assert [line[0] for line in lines] == [
+        "npattn_forward_tc",
+        "npattn_backward_d",
+        "npattn_backward_dq_tc",
+        "npattn_backward_dkdv_tc",
+    ]
+    for _, now, then, ratio in lines:  # each launch spans one fake "ms": its own two events
+        assert float(now) == float(then) == 1.0 and float(ratio) == 1.0
 
 
 def test_gpu_benchmark_auto_rows_time_both_paths_and_say_which_auto_takes(capsys, monkeypatch):
