@@ -610,13 +610,22 @@ def tensor_min_blocks(spec: AttentionSpec, precision: str) -> int:
 TENSOR_ROW_BYTES = {"f16": 40 + 8 + 8, "tf32x3": 40 + 8 + 8, "f64": 48 + 16 + 8}
 
 
+def _tile_stride(width: int, precision: str) -> int:
+    """Entries between rows of a tile in shared memory (``tile_stride``,
+    ``operands.cuh``): ``width``, padded by 16 bytes unless float64's
+    swizzled layout takes it (``width`` a multiple of 16)."""
+    if precision == "f64" and width % 16 == 0:
+        return width
+    return width + 16 // TENSOR_PRECISIONS[precision][1]
+
+
 def _two_tiles_fit(spec: AttentionSpec, precision: str, tile: int, backward: bool) -> bool:
     """Whether two tiles (``TC_STAGES``, ``tensor_tiles.cuh``) fit CUDA's 48
     KiB of static shared memory: a key and a value tile of padded rows in
     the forward; in the backward, the largest kernel's, dK/dV's: a query and
     a ``dO`` tile, with :data:`TENSOR_ROW_BYTES` per query row."""
     item = TENSOR_PRECISIONS[precision][1]
-    padded = spec.head_dim + spec.value_dim + 2 * 16 // item  # STRIDE(H) + STRIDE(Hv), operands.cuh
+    padded = _tile_stride(spec.head_dim, precision) + _tile_stride(spec.value_dim, precision)
     per_stage = tile * (padded * item + (TENSOR_ROW_BYTES[precision] if backward else 0))
     return 2 * per_stage <= 48 * 1024 - 256  # 256: the block's key span (16 bytes a warp), exp2.cuh's table
 

@@ -514,6 +514,106 @@ def test_float64_exp2_tables_are_correctly_rounded():
     assert table("EXP2_TAYLOR") == taylor
 
 
+#: A warp's reads of one float64 tile (operands.cuh): the tile copied in by
+#: load_rows (cp.async), its shared memory written out as it lies, and each
+#: lane's B operands from b_pair_from_rows (every k0) and b_from_columns
+#: (every k0, n0), with TILE_WIDTH and the tensor kernels' definitions.
+TILE_READS_KERNEL = r"""
+extern "C" __global__ void tile_reads(const tile_t* matrix, tile_t* layout, tile_t* rows, tile_t* columns) {
+  __shared__ __align__(16) tile_t tile[16 * tile_stride<TILE_WIDTH>];
+  for (int i = threadIdx.x; i < 16 * tile_stride<TILE_WIDTH>; i += 32) tile[i] = -1;  // padding
+  __syncthreads();
+  load_rows<TILE_WIDTH, 16, 32>(tile, matrix, 0, 16);
+  async_commit();
+  async_wait<0>();
+  __syncthreads();
+  for (int i = threadIdx.x; i < 16 * tile_stride<TILE_WIDTH>; i += 32) layout[i] = tile[i];
+  const int lane = threadIdx.x;
+  for (int k0 = 0; k0 < TILE_WIDTH; k0 += 8) {  // rows (k0, m, lane, 2)
+    FragB b[2];
+    b_pair_from_rows<TILE_WIDTH>(b, tile, 0, k0, lane);
+    for (int m = 0; m < 2; ++m)
+      for (int e = 0; e < 2; ++e) rows[((k0 / 8 * 2 + m) * 32 + lane) * 2 + e] = b[m].r[e];
+  }
+  for (int k0 = 0; k0 < 16; k0 += 8)  // columns (k0, n0, lane, 2)
+    for (int n0 = 0; n0 < TILE_WIDTH; n0 += 8) {
+      const FragB b = b_from_columns<TILE_WIDTH>(tile, k0, n0, lane);
+      for (int e = 0; e < 2; ++e) columns[(((k0 / 8) * (TILE_WIDTH / 8) + n0 / 8) * 32 + lane) * 2 + e] = b.r[e];
+    }
+}
+"""
+TILE_READS_LAUNCH = r"""
+extern "C" void run_tile_reads(const tile_t* matrix, tile_t* layout, tile_t* rows, tile_t* columns) {
+  cuda_emulator::launch(dim3(1), dim3(32), [&] { tile_reads(matrix, layout, rows, columns); });
+}
+"""
+
+
+def _tile_reads(width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """TILE_READS_KERNEL on the emulator for a (16, width) float64 tile whose
+    entry (r, c) is 1000 r + c: (the tile's shared memory, b_pair_from_rows'
+    entries (k0 / 8, m, lane, 2), b_from_columns' (k0 / 8, n0 / 8, lane, 2))."""
+    x = np.zeros((1, 1, 16, width))
+    defines = dict(fast_cupy._tensor_defines(make_spec(x, x, x), "f64", backward=False), TILE_WIDTH=str(width))
+    folder = resources.files("npattn") / "cuda"
+    sources = [EMULATED.get(name, str(folder / name)) for name in fast_cupy._TENSOR_SOURCES]
+    library = build.build(sources, TILE_READS_KERNEL + TILE_READS_LAUNCH, defines, f"tile_reads_{width}")
+    matrix = 1000.0 * np.arange(16)[:, None] + np.arange(width)
+    layout = np.zeros(16 * fast_cupy._tile_stride(width, "f64"))
+    rows, columns = np.zeros((width // 8, 2, 32, 2)), np.zeros((2, width // 8, 32, 2))
+    library.run_tile_reads(*(ctypes.c_void_p(a.ctypes.data) for a in (matrix, layout, rows, columns)))
+    return layout, rows, columns
+
+
+def _passes(layout: np.ndarray, entries: np.ndarray, lanes_a_pass: int) -> int:
+    """Passes of shared memory (32 banks of 4 bytes) a warp's load of
+    `entries` (lane, entries a lane: adjacent float64s, 8 or 16 bytes) takes,
+    its lanes served `lanes_a_pass` at a time (16 for 8-byte loads, 8 for
+    16-byte ones): in each group, the most distinct words any one bank
+    holds."""
+    where = {code: index for index, code in enumerate(layout)}
+    passes = 0
+    for group in entries.reshape(-1, lanes_a_pass, entries.shape[-1]):
+        words = {2 * where[code] + half for code in group.ravel() for half in (0, 1)}
+        passes += max(np.bincount([w % 32 for w in words], minlength=32))
+    return passes
+
+
+@emulated
+@pytest.mark.parametrize("width", [64, 48, 24])
+def test_float64_tiles_read_without_bank_conflicts(width):
+    """operands.cuh's float64 tile layout: each lane's B operands are the
+    entries the mma's fragment layout asks for (rows: entries k0 + 2t and
+    k0 + 2t + 1 of row n0 + 8m + g, a_from_rows' order, adjacent in shared
+    memory; columns: entry n0 + g of rows k0 + 2t and k0 + 2t + 1), and
+    where the width is a multiple of 16 (swizzled) every load takes the
+    fewest passes of shared memory: a 16-byte load one for each of its 4
+    quarter-warps, an 8-byte load one for each of its 2 half-warps. Other
+    widths, padded, are read right, b_pair_from_rows in more passes."""
+    layout, rows, columns = _tile_reads(width)
+    lane = np.arange(32)
+    g, t = lane // 4, lane % 4
+    for k in range(width // 8):
+        for m in range(2):
+            expected = np.stack([1000.0 * (8 * m + g) + 8 * k + 2 * t, 1000.0 * (8 * m + g) + 8 * k + 2 * t + 1], -1)
+            np.testing.assert_array_equal(rows[k, m], expected)
+    for k in range(2):
+        for n in range(width // 8):
+            expected = np.stack([1000.0 * (8 * k + 2 * t + e) + 8 * n + g for e in (0, 1)], -1)
+            np.testing.assert_array_equal(columns[k, n], expected)
+    where = {code: index for index, code in enumerate(layout)}
+    assert all(where[a] % 2 == 0 and where[b] == where[a] + 1 for a, b in rows.reshape(-1, 2))  # 16-byte loads
+    row_passes = [_passes(layout, rows[k, m], 8) for k in range(width // 8) for m in range(2)]
+    column_passes = [  # b.r[0] and b.r[1]: a load each
+        _passes(layout, columns[k, n, :, e : e + 1], 16) for k in range(2) for n in range(width // 8) for e in range(2)
+    ]
+    if width % 16 == 0:
+        assert row_passes == [4] * len(row_passes)
+        assert column_passes == [2] * len(column_passes)
+    else:
+        assert max(row_passes) > 4
+
+
 class _Device:
     """A CuPy device's ``compute_capability`` and nothing else."""
 

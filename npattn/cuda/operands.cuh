@@ -40,10 +40,59 @@ struct FragB {
 #error "PRECISION must be PRECISION_F16, PRECISION_TF32X3 or PRECISION_F64"
 #endif
 
-// Row stride of a tile of WIDTH entries in shared memory: 16 bytes of padding,
-// so that the lanes of a warp read different banks in both b_pair_from_rows
-// and b_pair_from_columns.
-#define STRIDE(WIDTH) ((WIDTH) + 16 / (int)sizeof(tile_t))
+// The layout of a tile of WIDTH entries a row in shared memory: entry (row,
+// col) at row * tile_stride<WIDTH> + (col ^ tile_swizzle<WIDTH>(row)).
+//
+// - float16 and float32: rows padded by 16 bytes, so that the lanes of a
+//   warp read different banks in both b_pair_from_rows (ldmatrix's 8 rows
+//   of 16 bytes) and b_pair_from_columns;
+// - float64, WIDTH a multiple of 16 (swizzled_tile): rows unpadded, row r's
+//   16-byte pieces permuted by an XOR of the column with tile_swizzle(r) =
+//   0, 8, 4, 12, 8, 0, 12, 4 for r % 8 = 0 .. 7 (as CUTLASS swizzles its
+//   shared-memory layouts). b_pair_from_rows' 16-byte loads then take one
+//   pass of the 32 banks for each quarter-warp (rows g and g + 1 in
+//   opposite halves of the banks), b_from_columns' 8-byte loads one for
+//   each half-warp (rows k0 + 2t + e, t = 0 .. 3, in different quarters):
+//   the fewest (tests/test_fast_cupy.py counts them). No padding does both,
+//   the first needing rows 64 bytes apart modulo 128 and the second 16 or
+//   48 modulo 64; with 16-byte padding, b_pair_from_rows' 8-byte loads
+//   took two passes for each half-warp;
+// - float64, other widths: padded by 16 bytes as float16 and float32 are
+//   (b_pair_from_rows' loads then share banks).
+//
+// The cp.async copies (Pieces) move 16-byte pieces, which the XOR (a
+// multiple of 4 entries) keeps whole.
+template <int WIDTH>
+constexpr bool swizzled_tile = PRECISION == PRECISION_F64 && WIDTH % 16 == 0;
+
+template <int WIDTH>
+constexpr int tile_stride = swizzled_tile<WIDTH> ? WIDTH : WIDTH + 16 / (int)sizeof(tile_t);
+
+template <int WIDTH>
+__device__ __forceinline__ int tile_swizzle(int row) {
+  if constexpr (swizzled_tile<WIDTH>)
+    return ((row & 6) << 1) ^ ((row & 1) << 3);
+  else
+    return 0;
+}
+
+// Entries c0 + x of row r of a tile (c0 a multiple of 8 known at compile
+// time, x < 8 a lane's): (c0 + x) ^ tile_swizzle(r) = (c0 & ~15) +
+// ((8 h + x) ^ tile_swizzle(r)) with h = c0 / 8 % 2, read through one of
+// two pointers worked out once, so that each load addresses a register plus
+// a constant.
+template <int WIDTH>
+struct SwizzledRow {
+  const tile_t* at[2];  // entries x and 8 + x, swizzled
+  __device__ __forceinline__ SwizzledRow(const tile_t* row, int r, int x)
+      : at{row + (x ^ tile_swizzle<WIDTH>(r)), row + ((8 + x) ^ tile_swizzle<WIDTH>(r))} {}
+  // Entry c0 + x of this row, or of the row `rows` below it whose swizzle
+  // differs from this one's by 8 * flip (whose entry c0 + x lies where this
+  // row's (c0 ^ 8 flip) + x does).
+  __device__ __forceinline__ const tile_t* entry(int c0, int rows = 0, int flip = 0) const {
+    return at[(c0 / 8 + flip) % 2] + rows * tile_stride<WIDTH> + (c0 & ~15);
+  }
+};
 
 // x = big + small as the tensor cores read them (TensorFloat-32: the top 19
 // bits of each, the rest truncated), both rounded to nearest by half a TF32
@@ -94,10 +143,14 @@ __device__ __forceinline__ void a_from_rows(FragA (&a)[WIDTH / KSTEP], const til
       a[ks].r[e] = row ? *reinterpret_cast<const unsigned*>(row + k0 + 2 * t + 8 * (e / 2)) : 0u;
     }
 #else
-    a[ks].r[0] = upper ? upper[k0 + t] : (scalar_t)0;
-    a[ks].r[1] = lower ? lower[k0 + t] : (scalar_t)0;
-    a[ks].r[2] = upper ? upper[k0 + t + 4] : (scalar_t)0;
-    a[ks].r[3] = lower ? lower[k0 + t + 4] : (scalar_t)0;
+    // float64: column t of the fragment is entry k0 + 2t, column t + 4 entry
+    // k0 + 2t + 1, as b_pair_from_rows reads B's (a 16-byte load a lane)
+    const int first = PRECISION == PRECISION_F64 ? k0 + 2 * t : k0 + t;
+    const int second = PRECISION == PRECISION_F64 ? first + 1 : first + 4;
+    a[ks].r[0] = upper ? upper[first] : (scalar_t)0;
+    a[ks].r[1] = lower ? lower[first] : (scalar_t)0;
+    a[ks].r[2] = upper ? upper[second] : (scalar_t)0;
+    a[ks].r[3] = lower ? lower[second] : (scalar_t)0;
 #endif
   }
 }
@@ -124,19 +177,21 @@ __device__ __forceinline__ FragA a_from_scores(const scalar_t (*c)[4]) {
 // transpose of 16 rows of a tile (keys as the columns of K^T in Q K^T), by
 // one ldmatrix.x4 (ptx.cuh): lanes 16m .. 16m + 15 address rows n0 + 8m ..;
 // in float16 their matrices are columns k0 .. and k0 + 8 ..; in float32
-// (two 16-bit halves an entry) columns k0 .. and k0 + 4 ..; in float64
-// entry by entry (b[m].r[0] = b[m][t][g], b[m].r[1] = b[m][t + 4][g]).
-__device__ __forceinline__ void b_pair_from_rows(FragB (&b)[2], const tile_t* tile, int stride, int n0, int k0,
-                                                 int lane) {
+// (two 16-bit halves an entry) columns k0 .. and k0 + 4 ..; in float64 one
+// 16-byte load a lane, columns k0 + 2t and k0 + 2t + 1 of row n0 + 8m + g
+// as B's rows t and t + 4 (b[m].r[0], b[m].r[1]), a_from_rows' order.
+template <int WIDTH>
+__device__ __forceinline__ void b_pair_from_rows(FragB (&b)[2], const tile_t* tile, int n0, int k0, int lane) {
 #if PRECISION == PRECISION_F64
+  const SwizzledRow<WIDTH> row(tile + (lane / 4) * tile_stride<WIDTH>, lane / 4, 2 * (lane % 4));  // row g's swizzle: n0 + 8m's
 #pragma unroll
   for (int m = 0; m < 2; ++m) {
-    const tile_t* entries = tile + (n0 + 8 * m + lane / 4) * stride + k0 + lane % 4;
-    b[m].r[0] = entries[0];
-    b[m].r[1] = entries[4];
+    const double2 pair = *reinterpret_cast<const double2*>(row.entry(k0, n0 + 8 * m));
+    b[m].r[0] = pair.x;
+    b[m].r[1] = pair.y;
   }
 #else
-  const int entry = (n0 + lane / 16 * 8 + lane % 8) * stride + k0 + lane / 8 % 2 * (KSTEP / 2);
+  const int entry = (n0 + lane / 16 * 8 + lane % 8) * tile_stride<WIDTH> + k0 + lane / 8 % 2 * (KSTEP / 2);
   unsigned bits[4];
   load_matrices(bits, shared_address(tile) + entry * (int)sizeof(tile_t));
 #pragma unroll
@@ -156,11 +211,19 @@ __device__ __forceinline__ void b_pair_from_rows(FragB (&b)[2], const tile_t* ti
 // B[k][n] = tile[k0 + k][n0 + n]: 8 columns of a tile (V in P V), rows in
 // the order a_from_scores gives the keys, entry by entry (float32, float64;
 // float16 takes them in pairs, its widths being multiples of 16).
-__device__ __forceinline__ FragB b_from_columns(const tile_t* tile, int stride, int k0, int n0, int lane) {
+template <int WIDTH>
+__device__ __forceinline__ FragB b_from_columns(const tile_t* tile, int k0, int n0, int lane) {
   FragB b;
-  const tile_t* column = tile + k0 * stride + n0 + lane / 4;
-  b.r[0] = column[(2 * (lane % 4)) * stride];
-  b.r[1] = column[(2 * (lane % 4) + 1) * stride];
+  if constexpr (swizzled_tile<WIDTH>) {
+    // rows k0 + 2t and k0 + 2t + 1: 2t's swizzle and 2t + 1's differ by 8
+    const SwizzledRow<WIDTH> row(tile + 2 * (lane % 4) * tile_stride<WIDTH>, 2 * (lane % 4), lane / 4);
+    b.r[0] = *row.entry(n0, k0);
+    b.r[1] = *row.entry(n0, k0 + 1, 1);
+  } else {
+    const tile_t* column = tile + k0 * tile_stride<WIDTH> + n0 + lane / 4;
+    b.r[0] = column[(2 * (lane % 4)) * tile_stride<WIDTH>];
+    b.r[1] = column[(2 * (lane % 4) + 1) * tile_stride<WIDTH>];
+  }
   return b;
 }
 #endif
@@ -169,10 +232,10 @@ __device__ __forceinline__ FragB b_from_columns(const tile_t* tile, int stride, 
 // in float16 by one ldmatrix.x4.trans, whose matrices are rows k0 .. and
 // k0 + 8 .. of each (lanes 16m .. 16m + 15 address rows k0 .. k0 + 15 at
 // column n0 + 8m).
-__device__ __forceinline__ void b_pair_from_columns(FragB (&b)[2], const tile_t* tile, int stride, int k0, int n0,
-                                                    int lane) {
+template <int WIDTH>
+__device__ __forceinline__ void b_pair_from_columns(FragB (&b)[2], const tile_t* tile, int k0, int n0, int lane) {
 #if PRECISION == PRECISION_F16
-  const int entry = (k0 + lane % 16) * stride + n0 + lane / 16 * 8;
+  const int entry = (k0 + lane % 16) * tile_stride<WIDTH> + n0 + lane / 16 * 8;
   unsigned bits[4];
   load_matrices_trans(bits, shared_address(tile) + entry * (int)sizeof(tile_t));
 #pragma unroll
@@ -181,28 +244,42 @@ __device__ __forceinline__ void b_pair_from_columns(FragB (&b)[2], const tile_t*
     b[m].r[1] = bits[2 * m + 1];
   }
 #else
-  b[0] = b_from_columns(tile, stride, k0, n0, lane);
-  b[1] = b_from_columns(tile, stride, k0, n0 + 8, lane);
+  b[0] = b_from_columns<WIDTH>(tile, k0, n0, lane);
+  b[1] = b_from_columns<WIDTH>(tile, k0, n0 + 8, lane);
 #endif
+}
+
+// The shared address of entry (row, col) of a tile at shared address `tile`.
+template <int WIDTH>
+__device__ __forceinline__ shared_address_t tile_address(shared_address_t tile, int row, int col) {
+  return tile + (row * tile_stride<WIDTH> + (col ^ tile_swizzle<WIDTH>(row))) * (int)sizeof(tile_t);
 }
 
 // A block's split of a tile of ROWS_ rows of WIDTH entries into 16-byte
 // pieces, consecutive threads on consecutive pieces. Where the block's
 // threads cover whole rows (`strided`), each copies column `c` of rows r0,
 // r0 + step, ..., so that its shared addresses step by constants from
-// `target`.
+// `target[j % period]`: rows 8 apart share their swizzle, so that a thread
+// whose rows are `step` < 8 apart works out the first 8 / step of its
+// addresses.
 template <int WIDTH, int ROWS_, int THREADS_>
 struct Pieces {
   static constexpr int per_piece = 16 / (int)sizeof(tile_t), count = WIDTH / per_piece;  // WIDTH: whole pieces
   static constexpr int step = THREADS_ / count;  // rows between a thread's pieces
   static constexpr bool strided = THREADS_ % count == 0 && step <= ROWS_ && ROWS_ % step == 0;
-  static constexpr int target_step = step * STRIDE(WIDTH) * (int)sizeof(tile_t);
+  static constexpr int period = swizzled_tile<WIDTH> && step < 8 ? 8 / step : 1;
+  static constexpr int target_step = period * step * tile_stride<WIDTH> * (int)sizeof(tile_t);
   int r0, c;
-  shared_address_t target;
+  shared_address_t target[period];
   __device__ __forceinline__ explicit Pieces(const tile_t* tile)
-      : r0(threadIdx.x / count),
-        c(threadIdx.x % count * per_piece),
-        target(shared_address(tile) + (r0 * STRIDE(WIDTH) + c) * (int)sizeof(tile_t)) {}
+      : r0(THREADS_ == count ? 0 : threadIdx.x / count), c(threadIdx.x % count * per_piece) {
+#pragma unroll
+    for (int j = 0; j < period; ++j) target[j] = tile_address<WIDTH>(shared_address(tile), r0 + j * step, c);
+  }
+  // The shared address of this thread's piece of row r0 + j * step.
+  __device__ __forceinline__ shared_address_t target_of(int j) const {
+    return target[j % period] + j / period * target_step;
+  }
 };
 
 // Start copying rows [first, first + ROWS_) of a (rows, WIDTH) row-major
@@ -218,14 +295,14 @@ __device__ __forceinline__ void load_tile(tile_t* tile, const tile_t* __restrict
     for (int j = 0; j < ROWS_ / P::step; ++j) {
       const long long r = first + p.r0 + j * P::step;
       const tile_t* source = r < end ? matrix + row_of(r) * WIDTH + p.c : matrix;
-      async_copy_16(p.target + j * P::target_step, source, r < end);
+      async_copy_16(p.target_of(j), source, r < end);
     }
   } else {
     for (int e = threadIdx.x; e < ROWS_ * P::count; e += THREADS_) {
       const int r = e / P::count, c = (e % P::count) * P::per_piece;
       const bool valid = first + r < end;
       const tile_t* source = valid ? matrix + row_of(first + r) * WIDTH + c : matrix;
-      async_copy_16(shared_address(tile) + (r * STRIDE(WIDTH) + c) * (int)sizeof(tile_t), source, valid);
+      async_copy_16(tile_address<WIDTH>(shared_address(tile), r, c), source, valid);
     }
   }
 }
@@ -245,13 +322,13 @@ __device__ __forceinline__ void load_rows(tile_t* tile, const tile_t* __restrict
     if (end - first >= ROWS_) {
 #pragma unroll
       for (int j = 0; j < ROWS_ / P::step; ++j)
-        async_copy_16(p.target + j * P::target_step, source + j * source_step, true);
+        async_copy_16(p.target_of(j), source + j * source_step, true);
     } else {
       const int rows = (int)(end - first);
 #pragma unroll
       for (int j = 0; j < ROWS_ / P::step; ++j) {
         const bool valid = p.r0 + j * P::step < rows;
-        async_copy_16(p.target + j * P::target_step, valid ? source + j * source_step : matrix, valid);
+        async_copy_16(p.target_of(j), valid ? source + j * source_step : matrix, valid);
       }
     }
   } else {

@@ -50,8 +50,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                           tile_t* __restrict__ dq,         // (B, N, T, H)
                           scalar_t* __restrict__ slope_rows,  // (B, N, T): -sum_j dS_ij |p_i - j|, with ALiBi
                           const Config config) {
-  __shared__ __align__(16) tile_t key_tile[TC_STAGES][TC_KEYS * STRIDE(HEAD_DIM)];
-  __shared__ __align__(16) tile_t value_tile[TC_STAGES][TC_KEYS * STRIDE(VALUE_DIM)];
+  __shared__ __align__(16) tile_t key_tile[TC_STAGES][TC_KEYS * tile_stride<HEAD_DIM>];
+  __shared__ __align__(16) tile_t value_tile[TC_STAGES][TC_KEYS * tile_stride<VALUE_DIM>];
   __shared__ long long scratch[2 * TC_WARPS];
   const Problem pb = read_problem(config);
   load_exp2_table();  // fast_exp2's, in float64
@@ -157,8 +157,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                             tile_t* __restrict__ dk,         // (B, KH, S, H)
                             tile_t* __restrict__ dv,         // (B, KH, S, Hv)
                             const Config config) {
-  __shared__ __align__(16) tile_t query_tile[TC_STAGES][TC_KEYS * STRIDE(HEAD_DIM)];
-  __shared__ __align__(16) tile_t dout_tile[TC_STAGES][TC_KEYS * STRIDE(VALUE_DIM)];
+  __shared__ __align__(16) tile_t query_tile[TC_STAGES][TC_KEYS * tile_stride<HEAD_DIM>];
+  __shared__ __align__(16) tile_t dout_tile[TC_STAGES][TC_KEYS * tile_stride<VALUE_DIM>];
   __shared__ Row tile_rows[TC_STAGES][TC_KEYS];
   __shared__ long long tile_index[TC_STAGES][TC_KEYS];  // each row's index into (B, N, T) arrays
   __shared__ scalar_t tile_lse[TC_STAGES][TC_KEYS], tile_D[TC_STAGES][TC_KEYS];

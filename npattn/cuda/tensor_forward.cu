@@ -31,8 +31,8 @@ extern "C" __global__ void TC_FORWARD_BOUNDS
                       scalar_t* __restrict__ out,       // (splits, B, N, T, Hv)
                       scalar_t* __restrict__ lse,       // (splits, B, N, T)
                       const Config config) {
-  __shared__ __align__(16) tile_t key_tile[TC_STAGES][TC_KEYS * STRIDE(HEAD_DIM)];
-  __shared__ __align__(16) tile_t value_tile[TC_STAGES][TC_KEYS * STRIDE(VALUE_DIM)];
+  __shared__ __align__(16) tile_t key_tile[TC_STAGES][TC_KEYS * tile_stride<HEAD_DIM>];
+  __shared__ __align__(16) tile_t value_tile[TC_STAGES][TC_KEYS * tile_stride<VALUE_DIM>];
   __shared__ long long scratch[2 * TC_WARPS];
   const Problem pb = read_problem(config);
   load_exp2_table();  // fast_exp2's, in float64

@@ -112,7 +112,7 @@ __device__ __forceinline__ void products_with_rows(scalar_t (&c)[TC_KEYS / 8][4]
 #pragma unroll
     for (int ks = 0; ks < WIDTH / KSTEP; ++ks) {
       FragB b[2];
-      b_pair_from_rows(b, tile, STRIDE(WIDTH), nb * 8, ks * KSTEP, lane);
+      b_pair_from_rows<WIDTH>(b, tile, nb * 8, ks * KSTEP, lane);
       mma(c[nb], a[ks], b[0]);
       mma(c[nb + 1], a[ks], b[1]);
     }
@@ -131,13 +131,13 @@ __device__ __forceinline__ void products_with_columns(scalar_t (&acc)[WIDTH / 8]
 #pragma unroll
     for (int nd = 0; nd + 1 < WIDTH / 8; nd += 2) {
       FragB b[2];
-      b_pair_from_columns(b, tile, STRIDE(WIDTH), kk * KSTEP, nd * 8, lane);
+      b_pair_from_columns<WIDTH>(b, tile, kk * KSTEP, nd * 8, lane);
       mma(acc[nd], a, b[0]);
       mma(acc[nd + 1], a, b[1]);
     }
 #if PRECISION != PRECISION_F16
     if constexpr (WIDTH / 8 % 2 == 1)
-      mma(acc[WIDTH / 8 - 1], a, b_from_columns(tile, STRIDE(WIDTH), kk * KSTEP, WIDTH - 8, lane));
+      mma(acc[WIDTH / 8 - 1], a, b_from_columns<WIDTH>(tile, kk * KSTEP, WIDTH - 8, lane));
 #endif
   }
 }

@@ -388,6 +388,9 @@ struct __attribute__((aligned(16))) float4 {
   float x, y, z, w;
 };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+struct __attribute__((aligned(16))) double2 {
+  double x, y;
+};
 
 inline float __int_as_float(int v) { float r; std::memcpy(&r, &v, sizeof r); return r; }
 inline int __float_as_int(float v) { int r; std::memcpy(&r, &v, sizeof r); return r; }
