@@ -109,8 +109,11 @@ def single_threaded_blas():
 def run_items(items: Sequence[Any], work: Callable[[Any], None], *, parallel: bool = True) -> None:
     """Run ``work(item)`` for every item, in order when there is one item
     or thread (or not ``parallel``); else this thread and ``threads - 1`` of
-    the pool take the items one after another from a shared queue, with
-    single-threaded BLAS. If an item raises, no thread takes another, and
+    the pool take the items one after another from a shared queue. Several
+    items run with single-threaded BLAS, on one thread too, so that the
+    bits do not depend on the thread count: how BLAS's own threads split a
+    product changes the rounding of its entries on some cores (OpenBLAS's
+    "Haswell" kernels). If an item raises, no thread takes another, and
     the first error re-raises here once the others are done.
 
     This thread works rather than waits: one future per item, each held at
@@ -121,9 +124,14 @@ def run_items(items: Sequence[Any], work: Callable[[Any], None], *, parallel: bo
     B=8, N=12, T=S=512 causal 41 -> 38 ms).
     """
     threads = min(num_threads(), len(items))
-    if not parallel or threads < 2:
+    if not parallel or len(items) < 2:
         for item in items:
             work(item)
+        return
+    if threads < 2:  # one thread: BLAS single-threaded as on the pool, so that the bits are the same
+        with single_threaded_blas():
+            for item in items:
+                work(item)
         return
     queue, lock, done = iter(items), threading.Lock(), object()
     errors: list[BaseException] = []

@@ -113,3 +113,17 @@ def backend(request) -> Backend:
 @pytest.fixture(scope="session")
 def numpy_backend() -> Backend:
     return make_backend("numpy")
+
+
+@pytest.fixture
+def blas_with_small_kernels():
+    """Skip unless NumPy's BLAS is an OpenBLAS whose core has the small-matrix
+    kernels (:func:`npattn.blas_numpy.small_product_limit`): there a product
+    cut into pieces of rows gives the bits of the whole, the property
+    :func:`npattn.blas_numpy.matmul` cuts on, and it cuts nowhere else. Other
+    cores' kernels (OpenBLAS 0.3.31 runs the AVX-512 AMD EPYC of some of
+    these machines as "Haswell") round an entry by the product's shape."""
+    from npattn import blas_numpy
+
+    if not blas_numpy.small_product_limit():
+        pytest.skip("NumPy's BLAS has no small-matrix kernels here: products are never cut")

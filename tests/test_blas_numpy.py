@@ -31,7 +31,7 @@ def small_kernels(monkeypatch):
         (48, 384, 64, 2),  # the longest sums cut: SAME_BITS_TERMS
     ],
 )
-def test_pieces_give_the_bits_of_one_product(monkeypatch, small_kernels, dtype, M, K, N, pieces):
+def test_pieces_give_the_bits_of_one_product(monkeypatch, blas_with_small_kernels, dtype, M, K, N, pieces):
     """A batch of products cut into pieces of rows (up to 4 here), against
     ``np.matmul`` whole, with ``a`` as it is and as a transposed view."""
     monkeypatch.setattr(blas_numpy, "MAX_PIECES", 4)

@@ -368,7 +368,12 @@ def test_queries_taken_as_contiguous_columns_keep_the_general_paths_bits(T, S, G
     queries' transpose as a contiguous block (decoding's few columns, short
     square heads) and where not, the plain lane and the general dense code
     multiply the same layout and give the same bits, forward and backward
-    (the lane with the general code's softmax)."""
+    (the lane with the general code's softmax). BLAS runs single-threaded,
+    as in the lane's chunks: on some cores (OpenBLAS's "Haswell" kernels)
+    how BLAS's own threads split a product changes the rounding of its
+    entries."""
+    from threadpoolctl import threadpool_limits
+
     from npattn import dense_numpy
     from npattn.options import AttentionSpec
 
@@ -380,13 +385,14 @@ def test_queries_taken_as_contiguous_columns_keep_the_general_paths_bits(T, S, G
     assert q_t.flags.c_contiguous is contiguous and np.array_equal(
         q_t, np.swapaxes(0.25 * q.reshape(2, 2, G * T, 16), -1, -2)
     )
-    with _softmax_in("e"):
-        out, res = npattn.attention_forward(q, k, v, impl="dense")
-    dout = rng.standard_normal(out.shape).astype(dtype)
-    grads = npattn.attention_backward(dout, res)
-    with mock.patch.object(AttentionSpec, "scores_are_raw", property(lambda spec: False)):  # the general code
-        ref, ref_res = npattn.attention_forward(q, k, v, impl="dense")
-        ref_grads = npattn.attention_backward(dout, ref_res)
+    with threadpool_limits(limits=1, user_api="blas"):
+        with _softmax_in("e"):
+            out, res = npattn.attention_forward(q, k, v, impl="dense")
+        dout = rng.standard_normal(out.shape).astype(dtype)
+        grads = npattn.attention_backward(dout, res)
+        with mock.patch.object(AttentionSpec, "scores_are_raw", property(lambda spec: False)):  # the general code
+            ref, ref_res = npattn.attention_forward(q, k, v, impl="dense")
+            ref_grads = npattn.attention_backward(dout, ref_res)
     for a, b in ((out, ref), (res.lse, ref_res.lse), (res.probs, ref_res.probs), *zip(grads[:3], ref_grads[:3])):
         np.testing.assert_array_equal(a, b)
 
@@ -608,7 +614,7 @@ def test_the_raw_score_lane_in_chunks_on_the_pool_is_the_same_on_any_thread_coun
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_the_raw_score_lane_cuts_its_chunks_products_with_the_same_bits(monkeypatch, dtype):
+def test_the_raw_score_lane_cuts_its_chunks_products_with_the_same_bits(monkeypatch, blas_with_small_kernels, dtype):
     """The chunks' products through :func:`npattn.blas_numpy.matmul`, cut
     into pieces of rows (here from 2**15 multiply-adds, so that these small
     products are cut): the bits of the products whole, forward and backward."""

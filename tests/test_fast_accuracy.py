@@ -21,12 +21,26 @@ import numpy as np
 import pytest
 
 import npattn
+from npattn import blas_numpy
 
 NAMES = ("out", "dq", "dk", "dv", "dalibi_slopes", "dsinks")
 
 #: No output may be off by more than this times the dense path's error.
 FACTOR = 1.5
 
+#: ... but this many times where NumPy's BLAS rounds an entry by the
+#: product's shape (an OpenBLAS core without the small-matrix kernels:
+#: :func:`npattn.blas_numpy.small_product_limit` is 0; OpenBLAS 0.3.31 runs
+#: the AVX-512 AMD EPYC of some test machines as "Haswell"), in
+#: :data:`SHAPE_ROUNDING_CASES`: the fast backward recomputes ``S`` in
+#: products of other shapes than the forward's (128 rows by 65 columns, the
+#: shift's included, against 32 rows by 64), so its ``P = exp2(S - lse)``
+#: departs from the scores the forward's ``lse`` summed, and ``dV``, where a
+#: key's few ``P_ij`` carry it, has 1.72x the dense path's error (3.45e-7
+#: against 2.00e-7 over the 16 seeds; the generic chunked path 1.97e-7),
+#: where the small kernels' shape-independent sums kept it within 1.5x.
+SHAPE_ROUNDING_FACTOR = 2.0
+SHAPE_ROUNDING_CASES = frozenset({"MHA, window of 8"})
 #: Added to both errors so that two exact results (0 and 0) compare equal:
 #: float32 rounds at 6e-8 of a value, so a relative error of 1e-9 is 60
 #: times below a single rounding of the largest entry and decides nothing else.
@@ -138,17 +152,19 @@ def _errors(shape, options, seeds, reference="dense", outputs=None):
     return np.mean(fast, axis=0), np.mean(other, axis=0)
 
 
-def _assert_within_factor(fast, reference, label, names=NAMES):
+def _assert_within_factor(fast, reference, label, names=NAMES, factor=FACTOR):
     report = ", ".join(f"{n} {f:.2e} vs {d:.2e}" for n, f, d in zip(names, fast, reference) if not np.isnan(f))
-    too_large = [n for n, f, d in zip(names, fast, reference) if f + FLOOR > FACTOR * (d + FLOOR)]
-    assert not too_large, f"fast path's error over {FACTOR}x the {label}'s in {too_large}: {report}"
+    too_large = [n for n, f, d in zip(names, fast, reference) if f + FLOOR > factor * (d + FLOOR)]
+    assert not too_large, f"fast path's error over {factor}x the {label}'s in {too_large}: {report}"
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_fast_path_float32_error_is_within_factor_of_dense(case):
     shape, options = CASES[case]
     seeds = ALIBI_SEEDS if "alibi_slopes" in options else SEEDS
-    _assert_within_factor(*_errors(shape, options, seeds), "dense path")
+    rounds_by_shape = case in SHAPE_ROUNDING_CASES and not blas_numpy.small_product_limit()
+    factor = SHAPE_ROUNDING_FACTOR if rounds_by_shape else FACTOR
+    _assert_within_factor(*_errors(shape, options, seeds), "dense path", factor=factor)
 
 
 @pytest.mark.parametrize("case", list(CHUNKED_CASES), ids=list(CHUNKED_CASES))
