@@ -675,7 +675,7 @@ def _load_base(revision: str):
 def host_time(base: str | None, rounds: int) -> int:
     """Print npattn's Python per decode call on the fused path (see the module's docstring)."""
     helpers = _workload_helpers()
-    packages = {"now": npattn} | ({"base": _load_base(base)} if base else {})
+    packages = {"now": npattn} | ({"base": helpers["load_base"](base)} if base else {})
     print(f"npattn's Python per call on the fused CuPy path, on the CPU ({helpers['cpu_model']()}; kernels not run)")
     print(
         f"float16, N=32 on K=8, H=128; best of {rounds} rounds of {HOST_CALLS} calls"
@@ -988,7 +988,7 @@ def kernels_against(cp, base, label: str, repeats: int) -> int:
         for name, package in packages.items():
             timed[name] = _TimedLaunches(cp, package.fast_cupy._CUPY_RUNTIME)
             stack.enter_context(mock.patch.object(package.fast_cupy, "_CUPY_RUNTIME", timed[name]))
-        for label, arguments, backward in _kernel_rows():
+        for row, arguments, backward in _kernel_rows():
             problem = _Problem(cp, None, *arguments)
             best: dict[str, dict[str, float]] = {name: {} for name in packages}
             for package in packages.values():  # compiles
@@ -999,7 +999,7 @@ def kernels_against(cp, base, label: str, repeats: int) -> int:
                     problem.npattn(backward, package=packages[name])
                     for kernel, ms in timed[name].kernel_ms().items():
                         best[name][kernel] = min(best[name].get(kernel, float("inf")), ms)
-            print(f"{label}: {'now ms':>9} {'base ms':>9} {'now/base':>9}")
+            print(f"{row}: {'now ms':>9} {'base ms':>9} {'now/base':>9}")
             for kernel in dict.fromkeys([*best["now"], *best["base"]]):  # in launch order
                 now, then = best["now"].get(kernel, float("nan")), best["base"].get(kernel, float("nan"))
                 print(f"  {kernel:<26} {now:9.3f} {then:9.3f} {now / then:9.3f}", flush=True)

@@ -621,9 +621,10 @@ def _tile_stride(width: int, precision: str) -> int:
 
 def _two_tiles_fit(spec: AttentionSpec, precision: str, tile: int, backward: bool) -> bool:
     """Whether two tiles (``TC_STAGES``, ``tensor_tiles.cuh``) fit CUDA's 48
-    KiB of static shared memory: a key and a value tile of padded rows in
-    the forward; in the backward, the largest kernel's, dK/dV's: a query and
-    a ``dO`` tile, with :data:`TENSOR_ROW_BYTES` per query row."""
+    KiB of static shared memory: a key and a value tile in the forward
+    (rows :func:`_tile_stride` entries apart); in the backward, the largest
+    kernel's, dK/dV's: a query and a ``dO`` tile, with
+    :data:`TENSOR_ROW_BYTES` per query row."""
     item = TENSOR_PRECISIONS[precision][1]
     padded = _tile_stride(spec.head_dim, precision) + _tile_stride(spec.value_dim, precision)
     per_stage = tile * (padded * item + (TENSOR_ROW_BYTES[precision] if backward else 0))

@@ -272,7 +272,8 @@ struct Pieces {
   int r0, c;
   shared_address_t target[period];
   __device__ __forceinline__ explicit Pieces(const tile_t* tile)
-      : r0(THREADS_ == count ? 0 : threadIdx.x / count), c(threadIdx.x % count * per_piece) {
+      : r0(THREADS_ == count ? 0 : threadIdx.x / count),  // 0 known to the compiler where a row takes every thread
+        c(threadIdx.x % count * per_piece) {
 #pragma unroll
     for (int j = 0; j < period; ++j) target[j] = tile_address<WIDTH>(shared_address(tile), r0 + j * step, c);
   }
