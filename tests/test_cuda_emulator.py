@@ -1,5 +1,5 @@
 """The CPU emulator of CUDA kernels (tests/cuda_emulator): barriers, warp shuffles and votes, indices,
-dynamic shared memory, and that divergent barriers abort instead of hanging."""
+dynamic shared memory, cp.async's copies in flight, and that divergent barriers abort instead of hanging."""
 
 from __future__ import annotations
 
@@ -162,6 +162,78 @@ def test_any_sync_votes_per_warp(tmp_path):
     flags[:] = 0
     lib.run_any(_ptr(flags), _ptr(out), ctypes.c_uint(0xFFFFFFFF))
     np.testing.assert_array_equal(out, 0)
+
+
+ASYNC_COPIES = r"""
+// Each thread copies 16 bytes (4 floats) of x into shared memory by cp.async
+// and reads its neighbour's piece: before waiting (NaN), after waiting but
+// before the barrier (its neighbour's thread ran first: the bytes landed),
+// and after both; a second group waits behind the first.
+extern "C" __global__ void async_copies(const float* x, float* seen) {
+    __shared__ __align__(16) float tile[2][64 * 4];
+    const int t = threadIdx.x, other = (t + 1) % 64;
+    async_copy_16(shared_address(&tile[0][4 * t]), x + 4 * t, true);
+    async_commit();
+    async_copy_16(shared_address(&tile[1][4 * t]), x + 4 * t, false);  // zeros
+    async_commit();
+    seen[6 * t + 0] = tile[0][4 * t];  // issued, not waited for: the 0xff bytes
+    async_wait<1>();                   // the first group, not the second
+    seen[6 * t + 1] = tile[0][4 * t];
+    seen[6 * t + 2] = tile[1][4 * t];
+    __syncthreads();
+    seen[6 * t + 3] = tile[0][4 * other];
+    async_wait<0>();
+    __syncthreads();
+    seen[6 * t + 4] = tile[1][4 * other];
+    seen[6 * t + 5] = tile[0][4 * other + 3];
+}
+
+extern "C" __global__ void never_waits(const float* x, float* seen) {
+    __shared__ __align__(16) float tile[64 * 4];
+    async_copy_16(shared_address(&tile[4 * threadIdx.x]), x + 4 * threadIdx.x, true);
+    async_commit();
+    seen[threadIdx.x] = 1;
+}
+"""
+ASYNC_COPIES_WRAPPER = "\n".join(
+    f'extern "C" void run_{k}(const float* x, float* seen) {{\n'
+    f"    cuda_emulator::launch(dim3(1), dim3(64), [&] {{ {k}(x, seen); }});\n}}"
+    for k in ["async_copies", "never_waits"]
+)
+
+
+def _async_library(tmp_path: Path) -> ctypes.CDLL:
+    """ASYNC_COPIES with the emulator's cp.async (ptx.h, and half.h that it needs)."""
+    stand_ins = [Path(build.__file__).with_name(name) for name in ("half.h", "ptx.h")]
+    path = tmp_path / "async.cu"
+    path.write_text(ASYNC_COPIES)
+    return build.build([*stand_ins, path], ASYNC_COPIES_WRAPPER, {}, "async_copies")
+
+
+def test_async_copies_land_when_their_thread_waits(tmp_path):
+    """ptx.h's cp.async: a copy's bytes read as 0xff (NaN) until its thread
+    waits for its group, async_wait<N> leaves the newest N groups in flight,
+    and a barrier after every thread's wait shows every piece; so a kernel
+    that reads a tile too early reads NaN."""
+    lib = _async_library(tmp_path)
+    x = np.arange(256, dtype=np.float32) + 1
+    seen = np.full((64, 6), -1.0, np.float32)
+    lib.run_async_copies(_ptr(x), _ptr(seen))
+    t = np.arange(64)
+    assert np.isnan(seen[:, 0]).all() and np.isnan(seen[:, 2]).all()
+    np.testing.assert_array_equal(seen[:, 1], x[4 * t])
+    np.testing.assert_array_equal(seen[:, 3], x[4 * ((t + 1) % 64)])
+    np.testing.assert_array_equal(seen[:, 4], 0)
+    np.testing.assert_array_equal(seen[:, 5], x[4 * ((t + 1) % 64) + 3])
+
+
+def test_copies_never_waited_for_abort(tmp_path):
+    lib = _async_library(tmp_path)
+    script = "import ctypes, sys, numpy as np; x = np.ones(256, np.float32); s = np.zeros(64, np.float32)\n"
+    script += "ctypes.CDLL(sys.argv[1]).run_never_waits(ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(s.ctypes.data))"
+    result = subprocess.run([sys.executable, "-c", script, lib._name], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "returned with cp.async copies it never waited for" in result.stderr
 
 
 INDICES = r"""

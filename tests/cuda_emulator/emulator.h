@@ -46,10 +46,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 // ---------------------------------------------------------------- index types
 struct uint3 {
@@ -103,6 +105,19 @@ struct Site {
   int line;
 };
 
+// A thread's asynchronous copies to shared memory in flight (ptx.h's
+// cp.async): the group it is adding to, and those it committed, oldest
+// first; each copy holds the bytes it will write.
+struct AsyncCopy {
+  unsigned char* shared;
+  unsigned char bytes[16];
+  unsigned size;
+};
+struct AsyncCopies {
+  std::vector<AsyncCopy> open;
+  std::deque<std::vector<AsyncCopy>> committed;
+};
+
 struct Fiber {
   ucontext_t context;
   Site site;
@@ -110,6 +125,7 @@ struct Fiber {
   unsigned long long barriers;  // barriers passed in this block
   bool waiting;
   bool finished;
+  AsyncCopies copies;
 };
 
 // Everything one launch needs; lives on the launching thread's stack.
@@ -177,7 +193,11 @@ inline void barrier(Site site, Kind kind) {
 inline void fiber_main() {
   Launch& L = *runtime.launch;
   L.call(L.body);
-  L.fibers[L.current].finished = true;
+  Fiber& f = L.fibers[L.current];
+  if (!f.copies.open.empty() || !f.copies.committed.empty())
+    fail("thread (%u,%u,%u) of block (%u,%u,%u) returned with cp.async copies it never waited for", threadIdx.x,
+         threadIdx.y, threadIdx.z, blockIdx.x, blockIdx.y, blockIdx.z);
+  f.finished = true;
 }  // returns to uc_link, the scheduler
 
 inline void grow_stacks(unsigned n) {

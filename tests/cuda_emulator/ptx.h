@@ -103,19 +103,48 @@ inline shared_address_t shared_address(const void* pointer) {
   return static_cast<unsigned char*>(const_cast<void*>(pointer));
 }
 
-// cp.async, done at once: the emulator's threads run one after the other
-// between barriers, so a copy is complete before any thread could read it.
+// cp.async as a GPU may run it at its latest: a copy writes its shared bytes
+// only when its thread waits for its group (async_wait<N>: every committed
+// group but the newest N), and until then they hold 0xff bytes (NaN in
+// every float type), written when it is issued. So a kernel that reads a
+// tile before waiting for its copy (or, after the wait, before the barrier
+// that covers the other threads' copies) reads NaN rather than the tile,
+// and one that issues a copy into a tile still being read spoils that read
+// too: both fail the tests, where a GPU would race.
+namespace cuda_emulator::detail {
+inline AsyncCopies& my_async_copies() {
+  Launch& L = current_launch("cp.async");
+  return L.fibers[L.current].copies;
+}
+inline void issue_async_copy(void* shared, const void* global, unsigned size) {
+  AsyncCopy copy{static_cast<unsigned char*>(shared), {}, size};
+  if (global != nullptr) std::memcpy(copy.bytes, global, size);  // zeros where nullptr (global memory stays put)
+  std::memset(shared, 0xff, size);
+  my_async_copies().open.push_back(copy);
+}
+}  // namespace cuda_emulator::detail
+
 inline void async_copy_16(void* shared, const void* global, bool valid) {
-  if (valid) std::memcpy(shared, global, 16);
-  else std::memset(shared, 0, 16);
+  ::cuda_emulator::detail::issue_async_copy(shared, valid ? global : nullptr, 16);
 }
 template <class T>
 inline void async_copy_entry(void* shared, const T* global) {
-  std::memcpy(shared, global, sizeof(T));
+  static_assert(sizeof(T) <= 16, "cp.async copies 4, 8 or 16 bytes");
+  ::cuda_emulator::detail::issue_async_copy(shared, global, sizeof(T));
 }
-inline void async_commit() {}
+inline void async_commit() {
+  auto& copies = ::cuda_emulator::detail::my_async_copies();
+  copies.committed.push_back(std::move(copies.open));
+  copies.open.clear();
+}
 template <int PENDING>
-inline void async_wait() {}
+inline void async_wait() {
+  auto& copies = ::cuda_emulator::detail::my_async_copies();
+  while (copies.committed.size() > static_cast<std::size_t>(PENDING)) {
+    for (const auto& copy : copies.committed.front()) std::memcpy(copy.shared, copy.bytes, copy.size);
+    copies.committed.pop_front();
+  }
+}
 
 inline float fast_exp2(float x) { return std::exp2(x); }
 
