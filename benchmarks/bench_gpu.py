@@ -83,7 +83,9 @@ best device ms is printed for both with their ratio: a kernel change's
 effect, measured on one machine in one process.
 
 ``--tiles`` times each tensor-core kernel (forward, dQ, dK/dV) at each
-tile size of ``TILE_SIZES`` whose two tiles fit its shared memory
+tile size of ``TILE_SIZES`` whose two tiles fit its shared memory (or, for
+the float64 forward, one key and one value tile:
+``npattn.fast_cupy.tensor_split_stages``)
 (``npattn.fast_cupy.tensor_tile`` patched; the other kernels keep their
 own), in float16, float32 and float64 at T=S=4096, full, B=1, N=8, H=64:
 device ms per kernel, best of ``--repeats``, ``*`` on the size
@@ -1089,19 +1091,28 @@ def tiles(cp, repeats: int) -> int:
 
 
 def _tile_row(timed: _TimedLaunches, problem: _Problem, spec, precision: str, tile: int, label: str, repeats: int):
-    """One row of ``--tiles``: each kernel at ``tile`` where two fit, and the
-    forward without its registers capped (``tensor_min_blocks``) where they are."""
+    """One row of ``--tiles``: each kernel at ``tile`` where two fit (the
+    forward of one key and one value tile where its precision takes that,
+    ``tensor_split_stages``, and one fits), and the forward without its
+    registers capped (``tensor_min_blocks``) where they are."""
     from npattn import fast_cupy
 
     chosen = fast_cupy.tensor_tile
-    fits = {backward: fast_cupy._two_tiles_fit(spec, precision, tile, backward) for backward in (False, True)}
+    fit = fast_cupy._two_tiles_fit
+    split = precision in fast_cupy.TENSOR_SPLIT_STAGES and not fit(spec, precision, tile, False)
+    split = split and fit(spec, precision, tile, False, stages=1)
+    fits = {False: fit(spec, precision, tile, False) or split, True: fit(spec, precision, tile, True)}
     if not any(fits.values()):
         return
 
-    def rule(spec, precision, backward=False):  # this size where two fit
-        return tile if fast_cupy._two_tiles_fit(spec, precision, tile, backward) else chosen(spec, precision, backward)
+    def rule(spec, precision, backward=False):  # this size where it fits
+        return tile if fits[backward] else chosen(spec, precision, backward)
 
-    with mock.patch.object(fast_cupy, "tensor_tile", rule), _fresh_lookups(fast_cupy):
+    with (
+        mock.patch.object(fast_cupy, "tensor_tile", rule),
+        mock.patch.object(fast_cupy, "tensor_split_stages", lambda spec, precision: split),
+        _fresh_lookups(fast_cupy),
+    ):
         best = _best_kernel_ms(timed, problem, True, repeats)
         uncapped = None
         if fits[False] and fast_cupy.tensor_min_blocks(spec, precision):

@@ -566,7 +566,12 @@ def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tupl
         ("TC_KEYS", str(tile)),
         ("TC_WARPS", str(tensor_warps(spec, backward))),
     )
-    return defines if backward else defines + (("TC_MIN_BLOCKS", str(tensor_min_blocks(spec, precision))),)
+    if backward:
+        return defines
+    return defines + (
+        ("TC_MIN_BLOCKS", str(tensor_min_blocks(spec, precision))),
+        ("TC_SPLIT_STAGES", str(int(tensor_split_stages(spec, precision)))),
+    )
 
 
 #: Blocks per multiprocessor the tensor-core forward's registers are capped
@@ -619,16 +624,54 @@ def _tile_stride(width: int, precision: str) -> int:
     return width + 16 // TENSOR_PRECISIONS[precision][1]
 
 
-def _two_tiles_fit(spec: AttentionSpec, precision: str, tile: int, backward: bool) -> bool:
-    """Whether two tiles (``TC_STAGES``, ``tensor_tiles.cuh``) fit CUDA's 48
-    KiB of static shared memory: a key and a value tile in the forward
-    (rows :func:`_tile_stride` entries apart); in the backward, the largest
-    kernel's, dK/dV's: a query and a ``dO`` tile, with
+def _two_tiles_fit(spec: AttentionSpec, precision: str, tile: int, backward: bool, stages: int = 2) -> bool:
+    """Whether two tiles (``TC_STAGES``, ``tensor_tiles.cuh``; or ``stages``)
+    fit CUDA's 48 KiB of static shared memory: a key and a value tile in the
+    forward (rows :func:`_tile_stride` entries apart); in the backward, the
+    largest kernel's, dK/dV's: a query and a ``dO`` tile, with
     :data:`TENSOR_ROW_BYTES` per query row."""
     item = TENSOR_PRECISIONS[precision][1]
     padded = _tile_stride(spec.head_dim, precision) + _tile_stride(spec.value_dim, precision)
     per_stage = tile * (padded * item + (TENSOR_ROW_BYTES[precision] if backward else 0))
-    return 2 * per_stage <= 48 * 1024 - 256  # 256: the block's key span (16 bytes a warp), exp2.cuh's table
+    return stages * per_stage <= 48 * 1024 - 256  # 256: the block's key span (16 bytes a warp), exp2.cuh's table
+
+
+#: Precisions whose tensor-core forward keeps the tile its registers allow
+#: where two of them do not fit in shared memory, with one key and one value
+#: tile (``TC_SPLIT_STAGES``, FlashAttention-2's forward: the values' copy
+#: overlaps the scores, the next keys' the products with the values), rather
+#: than halving it to keep two of each: float64, whose 16-key loop issued
+#: 19.7 instructions per tensor-core product (sm_90, ``count_sass.py``),
+#: where a 32-key one issues 15.5 (its exponentials, running maxima and
+#: per-tile work over twice the keys). Not yet timed on a GPU.
+TENSOR_SPLIT_STAGES = frozenset({"f64"})
+
+
+def _register_tile(spec: AttentionSpec, precision: str, backward: bool) -> int:
+    """Keys per tile (query rows in dK/dV) as many as a thread's registers take (:func:`tensor_tile`)."""
+    if backward:
+        return {"f16": 64, "tf32x3": 32, "f64": 16}[precision]
+    wide = max(spec.head_dim, spec.value_dim) > 64
+    return 32 if precision == "f64" or (precision == "tf32x3" and wide) else 64
+
+
+def tensor_split_stages(spec: AttentionSpec, precision: str) -> bool:
+    """Whether the tensor-core forward runs with one key and one value tile
+    (:data:`TENSOR_SPLIT_STAGES`): where two tiles of the size its registers
+    take do not fit in static shared memory and one does.
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> x = np.zeros((1, 8, 1024, 64))
+    >>> tensor_split_stages(make_spec(x, x, x), "f64"), tensor_tile(make_spec(x, x, x), "f64")
+    (True, 32)
+    """
+    tile = _register_tile(spec, precision, False)
+    return (
+        precision in TENSOR_SPLIT_STAGES
+        and not _two_tiles_fit(spec, precision, tile, False)
+        and _two_tiles_fit(spec, precision, tile, False, stages=1)
+    )
 
 
 def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> int:
@@ -636,7 +679,9 @@ def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> 
     the backward's dK/dV kernel): as many as a thread's operands and
     accumulators fit its registers, halved (down to 16) until two tiles fit
     in shared memory, so that the next tile's copy overlaps this one's
-    products (every head size the tensor cores take fits two tiles of 16).
+    products (every head size the tensor cores take fits two tiles of 16);
+    not halved in a forward of one key and one value tile
+    (:func:`tensor_split_stages`).
 
     - By registers: 64; 32 in float32 in the backward and with heads over
       64 in the forward; in float64 32 in the forward and 16 in the backward
@@ -644,8 +689,8 @@ def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> 
       reports 420 bytes each for dQ and dK/dV at H=64, against 936 and
       1568 with 32-row tiles).
     - Halved: 32 keys in the float16 forward at H=Hv=128 (a decode step's
-      head) and the float32 forward at H=Hv=64, 16 in the float64 forward at
-      H=Hv=64; in the backward, 32 rows in float16 with heads over 64 (at
+      head) and the float32 forward at H=Hv=64 (the float64 forward at
+      H=Hv=64 keeps 32 keys, one tile of each); in the backward, 32 rows in float16 with heads over 64 (at
       H=Hv=128, dK/dV then spills 168 bytes, none in its plain-call loop, where it
       spilled 888) and 16 in float32 with heads over 80.
 
@@ -655,11 +700,9 @@ def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> 
     >>> tensor_tile(make_spec(x, x, x), "tf32x3"), tensor_tile(make_spec(x, x, x), "tf32x3", backward=True)
     (32, 32)
     """
-    wide = max(spec.head_dim, spec.value_dim) > 64
-    if backward:
-        tile = {"f16": 64, "tf32x3": 32, "f64": 16}[precision]
-    else:
-        tile = 32 if precision == "f64" or (precision == "tf32x3" and wide) else 64
+    tile = _register_tile(spec, precision, backward)
+    if not backward and tensor_split_stages(spec, precision):
+        return tile
     while tile > 16 and not _two_tiles_fit(spec, precision, tile, backward):
         tile //= 2
     return tile

@@ -370,13 +370,14 @@ def test_gpu_benchmark_tile_sweep_compiles_each_size_that_fits(capsys, monkeypat
 
     class Compiled(bench_gpu._NoKernels):
         def __init__(self):
-            self.tiles, self.caps = set(), set()
+            self.tiles, self.caps, self.split = set(), set(), set()
 
         def module(self, source, defines):
             values = dict(defines)
             self.tiles.add((values["PRECISION"], "npattn_backward_dq_tc(" in source, int(values["TC_KEYS"])))
             if "TC_MIN_BLOCKS" in values:  # the forward's
                 self.caps.add((values["PRECISION"], int(values["TC_KEYS"]), int(values["TC_MIN_BLOCKS"])))
+                self.split.add((values["PRECISION"], int(values["TC_KEYS"]), values["TC_SPLIT_STAGES"]))
             return super().module(source, defines)  # a module, kept by fast_cupy's caches as CuPy's is
 
     runtime = Compiled()
@@ -388,17 +389,23 @@ def test_gpu_benchmark_tile_sweep_compiles_each_size_that_fits(capsys, monkeypat
     lines = capsys.readouterr().out.splitlines()
     decode = lines.index(next(line for line in lines if line.startswith("decode")))
     table = [line.split() for line in lines[2:decode]]
-    # float64 at H=64: only tiles of 16 fit twice (the forward's 32 keys take 66 KiB)
+    # float64 at H=64: tiles of 16 fit twice; the forward takes 32 keys in one key and one value tile
     assert [(row[0], row[2]) for row in table] == [
         ("float16", "16"),
         ("float16", "32"),
         ("float16", "64"),
         ("float64", "16"),
+        ("float64", "32"),
     ]
-    assert [sum(cell.endswith("*") for cell in row[3:]) for row in table] == [0, 0, 3, 3]
+    assert [sum(cell.endswith("*") for cell in row[3:]) for row in table] == [0, 0, 3, 2, 1]
+    assert table[-1][4:6] == ["-", "-"]  # dQ and dK/dV: no two tiles of 32 rows
     # the forward again with its registers uncapped where they are capped (float16: 3 blocks an SM)
-    assert [row[-1] for row in table][-1] == "-" and all(row[-1] != "-" for row in table[:3])
-    assert runtime.caps == {("PRECISION_F16", t, c) for t in (16, 32, 64) for c in (3, 0)} | {("PRECISION_F64", 16, 0)}
+    assert [row[-1] for row in table][-2:] == ["-", "-"] and all(row[-1] != "-" for row in table[:3])
+    f16_caps = {("PRECISION_F16", t, c) for t in (16, 32, 64) for c in (3, 0)}
+    assert runtime.caps == f16_caps | {("PRECISION_F64", 16, 0), ("PRECISION_F64", 32, 0)}
+    assert runtime.split == {("PRECISION_F64", 16, "0"), ("PRECISION_F64", 32, "1")} | {
+        ("PRECISION_F16", t, "0") for t in (16, 32, 64)
+    }
     f16 = {(backward, tile) for precision, backward, tile in runtime.tiles if precision == "PRECISION_F16"}
     assert f16 == {(backward, tile) for backward in (False, True) for tile in (16, 32, 64)}
     # the decode step's keys split for 2, 4, 8, 16 blocks per SM of 132 (8 one-warp blocks a range),

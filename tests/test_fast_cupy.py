@@ -380,6 +380,31 @@ def test_emulated_tensor_cores_match_float64(case, dtype, precision):
 
 
 @emulated
+@pytest.mark.parametrize("case, dtype, precision", TENSOR_MATRIX)
+def test_emulated_forward_with_one_key_and_one_value_tile(monkeypatch, case, dtype, precision):
+    """The forward's pipeline of one key tile and one value tile
+    (``TC_SPLIT_STAGES``, split_pipelined_tiles), which float64 takes where
+    two tiles of 32 keys do not fit (H=Hv=64), forced for every case and
+    precision: the forward's outputs of test_emulated_tensor_cores_match_float64."""
+    monkeypatch.setattr(fast_cupy, "tensor_split_stages", lambda spec, precision: True)
+    q, k, v, options = _problem(dtype=dtype, **TENSOR_CASES[case])
+    spec = _spec(q, k, v, options)
+    runtime, built = EmulatedRuntime(), []
+    compile_module = runtime.module
+
+    def module(source, defines):
+        built.append(dict(defines))
+        return compile_module(source, defines)
+
+    monkeypatch.setattr(runtime, "module", module)
+    out, lse = fast_cupy.forward(spec, q, k, v, runtime=runtime)
+    assert [defines["TC_SPLIT_STAGES"] for defines in built if "TC_SPLIT_STAGES" in defines] == ["1"]
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    exact = chunked_forward(_spec(q64, k64, v64, options), q64, k64, v64)
+    _assert_within((out, lse), exact, TENSOR_TOLERANCE[precision])
+
+
+@emulated
 @pytest.mark.parametrize("case", ["plain", "decode splits", "mqa odd dims", "softcap alibi sinks", "dropout"])
 def test_emulated_cuda_cores_read_float16_as_it_is(case, monkeypatch):
     """The CUDA-core kernels read float16 inputs as float16 too (decoding,
@@ -647,12 +672,14 @@ def test_tensor_warps_hold_the_forwards_rows():
 
 
 def test_tensor_tiles_fit_static_shared_memory():
-    """The tensor-core kernels' static shared memory, two tiles each (the
-    forward's: key and value tiles with padded rows; the backward's largest,
-    dK/dV's: query and dO tiles, and a ``Row``, lse, D and row index per
-    query row; ptxas reports 44032 bytes for float16 at H=Hv=64, as computed
-    here) stays within CUDA's 48 KiB for every head size they take; and the
-    tiles halved to fit are the sizes tensor_tile's docstring names."""
+    """The tensor-core kernels' static shared memory, two tiles each, or one
+    of each in a forward of split stages (the forward's: key and value
+    tiles, rows padded by 16 bytes or, in float64 at widths a multiple of
+    16, swizzled unpadded; the backward's largest, dK/dV's: query and dO
+    tiles, and a ``Row``, lse, D and row index per query row; ptxas reports
+    44032 bytes for float16 at H=Hv=64, as computed here) stays within
+    CUDA's 48 KiB for every head size they take; and the tiles halved to fit
+    are the sizes tensor_tile's docstring names."""
     for dtype, precision, widest in TENSOR_DTYPES:
         step, item = (16 if precision == "f16" else 8), np.dtype(dtype).itemsize
         for H, Hv in itertools.product(range(step, widest + 1, step), repeat=2):
@@ -661,9 +688,12 @@ def test_tensor_tiles_fit_static_shared_memory():
             assert fast_cupy.tensor_precision(spec) == precision
             for backward in (False, True):
                 tile = fast_cupy.tensor_tile(spec, precision, backward)
-                rows = tile * ((H + 16 // item) + (Hv + 16 // item)) * item
+                stride = H + 16 // item if precision != "f64" or H % 16 else H
+                value_stride = Hv + 16 // item if precision != "f64" or Hv % 16 else Hv
+                rows = tile * (stride + value_stride) * item
                 per_row = fast_cupy.TENSOR_ROW_BYTES[precision] if backward else 0
-                assert 2 * (rows + tile * per_row) <= 48 * 1024, (dtype, H, Hv, backward)
+                stages = 1 if not backward and fast_cupy.tensor_split_stages(spec, precision) else 2
+                assert stages * (rows + tile * per_row) <= 48 * 1024, (dtype, H, Hv, backward)
                 assert tile % 16 == 0
 
     def forward_tile(dtype, H):
@@ -671,7 +701,11 @@ def test_tensor_tiles_fit_static_shared_memory():
         return fast_cupy.tensor_tile(make_spec(x, x, x), fast_cupy.tensor_precision(make_spec(x, x, x)))
 
     tiles = [forward_tile(np.float16, 64), forward_tile(np.float16, 128), forward_tile(np.float32, 64)]
-    assert tiles + [forward_tile(np.float32, 128), forward_tile(np.float64, 64)] == [64, 32, 32, 16, 16]
+    assert tiles + [forward_tile(np.float32, 128), forward_tile(np.float64, 64)] == [64, 32, 32, 16, 32]
+    x = np.zeros((1, 1, 64, 64))
+    assert fast_cupy.tensor_split_stages(make_spec(x, x, x), "f64")  # 32 keys, one tile of each
+    x = np.zeros((1, 1, 64, 32))
+    assert not fast_cupy.tensor_split_stages(make_spec(x, x, x), "f64")  # two tiles of 32 keys fit
     wide = np.zeros((1, 1, 64, 128), np.float16)
     assert fast_cupy.tensor_tile(make_spec(wide, wide, wide), "f16", backward=True) == 32
 

@@ -10,9 +10,12 @@
 // with the two products S = Q K^T and acc += P V on the tensor cores
 // (operands.cuh). A block holds TC_ROWS stacked rows of a kv head, 16 per
 // warp; key and value tiles of TC_KEYS rows pass through shared memory,
-// copied asynchronously a tile ahead (cp.async); the scores, P
-// and acc stay in registers. The exponentials are taken in base 2 (m and s
-// in units of log 2). Splits of the keys (flash-decoding) as in forward.cu.
+// copied asynchronously a tile ahead (cp.async: pipelined_tiles), or each
+// in one buffer, the values' copy overlapping the scores and the next
+// keys' the products with the values (TC_SPLIT_STAGES:
+// split_pipelined_tiles); the scores, P and acc stay in registers. The
+// exponentials are taken in base 2 (m and s in units of log 2). Splits of
+// the keys (flash-decoding) as in forward.cu.
 //
 // Compile-time constants: tensor_tiles.cuh's, and TC_MIN_BLOCKS: blocks per
 // multiprocessor the registers are capped to fit (npattn.fast_cupy.
@@ -31,8 +34,9 @@ extern "C" __global__ void TC_FORWARD_BOUNDS
                       scalar_t* __restrict__ out,       // (splits, B, N, T, Hv)
                       scalar_t* __restrict__ lse,       // (splits, B, N, T)
                       const Config config) {
-  __shared__ __align__(16) tile_t key_tile[TC_STAGES][TC_KEYS * tile_stride<HEAD_DIM>];
-  __shared__ __align__(16) tile_t value_tile[TC_STAGES][TC_KEYS * tile_stride<VALUE_DIM>];
+  constexpr int stages = TC_SPLIT_STAGES ? 1 : TC_STAGES;
+  __shared__ __align__(16) tile_t key_tile[stages][TC_KEYS * tile_stride<HEAD_DIM>];
+  __shared__ __align__(16) tile_t value_tile[stages][TC_KEYS * tile_stride<VALUE_DIM>];
   __shared__ long long scratch[2 * TC_WARPS];
   const Problem pb = read_problem(config);
   load_exp2_table();  // fast_exp2's, in float64
@@ -67,15 +71,15 @@ extern "C" __global__ void TC_FORWARD_BOUNDS
   end = min(end, (split + 1) * per_split);
   const long long kv_base = kv_head_row(pb, b, h);
 
-  auto issue = [&](int it) {
-    const int stage = it % TC_STAGES;
-    load_key_tiles(key_tile[stage], value_tile[stage], k, v, kv_base, first + (long long)it * TC_KEYS, end);
-  };
-  auto use = [&](int it) {
-    const long long tile = first + (long long)it * TC_KEYS;
-    const tile_t *keys = key_tile[it % TC_STAGES], *values = value_tile[it % TC_STAGES];
-    scalar_t s[TC_KEYS / 8][4] = {};  // S = Q K^T: (16, TC_KEYS) per warp
-    products_with_rows<HEAD_DIM>(s, q_frag, keys, lane);
+  auto tile_start = [&](int it) { return first + (long long)it * TC_KEYS; };
+  scalar_t s[TC_KEYS / 8][4];  // S = Q K^T, then P: (16, TC_KEYS) per warp
+  auto scores = [&](int it) {  // S, the running maximum and sum, P
+    const long long tile = tile_start(it);
+#pragma unroll
+    for (int nb = 0; nb < TC_KEYS / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nb][e] = 0;
+    products_with_rows<HEAD_DIM>(s, q_frag, key_tile[it % stages], lane);
     const KeyRange range = key_range(pb, rows, tile, end);
     scalar_t tile_max[2] = {minus_inf, minus_inf};
     scalar_t to_log2 = 1;  // s * to_log2: the score in units of log 2
@@ -135,9 +139,29 @@ extern "C" __global__ void TC_FORWARD_BOUNDS
       for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[nb][e] *= dropout_factor(pb, rows[e / 2], tile + nb * 8 + 2 * t + e % 2);
-    products_with_columns<VALUE_DIM>(acc, s, values, lane);  // acc += P V: (16, TC_KEYS) (TC_KEYS, Hv)
   };
-  pipelined_tiles<TC_KEYS>(first, end, issue, use);
+  auto values = [&](int it) {  // acc += P V: (16, TC_KEYS) (TC_KEYS, Hv)
+    products_with_columns<VALUE_DIM>(acc, s, value_tile[it % stages], lane);
+  };
+#if TC_SPLIT_STAGES
+  auto issue_keys = [&](int it) {
+    load_rows<HEAD_DIM, TC_KEYS, TC_THREADS>(key_tile[0], k + kv_base * HEAD_DIM, tile_start(it), end);
+    async_commit();
+  };
+  auto issue_values = [&](int it) {
+    load_rows<VALUE_DIM, TC_KEYS, TC_THREADS>(value_tile[0], v + kv_base * VALUE_DIM, tile_start(it), end);
+    async_commit();
+  };
+  split_pipelined_tiles<TC_KEYS>(first, end, issue_keys, issue_values, scores, values);
+#else
+  auto issue = [&](int it) {
+    load_key_tiles(key_tile[it % stages], value_tile[it % stages], k, v, kv_base, tile_start(it), end);
+  };
+  pipelined_tiles<TC_KEYS>(first, end, issue, [&](int it) {
+    scores(it);
+    values(it);
+  });
+#endif
 
 #pragma unroll
   for (int i = 0; i < 2; ++i) {

@@ -5,9 +5,15 @@
 // Compile-time constants: TC_KEYS (keys, or query rows, per tile; a multiple
 // of 16, small enough that TC_STAGES tiles fit: npattn.fast_cupy.tensor_tile),
 // TC_WARPS (warps per block, 16 rows or keys each: 4, or 1 or 2 in the
-// forward of a few stacked rows, such as a decode step's), and operands.cuh's.
+// forward of a few stacked rows, such as a decode step's), TC_SPLIT_STAGES
+// (the forward's: 1 where its key and value tiles are one each,
+// split_pipelined_tiles; npattn.fast_cupy.tensor_split_stages), and
+// operands.cuh's.
 
 #define TC_STAGES 2  // tiles in shared memory: the next one's copy in flight while this one is used
+#ifndef TC_SPLIT_STAGES
+#define TC_SPLIT_STAGES 0
+#endif
 #define TC_THREADS (32 * TC_WARPS)
 #define TC_ROWS (16 * TC_WARPS)
 #define LOG2_E ((scalar_t)1.4426950408889634)
@@ -65,6 +71,35 @@ __device__ __forceinline__ void pipelined_tiles(long long first, long long end, 
     __syncthreads();
     use(it);
     __syncthreads();
+  }
+}
+
+// The forward's tiles of a loop over [first, end) in steps of TILE keys with
+// one key tile and one value tile in shared memory (FlashAttention-2's
+// forward): the values' copy overlaps this tile's scores(it) (S = Q K^T and
+// the softmax, reading the key tile), the next keys' copy its values(it)
+// (acc += P V, reading the value tile). issue_keys(it) and issue_values(it)
+// start a tile's copy, a group of its own each; one group is in flight at
+// each wait, and each barrier both shows the landed tile and closes the
+// other one's reads before its next copy.
+template <int TILE, class IssueKeys, class IssueValues, class Scores, class Values>
+__device__ __forceinline__ void split_pipelined_tiles(long long first, long long end, IssueKeys issue_keys,
+                                                      IssueValues issue_values, Scores scores, Values values) {
+  const int tiles = end > first ? (int)((end - first + TILE - 1) / TILE) : 0;
+  if (tiles == 0) return;
+  issue_keys(0);
+  issue_values(0);
+  async_wait<1>();  // keys 0
+  __syncthreads();
+  for (int it = 0; it < tiles; ++it) {
+    scores(it);
+    async_wait<0>();  // values it
+    __syncthreads();  // every warp done with keys it
+    if (it + 1 < tiles) issue_keys(it + 1);
+    values(it);
+    async_wait<0>();  // keys it + 1
+    __syncthreads();  // every warp done with values it
+    if (it + 1 < tiles) issue_values(it + 1);
   }
 }
 
