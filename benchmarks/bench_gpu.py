@@ -1098,7 +1098,7 @@ def _tile_row(timed: _TimedLaunches, problem: _Problem, spec, precision: str, ti
     from npattn import fast_cupy
 
     chosen = fast_cupy.tensor_tile
-    fit = fast_cupy._two_tiles_fit
+    fit = fast_cupy._tiles_fit
     split = precision in fast_cupy.TENSOR_SPLIT_STAGES and not fit(spec, precision, tile, False)
     split = split and fit(spec, precision, tile, False, stages=1)
     fits = {False: fit(spec, precision, tile, False) or split, True: fit(spec, precision, tile, True)}

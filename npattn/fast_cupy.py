@@ -624,12 +624,12 @@ def _tile_stride(width: int, precision: str) -> int:
     return width + 16 // TENSOR_PRECISIONS[precision][1]
 
 
-def _two_tiles_fit(spec: AttentionSpec, precision: str, tile: int, backward: bool, stages: int = 2) -> bool:
-    """Whether two tiles (``TC_STAGES``, ``tensor_tiles.cuh``; or ``stages``)
-    fit CUDA's 48 KiB of static shared memory: a key and a value tile in the
-    forward (rows :func:`_tile_stride` entries apart); in the backward, the
-    largest kernel's, dK/dV's: a query and a ``dO`` tile, with
-    :data:`TENSOR_ROW_BYTES` per query row."""
+def _tiles_fit(spec: AttentionSpec, precision: str, tile: int, backward: bool, stages: int = 2) -> bool:
+    """Whether ``stages`` tiles (two: ``TC_STAGES``, ``tensor_tiles.cuh``)
+    fit CUDA's 48 KiB of static shared memory: a key and a value tile each
+    in the forward (rows :func:`_tile_stride` entries apart); in the
+    backward, the largest kernel's, dK/dV's: a query and a ``dO`` tile each,
+    with :data:`TENSOR_ROW_BYTES` per query row."""
     item = TENSOR_PRECISIONS[precision][1]
     padded = _tile_stride(spec.head_dim, precision) + _tile_stride(spec.value_dim, precision)
     per_stage = tile * (padded * item + (TENSOR_ROW_BYTES[precision] if backward else 0))
@@ -642,7 +642,7 @@ def _two_tiles_fit(spec: AttentionSpec, precision: str, tile: int, backward: boo
 #: overlaps the scores, the next keys' the products with the values), rather
 #: than halving it to keep two of each: float64, whose 16-key loop issued
 #: 19.7 instructions per tensor-core product (sm_90, ``count_sass.py``),
-#: where a 32-key one issues 15.5 (its exponentials, running maxima and
+#: where the 32-key one issues 15.7 (its exponentials, running maxima and
 #: per-tile work over twice the keys). Not yet timed on a GPU.
 TENSOR_SPLIT_STAGES = frozenset({"f64"})
 
@@ -669,8 +669,8 @@ def tensor_split_stages(spec: AttentionSpec, precision: str) -> bool:
     tile = _register_tile(spec, precision, False)
     return (
         precision in TENSOR_SPLIT_STAGES
-        and not _two_tiles_fit(spec, precision, tile, False)
-        and _two_tiles_fit(spec, precision, tile, False, stages=1)
+        and not _tiles_fit(spec, precision, tile, False)
+        and _tiles_fit(spec, precision, tile, False, stages=1)
     )
 
 
@@ -690,9 +690,10 @@ def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> 
       1568 with 32-row tiles).
     - Halved: 32 keys in the float16 forward at H=Hv=128 (a decode step's
       head) and the float32 forward at H=Hv=64 (the float64 forward at
-      H=Hv=64 keeps 32 keys, one tile of each); in the backward, 32 rows in float16 with heads over 64 (at
-      H=Hv=128, dK/dV then spills 168 bytes, none in its plain-call loop, where it
-      spilled 888) and 16 in float32 with heads over 80.
+      H=Hv=64 keeps 32 keys, one tile of each); in the backward, 32 rows in
+      float16 with heads over 64 (at H=Hv=128, dK/dV then spills 168 bytes,
+      none in its plain-call loop, where it spilled 888) and 16 in float32
+      with heads over 80.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
@@ -703,7 +704,7 @@ def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> 
     tile = _register_tile(spec, precision, backward)
     if not backward and tensor_split_stages(spec, precision):
         return tile
-    while tile > 16 and not _two_tiles_fit(spec, precision, tile, backward):
+    while tile > 16 and not _tiles_fit(spec, precision, tile, backward):
         tile //= 2
     return tile
 
