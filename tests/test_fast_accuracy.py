@@ -41,6 +41,7 @@ FACTOR = 1.5
 #: where the small kernels' shape-independent sums kept it within 1.5x.
 SHAPE_ROUNDING_FACTOR = 2.0
 SHAPE_ROUNDING_CASES = frozenset({"MHA, window of 8"})
+
 #: Added to both errors so that two exact results (0 and 0) compare equal:
 #: float32 rounds at 6e-8 of a value, so a relative error of 1e-9 is 60
 #: times below a single rounding of the largest entry and decides nothing else.

@@ -108,9 +108,12 @@ inline shared_address_t shared_address(const void* pointer) {
 // group but the newest N), and until then they hold 0xff bytes (NaN in
 // every float type), written when it is issued. So a kernel that reads a
 // tile before waiting for its copy (or, after the wait, before the barrier
-// that covers the other threads' copies) reads NaN rather than the tile,
-// and one that issues a copy into a tile still being read spoils that read
-// too: both fail the tests, where a GPU would race.
+// that covers the other threads' copies) reads NaN rather than the tile and
+// fails the tests, where a GPU would race. A copy issued into a tile that
+// other threads have yet to read spoils their reads too, but the emulator's
+// threads seldom get that far ahead: its shuffles and mma gathers hold the
+// whole block at each, so a missing barrier before a tile's next copy can
+// still pass here.
 namespace cuda_emulator::detail {
 inline AsyncCopies& my_async_copies() {
   Launch& L = current_launch("cp.async");
@@ -118,7 +121,8 @@ inline AsyncCopies& my_async_copies() {
 }
 inline void issue_async_copy(void* shared, const void* global, unsigned size) {
   AsyncCopy copy{static_cast<unsigned char*>(shared), {}, size};
-  if (global != nullptr) std::memcpy(copy.bytes, global, size);  // zeros where nullptr (global memory stays put)
+  // the source's bytes now (global memory stays put while a kernel runs); zeros where nullptr
+  if (global != nullptr) std::memcpy(copy.bytes, global, size);
   std::memset(shared, 0xff, size);
   my_async_copies().open.push_back(copy);
 }
