@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         return targets(cp, torch, why_no_torch, args.repeats)
     if args.kernels:
         if args.base is not None:
-            return kernels_against(cp, _load_base(args.base), args.base, args.repeats)
+            return kernels_against(cp, _workload_helpers()["load_base"](args.base), args.base, args.repeats)
         return kernels(cp, args.repeats)
     if args.tiles:
         return tiles(cp, args.repeats)
@@ -667,11 +667,6 @@ def _best_call_us(calls: dict, runtimes: dict, rounds: int) -> dict:
 def _workload_helpers() -> dict:
     """``bench_workloads.py``'s functions (``load_base``, ``cpu_model``)."""
     return runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_workloads.py"))
-
-
-def _load_base(revision: str):
-    """npattn at ``revision`` (a git revision, a folder or ``worktree``) as ``npattn_base``."""
-    return _workload_helpers()["load_base"](revision)
 
 
 def host_time(base: str | None, rounds: int) -> int:

@@ -294,7 +294,7 @@ def test_gpu_benchmark_kernels_against_a_base_time_both_in_turn(capsys, monkeypa
     import numpy as np
 
     bench_gpu, cp = _fake_gpu_bench(monkeypatch)
-    base = bench_gpu._load_base("worktree")
+    base = bench_gpu._workload_helpers()["load_base"]("worktree")
     monkeypatch.setattr(base.fast_numpy, "supports", lambda spec: False)
     monkeypatch.setattr(base.fast_cupy, "supports", base.fast_cupy._kernels_take)
     monkeypatch.setattr(base.fast_cupy, "_CUPY_RUNTIME", bench_gpu._NoKernels())

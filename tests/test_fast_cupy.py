@@ -385,23 +385,20 @@ def test_emulated_forward_with_one_key_and_one_value_tile(monkeypatch, case, dty
     """The forward's pipeline of one key tile and one value tile
     (``TC_SPLIT_STAGES``, split_pipelined_tiles), which float64 takes where
     two tiles of 32 keys do not fit (H=Hv=64), forced for every case and
-    precision: the forward's outputs of test_emulated_tensor_cores_match_float64."""
+    precision, through _tensor_paths as test_emulated_tensor_cores_match_float64
+    (the backward reading its outputs)."""
     monkeypatch.setattr(fast_cupy, "tensor_split_stages", lambda spec, precision: True)
-    q, k, v, options = _problem(dtype=dtype, **TENSOR_CASES[case])
-    spec = _spec(q, k, v, options)
-    runtime, built = EmulatedRuntime(), []
-    compile_module = runtime.module
+    built, compile_module = [], EmulatedRuntime.module
 
-    def module(source, defines):
+    def module(runtime, source, defines):
         built.append(dict(defines))
-        return compile_module(source, defines)
+        return compile_module(runtime, source, defines)
 
-    monkeypatch.setattr(runtime, "module", module)
-    out, lse = fast_cupy.forward(spec, q, k, v, runtime=runtime)
+    monkeypatch.setattr(EmulatedRuntime, "module", module)
+    fused, exact, _, chosen = _tensor_paths(case, dtype)
+    assert chosen == precision
     assert [defines["TC_SPLIT_STAGES"] for defines in built if "TC_SPLIT_STAGES" in defines] == ["1"]
-    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
-    exact = chunked_forward(_spec(q64, k64, v64, options), q64, k64, v64)
-    _assert_within((out, lse), exact, TENSOR_TOLERANCE[precision])
+    _assert_within(fused, exact, TENSOR_TOLERANCE[precision])
 
 
 @emulated
