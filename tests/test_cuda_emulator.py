@@ -4,6 +4,7 @@ dynamic shared memory, cp.async's copies in flight, and that divergent barriers 
 from __future__ import annotations
 
 import ctypes
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -447,3 +448,191 @@ def test_sanitized_builds_stop_at_a_kernels_first_fault(tmp_path, kernel, report
     within = SANITIZED.replace("[threadIdx.x + 1]", "[threadIdx.x]").replace("OFFSET", "4")
     clean = _run_sanitized(tmp_path / "clean", within, call.replace("START", "2**31 - 4"))
     assert clean.returncode == 0, clean.stderr[-2000:]
+
+
+RACES = r"""
+// Two warps (one in lanes_without_a_warp_operation), each kernel correct
+// with the clean build's definitions of SYNC(), WARP_SYNC(), EARLY_WAIT()
+// and WRITTEN, racy with the racy build's (RACE_DEFINES). The emulator runs
+// thread 0 first, so in each racy kernel a thread of the second warp (or
+// lane 1) makes the later of the two accesses, marked "later" ("earlier":
+// the other).
+extern "C" __global__ void read_after_write(float* y) {
+    __shared__ float s[64];
+    const int t = threadIdx.x;
+    s[t] = t;  // earlier
+    SYNC();
+    if (t >= 32) y[t] = s[t - 32];  // later: warp 0's entries
+}
+
+extern "C" __global__ void write_after_read(float* y) {
+    __shared__ float s[64];
+    const int t = threadIdx.x;
+    s[t] = t;
+    __syncthreads();
+    if (t < 32) y[t] = s[t + 32];  // earlier: warp 1's entries...
+    SYNC();
+    if (t >= 32) s[t] = 0;  // later: ...which warp 1 writes again
+}
+
+extern "C" __global__ void two_writes(float* y) {
+    __shared__ float s[32];
+    const int t = threadIdx.x;
+    if (t < 32) s[t] = 1;  // earlier
+    SYNC();
+    if (t >= 32) s[t - 32] = 2;  // later
+    __syncthreads();
+    y[t] = s[t % 32];
+}
+
+extern "C" __global__ void copy_over_a_tile_being_read(const float* x, float* y) {
+    __shared__ __align__(16) float tile[64 * 4];
+    const int t = threadIdx.x;
+    async_copy_16(shared_address(&tile[4 * t]), x + 4 * t, true);
+    async_commit();
+    async_wait<0>();
+    __syncthreads();
+    if (t < 32) y[t] = tile[4 * (t + 32)];  // earlier
+    SYNC();  // the tile loop's closing barrier
+    async_copy_16(shared_address(&tile[4 * t]), x + 256 + 4 * t, true);  // later
+    async_commit();
+    async_wait<0>();
+    __syncthreads();
+    y[t] += tile[4 * t];
+}
+
+extern "C" __global__ void read_before_the_copies_barrier(const float* x, float* y) {
+    __shared__ __align__(16) float tile[64 * 4];
+    const int t = threadIdx.x;
+    async_copy_16(shared_address(&tile[4 * t]), x + 4 * t, true);
+    async_commit();
+    async_wait<0>();  // earlier: the copy lands
+    SYNC();
+    if (t >= 32) y[t] = tile[4 * (t - 32)];  // later
+    __syncthreads();
+}
+
+extern "C" __global__ void read_a_copy_in_flight(const float* x, float* y) {
+    __shared__ __align__(16) float tile[64 * 4];
+    const int t = threadIdx.x;
+    async_copy_16(shared_address(&tile[4 * t]), x + 4 * t, true);  // earlier
+    async_commit();
+    EARLY_WAIT();
+    __syncthreads();
+    if (t < 32) y[t] = tile[4 * (t + 32)];  // later: warp 1's copies, yet to be waited for
+    async_wait<0>();
+    __syncthreads();
+}
+
+extern "C" __global__ void lanes_without_a_warp_operation(float* y) {
+    __shared__ float s[32];
+    const int t = threadIdx.x;
+    s[t] = t;  // earlier
+    WARP_SYNC();
+    y[t] = s[t > 0 ? t - 1 : 0];  // later
+}
+
+extern "C" __global__ void read_unwritten(float* y) {
+    __shared__ float s[64];
+    const int t = threadIdx.x;
+    if (t < WRITTEN) s[t] = 1;
+    __syncthreads();
+    y[t] = s[63 - t];  // later
+}
+"""
+RACE_WRAPPER = r"""
+#define RUN(kernel, threads, ...)                                                            \
+  extern "C" void run_##kernel(const float* x, float* y) {                                   \
+    cuda_emulator::launch(dim3(2), dim3(threads), [&] { kernel(__VA_ARGS__); });             \
+  }
+RUN(read_after_write, 64, y)
+RUN(write_after_read, 64, y)
+RUN(two_writes, 64, y)
+RUN(copy_over_a_tile_being_read, 64, x, y)
+RUN(read_before_the_copies_barrier, 64, x, y)
+RUN(read_a_copy_in_flight, 64, x, y)
+RUN(lanes_without_a_warp_operation, 32, y)
+RUN(read_unwritten, 64, y)
+"""
+RACE_DEFINES = {
+    "clean": {
+        "SYNC()": "__syncthreads()",
+        "WARP_SYNC()": "(void)__shfl_xor_sync(0xffffffffu, 0, 1)",
+        "EARLY_WAIT()": "async_wait<0>()",
+        "WRITTEN": "64",
+    },
+    "racy": {"SYNC()": "", "WARP_SYNC()": "", "EARLY_WAIT()": "", "WRITTEN": "63"},
+}
+#: Each racy kernel's report: the problem, the thread making the later
+#: access, and what it and the earlier one did (None: no earlier access).
+RACE_REPORTS = {
+    "read_after_write": ("read after write, no barrier between", 32, "reads", "wrote"),
+    "write_after_read": ("write after read, no __syncthreads() between", 32, "writes", "read"),
+    "two_writes": ("two writes, no barrier between", 32, "writes", "wrote"),
+    "copy_over_a_tile_being_read": (
+        "write after read, no __syncthreads() between",
+        32,
+        "issues a cp.async copy to",
+        "read",
+    ),
+    "read_before_the_copies_barrier": ("read after write, no barrier between", 32, "reads", "wrote"),
+    "read_a_copy_in_flight": ("read of a cp.async copy in flight", 0, "reads", "issued"),
+    "lanes_without_a_warp_operation": ("read after write, no barrier between", 1, "reads", "wrote"),
+    "read_unwritten": ("read of shared memory not yet written in this block", 0, "reads", None),
+}
+
+
+def _race_report(kernel: str) -> str:
+    """RACE_REPORTS[kernel] as a pattern of the report, with the source lines
+    of the kernel's accesses marked "later" and "earlier" in RACES."""
+    problem, thread, later, earlier = RACE_REPORTS[kernel]
+    lines = RACES.lstrip("\n").splitlines()
+    first = next(i for i, line in enumerate(lines) if f" {kernel}(" in line)
+    body = lines[first : next((i for i in range(first + 1, len(lines)) if "extern" in lines[i]), len(lines))]
+    at = {mark: first + i + 1 for i, line in enumerate(body) for mark in ("later", "earlier") if f"// {mark}" in line}
+    pattern = rf"{re.escape(problem)}.* thread \({thread},0,0\) {re.escape(later)} .* races\.cu:{at['later']} "
+    return pattern if earlier is None else pattern + rf".* which thread .* {earlier} at .*races\.cu:{at['earlier']} "
+
+
+def _run_racechecked(tmp_path: Path, variant: str, kernels: list[str]) -> subprocess.CompletedProcess:
+    """RACES built under :func:`build.racecheck_environment` with
+    RACE_DEFINES[variant], each of ``kernels`` run in turn in a new process."""
+    environment = build.racecheck_environment(tmp_path / "cache")
+    source = Path(__file__).with_name("cuda_emulator") / "ptx.h"
+    path = tmp_path / "races.cu"
+    path.write_text(RACES.lstrip("\n"))
+    script = (
+        "import ctypes, sys, numpy as np\n"
+        "from cuda_emulator import build\n"
+        f"lib = build.build([{str(source.with_name('half.h'))!r}, {str(source)!r}, sys.argv[1]], "
+        f"{RACE_WRAPPER!r}, {RACE_DEFINES[variant]!r}, 'races')\n"
+        "x, y = np.arange(512, dtype=np.float32), np.zeros(64, np.float32)\n"
+        f"for kernel in {kernels!r}:\n"
+        "    getattr(lib, 'run_' + kernel)(ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(y.ctypes.data))\n"
+    )
+    command = [sys.executable, "-c", script, str(path)]
+    cwd = Path(__file__).parent  # cuda_emulator importable
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+@pytest.mark.parametrize("kernel", list(RACE_REPORTS))
+def test_racecheck_stops_at_each_race(tmp_path, kernel):
+    """Under :func:`build.racecheck_environment` (racecheck.h) each kind of
+    shared-memory race stops its process with both accesses' source lines:
+    a read after another warp's write, a write after another warp's read, two
+    writes, a cp.async copy issued into a tile another warp is reading (the
+    tile loop without its closing barrier, which the emulator's lockstep
+    alone lets pass), a read of a landed copy before the barrier, a read of
+    a copy in flight, two lanes of a warp with no warp-wide operation
+    between, and a read of bytes the block never wrote."""
+    result = _run_racechecked(tmp_path, "racy", [kernel])
+    assert result.returncode != 0, result.stderr[-2000:]
+    assert re.search(_race_report(kernel), result.stderr), result.stderr[-2000:]
+
+
+def test_racecheck_passes_the_same_kernels_with_their_barriers(tmp_path):
+    """The kernels of test_racecheck_stops_at_each_race with the barriers,
+    the warp-wide operation, the wait and the write they lack run clean, two
+    blocks each (the second block's accesses checked afresh)."""
+    result = _run_racechecked(tmp_path, "clean", list(RACE_REPORTS))
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -1368,13 +1368,49 @@ def test_fused_kernels_run_clean_under_the_sanitizers():
     environment = build.sanitizer_environment(build.CACHE_DIR / "sanitized")
     if environment is None:
         pytest.skip("no AddressSanitizer runtime (libasan) that a Python starts with")
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", SANITIZED_TESTS]
+    _rerun_emulated(environment, SANITIZED_TESTS, 80)
+
+
+#: The emulated tests that :func:`test_fused_kernels_have_no_shared_memory_races`
+#: reruns (a ``-k`` expression): every kernel and tile pipeline, the CUDA
+#: cores' and the tensor cores' in each precision, the forward's split stages
+#: forced, key ranges and their merge, float16 read as it is, a KV cache
+#: read in place.
+RACECHECKED_TESTS = (
+    "test_emulated_kernels_match_generic_float64 or test_emulated_tensor_cores_match_float64"
+    " or test_emulated_forward_with_one_key_and_one_value_tile or test_decoding_splits_the_keys"
+    " or test_merge_kernel_merges or test_emulated_cuda_cores_read_float16"
+    " or (test_kv_views_are_read_where_they_lie and True])"
+)
+
+
+@emulated
+@pytest.mark.slow
+def test_fused_kernels_have_no_shared_memory_races():
+    """:data:`RACECHECKED_TESTS` rerun in a process of their own whose
+    kernels check every access to shared memory against the block's other
+    threads (:func:`cuda_emulator.build.racecheck_environment`, whose own
+    tests show each kind of race stopping its process): no tile is read
+    before the barrier after its copy or its writes, none is copied or
+    written over while another warp may still read it, and none is read
+    before the block wrote it; the emulator's lockstep hides the second
+    kind from the other tests (about 3 minutes on 2 cores)."""
+    _rerun_emulated(build.racecheck_environment(build.CACHE_DIR / "racecheck"), RACECHECKED_TESTS, 140)
+
+
+def _rerun_emulated(environment: dict[str, str], selection: str, at_least: int) -> None:
+    """Run this file's tests ``selection`` (a ``-k`` expression) in a new
+    process with ``environment``; assert that at least ``at_least`` ran and
+    all passed. Output not captured there (``-s``), so that a check that
+    aborts the process leaves its report, which heads the failure's."""
+    command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", __file__, "-k", selection]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=3600, cwd=root)
-    report = result.stdout[-3000:] + result.stderr[-3000:]
+    found = [line for line in result.stderr.splitlines() if line.startswith(("cuda_emulator:", "==", "SUMMARY"))]
+    report = "\n".join(found[:40]) + "\n" + result.stdout[-3000:] + result.stderr[-3000:]
     assert result.returncode == 0, report
     passed = re.search(r"(\d+) passed", result.stdout)
-    assert passed is not None and int(passed.group(1)) >= 80, report  # the selection ran, not skipped
+    assert passed is not None and int(passed.group(1)) >= at_least, report  # the selection ran, not skipped
 
 
 # --- on a GPU ------------------------------------------------------------------------------------

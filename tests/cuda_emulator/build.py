@@ -15,13 +15,19 @@ directory), keyed by a hash of every input. A wrapper::
 is then ``build([path], wrapper, {}, "scale").run_scale(x_ptr, y_ptr, n)`` through ctypes.
 
 ``$CUDA_EMULATOR_FLAGS`` adds g++ flags to every build (and to its cache
-key). :func:`sanitizer_environment` is the environment of a new Python
-process whose builds run under AddressSanitizer and
-UndefinedBehaviorSanitizer: a kernel's read or write outside an array (its
-global memory is NumPy's, on the heap) or past a static shared array, a signed
-overflow in its index arithmetic, a misaligned access, each stops the
-process with the source line, where on a GPU it would read a neighbour's
-bytes unnoticed.
+key). Two environments of a new Python process set them:
+
+- :func:`sanitizer_environment`: builds under AddressSanitizer and
+  UndefinedBehaviorSanitizer: a kernel's read or write outside an array (its
+  global memory is NumPy's, on the heap) or past a static shared array, a
+  signed overflow in its index arithmetic, a misaligned access, each stops
+  the process with the source line, where on a GPU it would read a
+  neighbour's bytes unnoticed;
+- :func:`racecheck_environment`: builds whose every access to shared memory
+  is checked against the other threads' of the block (``racecheck.h``): a
+  read and a write, or two writes, of a byte by two threads with no barrier
+  between stop the process with both source lines, whatever order the
+  emulator ran the threads in.
 """
 
 from __future__ import annotations
@@ -40,11 +46,19 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 HEADER = Path(__file__).with_name("emulator.h")
+#: emulator.h and the header it includes, in every build's cache key.
+HEADERS = (HEADER, HEADER.with_name("racecheck.h"))
 CXX = "g++"
 FLAGS = ("-std=c++17", "-O1", "-shared", "-fPIC", *shlex.split(os.environ.get("CUDA_EMULATOR_FLAGS", "")))
 #: ``$CUDA_EMULATOR_FLAGS`` under :func:`sanitizer_environment`: each
 #: sanitizer's first report is fatal.
 SANITIZER_FLAGS = "-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
+#: ``$CUDA_EMULATOR_FLAGS`` for the shared-memory race check (``racecheck.h``):
+#: g++'s ThreadSanitizer instrumentation, whose hooks racecheck.h defines (so
+#: the build compiles with it and links without it, and needs no runtime
+#: preloaded), and line tables for its reports.
+RACECHECK_FLAGS = "-DCUDA_EMULATOR_RACECHECK -fsanitize=thread --param=tsan-instrument-func-entry-exit=0 -g"
+_INSTRUMENTATION_ONLY = "-fsanitize=thread"
 CACHE_DIR = Path(os.environ.get("CUDA_EMULATOR_CACHE") or Path(tempfile.gettempdir()) / "npattn-cuda-emulator")
 
 _EXTERN_SHARED = re.compile(r"\bextern\s+__shared__\s+(?P<type>[^;\[\]{}]*?)\b(?P<name>[A-Za-z_]\w*)\s*\[\s*\]\s*;")
@@ -84,7 +98,7 @@ def build(
     unit = "".join(parts)
     args = [f"-D{key}={value}" for key, value in sorted((defines or {}).items())]
     digest = hashlib.sha256()
-    for item in (CXX, *FLAGS, *args, HEADER.read_text(), unit):
+    for item in (CXX, *FLAGS, *args, *(header.read_text() for header in HEADERS), unit):
         digest.update(item.encode() + b"\0")
     stem = f"{name}-{digest.hexdigest()[:24]}"
     library = CACHE_DIR / f"{stem}.so"
@@ -99,8 +113,7 @@ def build(
         unit_path = CACHE_DIR / f"{stem}.{os.getpid()}.cu"
         unit_path.write_text(unit)
         partial = CACHE_DIR / f"{stem}.{os.getpid()}.so"
-        command = [CXX, *FLAGS, "-include", str(HEADER), *args, "-x", "c++", str(unit_path), "-o", str(partial)]
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        result = _compile(unit_path, args, partial)
         unit_path.unlink(missing_ok=True)
         if result.returncode != 0:
             partial.unlink(missing_ok=True)
@@ -109,6 +122,23 @@ def build(
         os.replace(partial, library)
     _loaded[library] = ctypes.CDLL(str(library))
     return _loaded[library]
+
+
+def _compile(unit_path: Path, args: list[str], library: Path) -> subprocess.CompletedProcess[str]:
+    """g++ on one translation unit; with :data:`RACECHECK_FLAGS`, compiled with
+    the instrumentation and linked without it (its runtime, libtsan, left out)."""
+    compile_ = [CXX, *FLAGS, "-include", str(HEADER), *args, "-x", "c++", str(unit_path)]
+    if _INSTRUMENTATION_ONLY not in FLAGS:
+        return subprocess.run([*compile_, "-o", str(library)], capture_output=True, text=True, check=False)
+    objects = library.with_suffix(".o")
+    try:
+        result = subprocess.run([*compile_, "-c", "-o", str(objects)], capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            return result
+        link = [CXX, *(flag for flag in FLAGS if flag != _INSTRUMENTATION_ONLY), str(objects), "-o", str(library)]
+        return subprocess.run(link, capture_output=True, text=True, check=False)
+    finally:
+        objects.unlink(missing_ok=True)
 
 
 _PROBE = """
@@ -129,6 +159,14 @@ def available() -> bool:
         return bool(build([], _PROBE, {}, "probe").cuda_emulator_probe() == 6)
     except (RuntimeError, OSError):
         return False
+
+
+def racecheck_environment(cache: str | os.PathLike[str]) -> dict[str, str]:
+    """``os.environ`` for a new Python process whose builds take
+    :data:`RACECHECK_FLAGS` (the shared-memory race check, ``racecheck.h``)
+    and are kept in ``cache``. Nothing is preloaded: racecheck.h defines the
+    instrumentation's hooks itself."""
+    return dict(os.environ, CUDA_EMULATOR_FLAGS=RACECHECK_FLAGS, CUDA_EMULATOR_CACHE=str(cache))
 
 
 def sanitizer_environment(cache: str | os.PathLike[str]) -> dict[str, str] | None:

@@ -83,7 +83,11 @@ inline constexpr int warpSize = 32;
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
+#ifdef CUDA_EMULATOR_RACECHECK
+#define __shared__ static __attribute__((section("cuda_shared")))  // racecheck.h's bounds of the static arrays
+#else
 #define __shared__ static
+#endif
 
 // ------------------------------------------------------------------- runtime
 #ifndef CUDA_EMULATOR_STACK_BYTES
@@ -179,6 +183,19 @@ inline Launch& current_launch(const char* what) {
   return *runtime.launch;
 }
 
+}  // namespace detail
+}  // namespace cuda_emulator
+
+#ifdef CUDA_EMULATOR_RACECHECK
+#include "racecheck.h"
+#define CUDA_EMULATOR_RACECHECK_CALL(call) ::cuda_emulator::racecheck::call
+#else
+#define CUDA_EMULATOR_RACECHECK_CALL(call) ((void)0)
+#endif
+
+namespace cuda_emulator {
+namespace detail {
+
 // Called on a fiber: wait at a block-wide barrier.
 inline void barrier(Site site, Kind kind) {
   Launch& L = current_launch(kind_name(kind));
@@ -269,6 +286,7 @@ inline void run_block(Launch& L) {
              t.z, kind_name(f.kind), f.site.file, f.site.line);
       }
     }
+    CUDA_EMULATOR_RACECHECK_CALL(pass_ended(w.kind == Kind::syncthreads));
   }
 }
 
@@ -300,7 +318,9 @@ inline void run_launch(dim3 grid, dim3 block, std::size_t shared_bytes, void (*c
       for (unsigned x = 0; x < grid.x; ++x) {
         blockIdx = uint3{x, y, z};
         std::memset(runtime.shared, 0xFF, shared_bytes);
+        CUDA_EMULATOR_RACECHECK_CALL(block_started(runtime.shared, shared_bytes));
         run_block(L);
+        CUDA_EMULATOR_RACECHECK_CALL(block_ended());
       }
   runtime.launch = nullptr;
 }

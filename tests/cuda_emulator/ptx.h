@@ -111,20 +111,37 @@ inline shared_address_t shared_address(const void* pointer) {
 // that covers the other threads' copies) reads NaN rather than the tile and
 // fails the tests, where a GPU would race. A copy issued into a tile that
 // other threads have yet to read spoils their reads too, but the emulator's
-// threads seldom get that far ahead: its shuffles and mma gathers hold the
-// whole block at each, so a missing barrier before a tile's next copy can
-// still pass here.
+// threads seldom get that far ahead (its shuffles and mma gathers hold the
+// whole block at each), so a missing barrier before a tile's next copy
+// passes here unless the race check (racecheck.h) is on: it sees the issue
+// as a write of the tile, and fails it.
 namespace cuda_emulator::detail {
 inline AsyncCopies& my_async_copies() {
   Launch& L = current_launch("cp.async");
   return L.fibers[L.current].copies;
 }
-inline void issue_async_copy(void* shared, const void* global, unsigned size) {
+// Not instrumented by the race check (racecheck.h): it sees the issue and
+// the landing as accesses of their own, made at the kernel's line.
+__attribute__((no_sanitize_thread, noinline)) inline void issue_async_copy(void* shared, const void* global,
+                                                                           unsigned size) {
+  CUDA_EMULATOR_RACECHECK_CALL(access(shared, size, racecheck::Access::copy_issue, __builtin_return_address(0)));
   AsyncCopy copy{static_cast<unsigned char*>(shared), {}, size};
   // the source's bytes now (global memory stays put while a kernel runs); zeros where nullptr
   if (global != nullptr) std::memcpy(copy.bytes, global, size);
   std::memset(shared, 0xff, size);
   my_async_copies().open.push_back(copy);
+}
+// async_wait<pending>: every committed group but the newest `pending` lands.
+__attribute__((no_sanitize_thread, noinline)) inline void land_async_copies(std::size_t pending) {
+  auto& copies = my_async_copies();
+  while (copies.committed.size() > pending) {
+    for (const auto& copy : copies.committed.front()) {
+      CUDA_EMULATOR_RACECHECK_CALL(
+          access(copy.shared, copy.size, racecheck::Access::copy_landing, __builtin_return_address(0)));
+      std::memcpy(copy.shared, copy.bytes, copy.size);
+    }
+    copies.committed.pop_front();
+  }
 }
 }  // namespace cuda_emulator::detail
 
@@ -143,11 +160,7 @@ inline void async_commit() {
 }
 template <int PENDING>
 inline void async_wait() {
-  auto& copies = ::cuda_emulator::detail::my_async_copies();
-  while (copies.committed.size() > static_cast<std::size_t>(PENDING)) {
-    for (const auto& copy : copies.committed.front()) std::memcpy(copy.shared, copy.bytes, copy.size);
-    copies.committed.pop_front();
-  }
+  ::cuda_emulator::detail::land_async_copies(PENDING);
 }
 
 inline float fast_exp2(float x) { return std::exp2(x); }
