@@ -411,3 +411,55 @@ def test_gpu_benchmark_tile_sweep_compiles_each_size_that_fits(capsys, monkeypat
     # the decode step's keys split for 2, 4, 8, 16 blocks per SM of 132 (8 one-warp blocks a range),
     # at most S / MIN_SPLIT_KEYS = 128 ranges
     assert [int(line.split()[1]) for line in lines[decode + 1 :]] == [33, 66, 128, 128]
+
+
+def _gpu_session():
+    return runpy.run_path(str(BENCHMARKS / "gpu_session.py"))
+
+
+def test_gpu_session_runs_its_steps_within_the_budget(tmp_path, capsys):
+    """``gpu_session.py``'s runner: each step's output in its own log, a
+    summary line with its exit status (124 where its limit ran out), and a
+    step that would start with too little of the budget left skipped; the
+    exit status says whether every step ran and passed."""
+    session = _gpu_session()
+    python = sys.executable
+    plan = [
+        ("passes", [python, "-c", "print('ran')"], 30),
+        ("fails", [python, "-c", "raise SystemExit(3)"], 30),
+        ("too-long", [python, "-c", "import time; time.sleep(30)"], 1),
+        ("passes-too", [python, "-c", "print('ran too')"], 30),
+    ]
+    assert session["run_steps"](plan, tmp_path, 60.0) == 1
+    summary = capsys.readouterr().out.splitlines()
+    assert [line.split()[:3] for line in summary] == [
+        ["passes", "exit", "0"],
+        ["fails", "exit", "3"],
+        ["too-long", "exit", "124"],
+        ["passes-too", "exit", "0"],
+    ]
+    assert (tmp_path / "01-passes.log").read_text() == "ran\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "01-passes.log",
+        "02-fails.log",
+        "03-too-long.log",
+        "04-passes-too.log",
+    ]
+    assert session["run_steps"](plan[:1], tmp_path / "late", session["MIN_STEP_SECONDS"] - 1) == 1
+    assert "passes                   skipped: " in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not _in_git_checkout(), reason="needs git and a checkout")
+def test_gpu_session_prepares_bases_and_plans_a_kernels_step_each(tmp_path, capsys):
+    """``--prepare``'s copy of a revision's package is a folder ``--base``
+    takes, and the plan (``--dry-run``) has the env, tests and targets steps,
+    then one kernels step for each base folder given."""
+    session = _gpu_session()
+    assert session["prepare"](["HEAD"], tmp_path) == 0
+    assert (tmp_path / "HEAD" / "npattn" / "fast_cupy.py").is_file()
+    assert _run_script("gpu_session.py", ["--dry-run", str(tmp_path / "HEAD")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[1:]] == ["env", "tests", "targets", "kernels-HEAD"]
+    assert lines[-1].endswith(f"--kernels --base {tmp_path / 'HEAD'}")
+    assert _run_script("gpu_session.py", [str(tmp_path)]) == 2  # no npattn/ there
+    assert "no npattn/ package in" in capsys.readouterr().err

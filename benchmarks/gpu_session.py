@@ -1,0 +1,159 @@
+"""A GPU session's checks and timings in one command, each step under a time limit.
+
+    python benchmarks/gpu_session.py --prepare aed86d4 1395c71  # here, with git: gpu_bases/REV/npattn
+    python benchmarks/gpu_session.py gpu_bases/*                # on the GPU machine: logs under $OUT
+    python benchmarks/gpu_session.py --dry-run gpu_bases/*      # the steps and their limits, nothing run
+
+A GPU is lent to some sessions only, for minutes at a time (the project's
+device tool: one machine, 15 minutes of device time a session, its start
+included, at most 10 minutes a command, and no network there). So what a
+session must learn from it is prepared beforehand and asked in one call:
+
+1. ``env``: the device and the libraries (``nvidia-smi -L``; CuPy's, its
+   CUDA runtime's and torch's versions);
+2. ``tests``: ``python -m pytest -m gpu -x``: the fused kernels against the
+   generic path and NumPy, gradient checks, dropout bits, determinism;
+3. ``targets``: ``bench_gpu.py --targets``, issue 18's table;
+4. ``kernels-REV``, for each folder given (a copy of another revision's
+   package, which ``--prepare`` writes, since the device's copy of the
+   checkout has no git history): ``bench_gpu.py --kernels --base FOLDER``,
+   every fused kernel against that revision's, call by call in turn.
+
+Each step's output goes to ``OUT/NN-step.log`` (``OUT``: ``--out``, else
+``$OUT``, which the device tool brings back, else ``gpu_session/``) and a
+line of the summary on stdout: its exit status (124: its time ran out) and
+seconds. A step runs for at most its own limit (:data:`STEP_LIMITS`) and
+what is left of ``--budget``; one that would start with less than
+:data:`MIN_STEP_SECONDS` left is skipped and says so. The later steps reuse
+the kernels the earlier ones compiled (CuPy's cache on disk), so the order
+also saves compile time.
+
+The device tool's call for it (the bases carried, being ignored by git)::
+
+    run(command="python benchmarks/gpu_session.py --budget 540 gpu_bases/*",
+        carry=["gpu_bases"], timeout_s=600)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Each step's limit in seconds (a kernels step's for each base).
+STEP_LIMITS = {"env": 30, "tests": 240, "targets": 300, "kernels": 150}
+
+#: A step that would start with less than this left of the budget is skipped.
+MIN_STEP_SECONDS = 30
+
+
+def print_environment() -> int:
+    """The ``env`` step: the device, CuPy with its CUDA runtime, and torch."""
+    smi = shutil.which("nvidia-smi")
+    print(subprocess.run([smi, "-L"], capture_output=True, text=True).stdout.strip() if smi else "no nvidia-smi")
+    try:
+        import cupy
+
+        print("cupy", cupy.__version__, "CUDA runtime", cupy.cuda.runtime.runtimeGetVersion())
+    except Exception as error:  # no CuPy, or no device: say which
+        print("cupy:", error)
+    try:
+        import torch
+
+        print("torch", torch.__version__, "CUDA", torch.version.cuda)
+    except Exception as error:
+        print("torch:", error)
+    return 0
+
+
+def steps(bases: list[str]) -> list[tuple[str, list[str], int]]:
+    """``(name, command, limit)`` of each step, in order."""
+    python, bench = sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py")
+    found = [
+        ("env", [python, str(Path(__file__).resolve()), "--env"], STEP_LIMITS["env"]),
+        ("tests", [python, "-m", "pytest", "-m", "gpu", "-x", "-q", "-p", "no:cacheprovider"], STEP_LIMITS["tests"]),
+        ("targets", [python, bench, "--targets"], STEP_LIMITS["targets"]),
+    ]
+    for base in bases:
+        name = "kernels-" + Path(base).name
+        found.append((name, [python, bench, "--kernels", "--base", base], STEP_LIMITS["kernels"]))
+    return found
+
+
+def run_steps(plan: list[tuple[str, list[str], int]], out: Path, budget: float) -> int:
+    """Run ``plan`` within ``budget`` seconds, each step's output into ``out``;
+    print a summary line per step. Returns 0 if every step ran and passed."""
+    out.mkdir(parents=True, exist_ok=True)
+    start, failures = time.monotonic(), 0
+    for number, (name, command, limit) in enumerate(plan, 1):
+        left = budget - (time.monotonic() - start)
+        if left < MIN_STEP_SECONDS:
+            print(f"{name:<24} skipped: {left:.0f} s of the budget left", flush=True)
+            failures += 1
+            continue
+        log = out / f"{number:02d}-{name}.log"
+        began = time.monotonic()
+        with log.open("w") as sink:
+            try:
+                status = subprocess.run(
+                    command, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT, timeout=min(limit, left)
+                ).returncode
+            except subprocess.TimeoutExpired:
+                status = 124
+        failures += status != 0
+        print(f"{name:<24} exit {status:<4} {time.monotonic() - began:6.1f} s  {log}", flush=True)
+    return int(failures > 0)
+
+
+def prepare(revisions: list[str], folder: Path) -> int:
+    """``folder/REV/npattn`` for each git revision: the package as it was, for
+    ``--base`` on a machine whose copy of the checkout has no history."""
+    for revision in revisions:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "npattn"], capture_output=True)
+        if archive.returncode != 0:
+            print(f"git archive {revision}: {archive.stderr.decode().strip()}", file=sys.stderr)
+            return 1
+        target = folder / revision
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+        subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+        print(target)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("bases", nargs="*", help="folders holding another revision's npattn/, for --kernels --base")
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds for all the steps (default 540)")
+    parser.add_argument("--out", help="folder for the logs (default: $OUT, else gpu_session/)")
+    parser.add_argument("--dry-run", action="store_true", help="print the steps and their limits, run nothing")
+    parser.add_argument(
+        "--prepare", nargs="+", metavar="REV", help="instead: write gpu_bases/REV/npattn for each git revision"
+    )
+    parser.add_argument("--env", action="store_true", help="instead: the env step alone")
+    args = parser.parse_args(argv)
+    if args.env:
+        return print_environment()
+    if args.prepare:
+        return prepare(args.prepare, ROOT / "gpu_bases")
+    if args.budget < MIN_STEP_SECONDS:
+        parser.error(f"--budget must be at least {MIN_STEP_SECONDS} s, got {args.budget}")
+    missing = [base for base in args.bases if not (Path(base) / "npattn").is_dir()]
+    if missing:
+        parser.error(f"no npattn/ package in {', '.join(missing)} (write them with --prepare)")
+    plan = steps([str(Path(base).resolve()) for base in args.bases])
+    if args.dry_run:
+        for name, command, limit in plan:
+            print(f"{name:<24} {limit:4d} s  {' '.join(command)}")
+        return 0
+    return run_steps(plan, Path(args.out or os.environ.get("OUT") or ROOT / "gpu_session"), args.budget)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
