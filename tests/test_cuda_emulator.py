@@ -636,3 +636,19 @@ def test_racecheck_passes_the_same_kernels_with_their_barriers(tmp_path):
     blocks each (the second block's accesses checked afresh)."""
     result = _run_racechecked(tmp_path, "clean", list(RACE_REPORTS))
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.skipif("-DCUDA_EMULATOR_RACECHECK" in build.FLAGS, reason="the race check is on in this process")
+def test_lockstep_alone_passes_a_copy_over_a_tile_being_read(tmp_path):
+    """Why the race check exists: without it the emulator runs the racy
+    copy_over_a_tile_being_read to the right numbers (its threads run in
+    order, so every read of the tile comes before the copy over it), where a
+    GPU's warps may copy first."""
+    stand_ins = [Path(build.__file__).with_name(name) for name in ("half.h", "ptx.h")]
+    path = tmp_path / "races.cu"
+    path.write_text(RACES.lstrip("\n"))
+    lib = build.build([*stand_ins, path], RACE_WRAPPER, RACE_DEFINES["racy"], "races")
+    x, y = np.arange(512, dtype=np.float32), np.zeros(64, np.float32)
+    lib.run_copy_over_a_tile_being_read(_ptr(x), _ptr(y))
+    t = np.arange(32)
+    np.testing.assert_array_equal(y[:32], x[4 * (t + 32)] + x[256 + 4 * t])  # as if every warp waited

@@ -33,6 +33,11 @@
 // - Launches are serialized by a process-wide mutex; no launch from a kernel.
 // - Include any standard header before the kernel source: afterwards the
 //   macros below (`__noinline__` in particular) can break library headers.
+//
+// Built with CUDA_EMULATOR_RACECHECK defined (build.py's RACECHECK_FLAGS),
+// racecheck.h checks every access to shared memory against the other
+// threads' of the block, so that a race the round-robin order hides (a warp
+// writing a tile another warp may still read) stops the run too.
 #pragma once
 
 #include <sys/mman.h>
