@@ -37,6 +37,7 @@ The device tool's call for it (the bases carried, being ignored by git)::
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
 import subprocess
@@ -54,7 +55,8 @@ MIN_STEP_SECONDS = 30
 
 
 def print_environment() -> int:
-    """The ``env`` step: the device, CuPy with its CUDA runtime, and torch."""
+    """The ``env`` step: the device, CuPy with its CUDA runtime, torch, and
+    what the tests need (the machine cannot install what is missing)."""
     smi = shutil.which("nvidia-smi")
     print(subprocess.run([smi, "-L"], capture_output=True, text=True).stdout.strip() if smi else "no nvidia-smi")
     try:
@@ -69,6 +71,11 @@ def print_environment() -> int:
         print("torch", torch.__version__, "CUDA", torch.version.cuda)
     except Exception as error:
         print("torch:", error)
+    for name in ("numpy", "array_api_compat", "pytest", "hypothesis", "array_api_strict"):
+        try:
+            print(name, importlib.import_module(name).__version__)
+        except ImportError as error:
+            print(f"{name}:", error)
     return 0
 
 
