@@ -174,7 +174,8 @@ CUDA_EMULATOR_UNCHECKED inline void check_read(Shadow& s, const Region& r, std::
     report("read of a cp.async copy in flight (its thread has not waited for it)", r, offset, Access::read, at,
            s.writer, "issued", s.write_at);
   if (s.writer < 0)
-    report("read of shared memory not yet written in this block (or written with no barrier before the read)", r, offset, Access::read, at, -1, "", nullptr);
+    report("read of shared memory not yet written in this block (or written with no barrier before the read)", r,
+           offset, Access::read, at, -1, "", nullptr);
   if (!ordered(s.writer, s.write_epoch, s.write_pass, me))
     report("shared memory race (read after write, no barrier between)", r, offset, Access::read, at, s.writer,
            "wrote", s.write_at);
@@ -193,7 +194,7 @@ CUDA_EMULATOR_UNCHECKED inline void check_read(Shadow& s, const Region& r, std::
 CUDA_EMULATOR_UNCHECKED inline void check_write(Shadow& s, const Region& r, std::size_t offset, int me,
                                                 Access access, const void* at) {
   if (s.in_flight && access != Access::copy_landing)
-    report("write to a cp.async copy's bytes in flight", r, offset, access, at, s.writer, "issued it at",
+    report("write to a cp.async copy's bytes in flight", r, offset, access, at, s.writer, "issued the copy",
            s.write_at);
   if (s.read_epoch == clock.epoch) {
     const bool first_other = s.epoch_reader / 32 != me / 32;
@@ -240,24 +241,25 @@ CUDA_EMULATOR_UNCHECKED inline void access(const void* address, std::size_t size
 
 }  // namespace cuda_emulator::racecheck
 
-// g++'s -fsanitize=thread instrumentation calls these around every load and store.
-#define CUDA_EMULATOR_TSAN_HOOKS(n)                                                                 \
-  extern "C" CUDA_EMULATOR_UNCHECKED void __tsan_read##n(void* p) {                                \
-    ::cuda_emulator::racecheck::access(p, n, ::cuda_emulator::racecheck::Access::read,             \
-                                       __builtin_return_address(0));                                \
-  }                                                                                                 \
-  extern "C" CUDA_EMULATOR_UNCHECKED void __tsan_write##n(void* p) {                               \
-    ::cuda_emulator::racecheck::access(p, n, ::cuda_emulator::racecheck::Access::write,            \
-                                       __builtin_return_address(0));                                \
-  }                                                                                                 \
-  extern "C" CUDA_EMULATOR_UNCHECKED void __tsan_unaligned_read##n(void* p) { __tsan_read##n(p); } \
-  extern "C" CUDA_EMULATOR_UNCHECKED void __tsan_unaligned_write##n(void* p) { __tsan_write##n(p); }
+// g++'s -fsanitize=thread instrumentation calls these around every load and
+// store; each passes its caller's address, the kernel's line, on.
+#define CUDA_EMULATOR_TSAN_HOOK(name, n, kind)                                                     \
+  extern "C" CUDA_EMULATOR_UNCHECKED void name(void* p) {                                           \
+    ::cuda_emulator::racecheck::access(p, n, ::cuda_emulator::racecheck::Access::kind,              \
+                                       __builtin_return_address(0));                                 \
+  }
+#define CUDA_EMULATOR_TSAN_HOOKS(n)                                 \
+  CUDA_EMULATOR_TSAN_HOOK(__tsan_read##n, n, read)                  \
+  CUDA_EMULATOR_TSAN_HOOK(__tsan_write##n, n, write)                \
+  CUDA_EMULATOR_TSAN_HOOK(__tsan_unaligned_read##n, n, read)        \
+  CUDA_EMULATOR_TSAN_HOOK(__tsan_unaligned_write##n, n, write)
 CUDA_EMULATOR_TSAN_HOOKS(1)
 CUDA_EMULATOR_TSAN_HOOKS(2)
 CUDA_EMULATOR_TSAN_HOOKS(4)
 CUDA_EMULATOR_TSAN_HOOKS(8)
 CUDA_EMULATOR_TSAN_HOOKS(16)
 #undef CUDA_EMULATOR_TSAN_HOOKS
+#undef CUDA_EMULATOR_TSAN_HOOK
 
 extern "C" CUDA_EMULATOR_UNCHECKED void __tsan_read_range(void* p, unsigned long size) {
   ::cuda_emulator::racecheck::access(p, size, ::cuda_emulator::racecheck::Access::read, __builtin_return_address(0));
