@@ -20,6 +20,17 @@ def _ptr(a: np.ndarray) -> ctypes.c_void_p:
     return ctypes.c_void_p(a.ctypes.data)
 
 
+#: ptx.h, the emulator's stand-in for npattn/cuda/ptx.cuh (cp.async, mma), and half.h, which it needs.
+STAND_INS = [Path(build.__file__).with_name(name) for name in ("half.h", "ptx.h")]
+
+
+def _in_new_process(environment: dict[str, str] | None, script: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -c script *args`` with ``environment``, cuda_emulator importable."""
+    command = [sys.executable, "-c", script, *args]
+    cwd = Path(__file__).parent
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
 def _build(tmp_path: Path, source: str, wrapper: str, name: str, defines: dict[str, str] | None = None) -> ctypes.CDLL:
     path = tmp_path / f"{name}.cu"
     path.write_text(source)
@@ -205,10 +216,9 @@ ASYNC_COPIES_WRAPPER = "\n".join(
 
 def _async_library(tmp_path: Path) -> ctypes.CDLL:
     """ASYNC_COPIES with the emulator's cp.async (ptx.h, and half.h that it needs)."""
-    stand_ins = [Path(build.__file__).with_name(name) for name in ("half.h", "ptx.h")]
     path = tmp_path / "async.cu"
     path.write_text(ASYNC_COPIES)
-    return build.build([*stand_ins, path], ASYNC_COPIES_WRAPPER, {}, "async_copies")
+    return build.build([*STAND_INS, path], ASYNC_COPIES_WRAPPER, {}, "async_copies")
 
 
 def test_async_copies_land_when_their_thread_waits(tmp_path):
@@ -232,7 +242,7 @@ def test_copies_never_waited_for_abort(tmp_path):
     lib = _async_library(tmp_path)
     script = "import ctypes, sys, numpy as np; x = np.ones(256, np.float32); s = np.zeros(64, np.float32)\n"
     script += "ctypes.CDLL(sys.argv[1]).run_never_waits(ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(s.ctypes.data))"
-    result = subprocess.run([sys.executable, "-c", script, lib._name], capture_output=True, text=True, timeout=60)
+    result = _in_new_process(None, script, lib._name)
     assert result.returncode != 0
     assert "returned with cp.async copies it never waited for" in result.stderr
 
@@ -348,7 +358,7 @@ SECOND_SITE = 1 + next(i for i, line in enumerate(DIVERGENT.splitlines()) if "an
 def test_divergent_barrier_aborts(tmp_path, kernel, message):
     lib = _build(tmp_path, DIVERGENT, DIVERGENT_WRAPPER, "divergent")
     script = f"import ctypes, sys; ctypes.CDLL(sys.argv[1]).run_{kernel}()"
-    result = subprocess.run([sys.executable, "-c", script, lib._name], capture_output=True, text=True, timeout=60)
+    result = _in_new_process(None, script, lib._name)
     assert result.returncode != 0
     assert "cuda_emulator: divergent barrier in block (0,0,0)" in result.stderr
     assert message in result.stderr
@@ -419,9 +429,7 @@ def _run_sanitized(tmp_path: Path, source: str, call: str) -> subprocess.Complet
         "p = lambda a: ctypes.c_void_p(a.ctypes.data)\n"
         f"{call}\n"
     )
-    command = [sys.executable, "-c", script, str(path)]
-    cwd = Path(__file__).parent  # cuda_emulator importable
-    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300, cwd=cwd)
+    return _in_new_process(environment, script, str(path))
 
 
 @pytest.mark.parametrize(
@@ -598,21 +606,18 @@ def _run_racechecked(tmp_path: Path, variant: str, kernels: list[str]) -> subpro
     """RACES built under :func:`build.racecheck_environment` with
     RACE_DEFINES[variant], each of ``kernels`` run in turn in a new process."""
     environment = build.racecheck_environment(tmp_path / "cache")
-    source = Path(__file__).with_name("cuda_emulator") / "ptx.h"
     path = tmp_path / "races.cu"
     path.write_text(RACES.lstrip("\n"))
     script = (
         "import ctypes, sys, numpy as np\n"
         "from cuda_emulator import build\n"
-        f"lib = build.build([{str(source.with_name('half.h'))!r}, {str(source)!r}, sys.argv[1]], "
+        f"lib = build.build([*{[str(x) for x in STAND_INS]!r}, sys.argv[1]], "
         f"{RACE_WRAPPER!r}, {RACE_DEFINES[variant]!r}, 'races')\n"
         "x, y = np.arange(512, dtype=np.float32), np.zeros(64, np.float32)\n"
         f"for kernel in {kernels!r}:\n"
         "    getattr(lib, 'run_' + kernel)(ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(y.ctypes.data))\n"
     )
-    command = [sys.executable, "-c", script, str(path)]
-    cwd = Path(__file__).parent  # cuda_emulator importable
-    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300, cwd=cwd)
+    return _in_new_process(environment, script, str(path))
 
 
 @pytest.mark.parametrize("kernel", list(RACE_REPORTS))
@@ -644,10 +649,9 @@ def test_lockstep_alone_passes_a_copy_over_a_tile_being_read(tmp_path):
     copy_over_a_tile_being_read to the right numbers (its threads run in
     order, so every read of the tile comes before the copy over it), where a
     GPU's warps may copy first."""
-    stand_ins = [Path(build.__file__).with_name(name) for name in ("half.h", "ptx.h")]
     path = tmp_path / "races.cu"
     path.write_text(RACES.lstrip("\n"))
-    lib = build.build([*stand_ins, path], RACE_WRAPPER, RACE_DEFINES["racy"], "races")
+    lib = build.build([*STAND_INS, path], RACE_WRAPPER, RACE_DEFINES["racy"], "races")
     x, y = np.arange(512, dtype=np.float32), np.zeros(64, np.float32)
     lib.run_copy_over_a_tile_being_read(_ptr(x), _ptr(y))
     t = np.arange(32)
