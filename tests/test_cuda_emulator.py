@@ -206,11 +206,57 @@ extern "C" __global__ void never_waits(const float* x, float* seen) {
     async_commit();
     seen[threadIdx.x] = 1;
 }
+
+// Addresses a GPU faults on: each kernel's thread 1 (or its lane 1) gives
+// one 4 bytes past where it should.
+extern "C" __global__ void copy_to_misaligned_shared(const float* x, float* seen) {
+    __shared__ __align__(16) float tile[65 * 4];
+    async_copy_16(shared_address(&tile[4 * threadIdx.x + (threadIdx.x == 1)]), x + 4 * threadIdx.x, true);
+    async_commit();
+    async_wait<0>();
+}
+
+extern "C" __global__ void copy_from_misaligned_global(const float* x, float* seen) {
+    __shared__ __align__(16) float tile[64 * 4];
+    async_copy_16(shared_address(&tile[4 * threadIdx.x]), x + 4 * threadIdx.x + (threadIdx.x == 1), true);
+    async_commit();
+    async_wait<0>();
+}
+
+extern "C" __global__ void zeros_from_misaligned_global(const float* x, float* seen) {
+    __shared__ __align__(16) float tile[64 * 4];
+    async_copy_16(shared_address(&tile[4 * threadIdx.x]), x + 4 * threadIdx.x + (threadIdx.x == 1), false);
+    async_commit();
+    async_wait<0>();
+}
+
+extern "C" __global__ void copy_misaligned_entry(const float* x, float* seen) {
+    __shared__ __align__(16) double entries[65];
+    async_copy_entry(shared_address(reinterpret_cast<float*>(entries) + (threadIdx.x == 1)),
+                     reinterpret_cast<const double*>(x) + threadIdx.x);
+    async_commit();
+    async_wait<0>();
+}
+
+extern "C" __global__ void load_misaligned_matrix_rows(const float* x, float* seen) {
+    __shared__ __align__(16) float rows[64 * 8];
+    rows[threadIdx.x] = 0;
+    __syncthreads();
+    unsigned r[4];
+    load_matrices(r, shared_address(&rows[8 * threadIdx.x + 2 * (threadIdx.x == 1)]));
+}
 """
+MISALIGNED = {  # kernel: (the instruction, the address it names, its size)
+    "copy_to_misaligned_shared": ("cp.async", "shared", 16),
+    "copy_from_misaligned_global": ("cp.async", "global", 16),
+    "zeros_from_misaligned_global": ("cp.async", "global", 16),
+    "copy_misaligned_entry": ("cp.async", "shared", 8),
+    "load_misaligned_matrix_rows": ("ldmatrix", "a row's shared", 16),
+}
 ASYNC_COPIES_WRAPPER = "\n".join(
     f'extern "C" void run_{k}(const float* x, float* seen) {{\n'
     f"    cuda_emulator::launch(dim3(1), dim3(64), [&] {{ {k}(x, seen); }});\n}}"
-    for k in ["async_copies", "never_waits"]
+    for k in ["async_copies", "never_waits", *MISALIGNED]
 )
 
 
@@ -245,6 +291,24 @@ def test_copies_never_waited_for_abort(tmp_path):
     result = _in_new_process(None, script, lib._name)
     assert result.returncode != 0
     assert "returned with cp.async copies it never waited for" in result.stderr
+
+
+@pytest.mark.parametrize("kernel", list(MISALIGNED))
+def test_misaligned_copies_and_matrix_rows_abort(tmp_path, kernel):
+    """cp.async (16 bytes, or one 4- or 8-byte entry) and ldmatrix's rows at
+    an address that is not a multiple of their size stop the run, naming the
+    line and the thread, as a GPU faults on them (misaligned address)."""
+    lib = _async_library(tmp_path)
+    script = "import ctypes, sys, numpy as np; x = np.ones(1024, np.float32); s = np.zeros(64, np.float32)\n"
+    script += f"ctypes.CDLL(sys.argv[1]).run_{kernel}(ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(s.ctypes.data))"
+    result = _in_new_process(None, script, lib._name)
+    lines = ASYNC_COPIES.splitlines()
+    kernel_line = next(i for i, line in enumerate(lines) if f" {kernel}(" in line)
+    line = 1 + next(i for i in range(kernel_line, len(lines)) if re.search(r"async_copy|load_matrices", lines[i]))
+    what, space, size = MISALIGNED[kernel]
+    assert result.returncode != 0
+    assert f"{what} at async.cu:{line}: thread (1,0,0) of block (0,0,0) gives {space} address" in result.stderr
+    assert f"not a multiple of {size} bytes" in result.stderr
 
 
 INDICES = r"""

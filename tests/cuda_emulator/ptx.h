@@ -79,8 +79,20 @@ inline void mma_f64_at(detail::Site site, double (&c)[4], const double (&a)[4], 
   }
 }
 
+namespace detail {
+// A GPU faults on an access at an address that is not a multiple of its
+// size (ldmatrix's 16-byte rows, cp.async's copies): so does the emulator.
+inline void check_aligned(Site site, const char* what, const char* space, const void* address, std::size_t bytes) {
+  if (reinterpret_cast<std::uintptr_t>(address) % bytes == 0) return;
+  fail("%s at %s:%d: thread (%u,%u,%u) of block (%u,%u,%u) gives %s address %p, not a multiple of %zu bytes", what,
+       site.file, site.line, threadIdx.x, threadIdx.y, threadIdx.z, blockIdx.x, blockIdx.y, blockIdx.z, space,
+       address, bytes);
+}
+}  // namespace detail
+
 // ldmatrix .x4: the warp's row addresses gathered, then each lane's entries.
 inline void load_matrices_at(detail::Site site, unsigned (&r)[4], const void* row, bool trans) {
+  detail::check_aligned(site, trans ? "ldmatrix.trans" : "ldmatrix", "a row's shared", row, 16);
   const void* rows[32];
   detail::warp_gather(site, row, rows);
   const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -145,14 +157,27 @@ __attribute__((no_sanitize_thread, noinline)) inline void land_async_copies(std:
 }
 }  // namespace cuda_emulator::detail
 
-inline void async_copy_16(void* shared, const void* global, bool valid) {
-  ::cuda_emulator::detail::issue_async_copy(shared, valid ? global : nullptr, 16);
+namespace cuda_emulator {
+// Both addresses a multiple of the copy's size (the global one too where
+// `valid` is false and no byte is read: the instruction takes it all the same).
+inline void async_copy_16_at(detail::Site site, void* shared, const void* global, bool valid) {
+  detail::check_aligned(site, "cp.async", "shared", shared, 16);
+  detail::check_aligned(site, "cp.async", "global", global, 16);
+  detail::issue_async_copy(shared, valid ? global : nullptr, 16);
 }
 template <class T>
-inline void async_copy_entry(void* shared, const T* global) {
-  static_assert(sizeof(T) <= 16, "cp.async copies 4, 8 or 16 bytes");
-  ::cuda_emulator::detail::issue_async_copy(shared, global, sizeof(T));
+inline void async_copy_entry_at(detail::Site site, void* shared, const T* global) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "cp.async copies 4, 8 or 16 bytes");
+  detail::check_aligned(site, "cp.async", "shared", shared, sizeof(T));
+  detail::check_aligned(site, "cp.async", "global", global, sizeof(T));
+  detail::issue_async_copy(shared, global, sizeof(T));
 }
+}  // namespace cuda_emulator
+
+#define async_copy_16(shared, global, valid) \
+  ::cuda_emulator::async_copy_16_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, shared, global, valid)
+#define async_copy_entry(shared, global) \
+  ::cuda_emulator::async_copy_entry_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, shared, global)
 inline void async_commit() {
   auto& copies = ::cuda_emulator::detail::my_async_copies();
   copies.committed.push_back(std::move(copies.open));
