@@ -1,0 +1,110 @@
+"""The fused kernels' CUDA source through NVIDIA's own compiler, without a GPU.
+
+The emulated tests (``test_fast_cupy.py``) compile the kernels with g++; on
+a GPU, CuPy compiles them with NVRTC, which may refuse what g++ takes, and
+``ptxas`` a block's static shared memory past CUDA's 48 KiB. A GPU is lent
+to a session for minutes, so what its first compile would tell is asked
+here: every module the emulated tests build, and those of issue 18's
+shapes (``bench_gpu.py --targets``, both builds: for plain scores and for
+every option), compiled to PTX by NVRTC and assembled by ``ptxas`` for
+sm_80 and sm_90 (the A100 and the H100, the tensor cores' oldest and
+newest), as CuPy's ``RawModule`` compiles them (``--std=c++17`` and the
+module's ``-D`` definitions). NVIDIA's compiler wheels are found as
+``benchmarks/count_sass.py`` finds them (``nvidia-cuda-nvrtc-cu12`` and
+``nvidia-cuda-nvcc-cu12``, or the CUDA 13 ``nvidia-cuda-nvrtc`` and
+``nvidia-cuda-nvcc``, on the Python path); skipped where they are not (CI).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_fast_cupy import CASES, TENSOR_CASES, TENSOR_MATRIX, _problem, _spec
+
+from npattn import fast_cupy
+
+COUNT_SASS = runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "count_sass.py"))
+NVRTC, PTXAS = COUNT_SASS["_find"]("libnvrtc.so*"), COUNT_SASS["_find"]("ptxas")
+
+#: Multiprocessors of the modules' plans (an H100's): only a decode step's
+#: key ranges depend on them, not which modules it builds.
+MULTIPROCESSORS = 132
+
+
+class _Recorder:
+    """:class:`npattn.fast_cupy.Runtime` that compiles nothing: it keeps
+    each module's ``(source, defines)`` in the order asked."""
+
+    def __init__(self) -> None:
+        self.modules: dict[tuple[str, tuple[tuple[str, str], ...]], None] = {}
+
+    def module(self, source: str, defines: tuple[tuple[str, str], ...]) -> object:
+        self.modules[(source, defines)] = None
+        return object()
+
+    def multiprocessors(self, like) -> int:
+        return MULTIPROCESSORS
+
+
+def _targets_specs():
+    """Issue 18's shapes (B=1, N=8, H=64, float16, float32, float64; H=128
+    in float16 and float32; the decode step, T=1 against N=32 on 8 kv heads),
+    plain and with a softcap (the build for every option)."""
+    for dtype in (np.float16, np.float32, np.float64):
+        for H in (64, 128) if dtype != np.float64 else (64,):
+            x = np.zeros((1, 8, 4096, H), dtype)
+            step = np.zeros((1, 32, 1, H), dtype)
+            for options in ({}, {"softcap": 30.0}):
+                yield _spec(x, x, x, options)
+                yield _spec(step, x, x, dict(options, causal=True, align="bottom_right"))
+
+
+def shipped_modules() -> dict[tuple[str, tuple[tuple[str, str], ...]], None]:
+    """Every module (source, defines) the emulated tests and issue 18's
+    shapes build, on the tensor cores and, with ``NPATTN_CUPY_TENSOR_CORES=0``,
+    the CUDA cores."""
+    recorder = _Recorder()
+    problems = [_problem(dtype=dtype, **TENSOR_CASES[case]) for case, dtype, _ in TENSOR_MATRIX]
+    problems += [
+        _problem(dtype=dtype, **case) for case in CASES.values() for dtype in (np.float64, np.float32, np.float16)
+    ]
+    specs = [_spec(q, k, v, options) for q, k, v, options in problems]
+    specs += list(_targets_specs())
+    for spec in specs:
+        for setting in ("1", "0"):
+            precision = fast_cupy._precision(spec, setting)
+            fast_cupy._forward_plan(recorder, spec, None, precision)
+            fast_cupy._backward_plan(recorder, spec, precision)
+    return recorder.modules
+
+
+def _compile_error(tools, source: str, defines: tuple[tuple[str, str], ...], arch: str, folder: Path) -> str | None:
+    """NVRTC's or ptxas's complaint about one module for ``sm_{arch}``, or None."""
+    options = ["--std=c++17", f"-arch=compute_{arch}"] + [f"-D{name}={value}" for name, value in defines]
+    try:
+        ptx = tools.ptx(source, options)  # ctypes lets other threads run meanwhile
+    except RuntimeError as error:
+        return f"{dict(defines)}: {error}"
+    folder.mkdir()
+    (folder / "kernels.ptx").write_text(ptx)
+    command = [PTXAS, f"-arch=sm_{arch}", str(folder / "kernels.ptx"), "-o", str(folder / "kernels.cubin")]
+    assembled = subprocess.run(command, capture_output=True, text=True)
+    return f"{dict(defines)}: ptxas: {assembled.stderr.strip()}" if assembled.returncode else None
+
+
+@pytest.mark.skipif(NVRTC is None or PTXAS is None, reason="no NVRTC and ptxas (NVIDIA's compiler wheels)")
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_kernels_compile_with_nvrtc_and_ptxas(tmp_path, arch):
+    tools = COUNT_SASS["Tools"](NVRTC, PTXAS, None)
+    modules = list(shipped_modules())
+    assert len(modules) > 100  # both kinds of kernels, three precisions, forward and backward, both builds
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        errors = pool.map(lambda n: _compile_error(tools, *modules[n], arch, tmp_path / str(n)), range(len(modules)))
+        failures = [error for error in errors if error is not None]
+    assert not failures, f"{len(failures)} of {len(modules)} modules:\n" + "\n".join(failures[:5])
