@@ -526,12 +526,15 @@ class _NoKernels:
     def module(self, source, defines):
         return defines  # a stand-in module, which fast_cupy keeps as it keeps CuPy's (None is not kept)
 
-    def launch(self, module, name, grid, threads, args):
+    def launch(self, module, name, grid, threads, args, shared_bytes=0):
         if self.first_launch is None:
             self.first_launch = time.perf_counter()
 
     def multiprocessors(self, like):
         return 132  # an H100's
+
+    def shared_memory(self, like):
+        return 227 * 1024  # an H100's opt-in maximum a block
 
 
 def _forward_backward(q, k, v, dout) -> None:
@@ -931,11 +934,15 @@ class _TimedLaunches:
     def multiprocessors(self, like):
         return self.inner.multiprocessors(like)
 
-    def launch(self, module, name, grid, threads, args):
+    def shared_memory(self, like):
+        return self.inner.shared_memory(like)
+
+    def launch(self, module, name, grid, threads, args, shared_bytes=0):
         start, end = self.cp.cuda.Event(), self.cp.cuda.Event()
         start.record()
         self.grids[name] = grid
-        self.inner.launch(module, name, grid, threads, args)
+        # a base revision's runtime, from before dynamic shared memory, takes no shared_bytes
+        self.inner.launch(module, name, grid, threads, args, *((shared_bytes,) if shared_bytes else ()))
         end.record()
         self.events.append((name, start, end))
 

@@ -76,6 +76,11 @@ PLAIN_CALL = (
 )
 
 
+#: Shared memory a block of an H100 may take (CUDA's opt-in maximum), for
+#: the backward's operands kept there (``fast_cupy.tensor_kept_operands``).
+H100_SHARED_MEMORY = 227 * 1024
+
+
 def _find(pattern: str) -> str | None:
     for folder in sys.path:
         found = sorted(glob.glob(os.path.join(folder or ".", "nvidia", "**", pattern), recursive=True))
@@ -198,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                 plain = source
                 for text, replacement in PLAIN_CALL:
                     plain = plain.replace(text, replacement)
-                defines = dict(fast_cupy._tensor_defines(spec, precision, backward))  # PLAIN_SCORES=1
+                kept = fast_cupy.tensor_kept_operands(spec, precision, H100_SHARED_MEMORY) if backward else 0
+                defines = dict(fast_cupy._tensor_defines(spec, precision, backward, kept))  # PLAIN_SCORES=1
                 options = ["--std=c++17", "-arch=compute_90"] + [f"-D{k}={v}" for k, v in defines.items()]
                 report, listing = tools.assemble(tools.ptx(source, options), folder)
                 shipped, shipped_loops = registers(report), tile_loops(listing)

@@ -232,13 +232,21 @@ class Runtime(Protocol):
     def module(self, source: str, defines: tuple[tuple[str, str], ...]) -> Any:
         """The compiled module of ``source`` with these ``-D`` definitions."""
 
-    def launch(self, module: Any, name: str, grid: tuple[int, int, int], threads: int, args: tuple) -> None:
+    def launch(
+        self, module: Any, name: str, grid: tuple[int, int, int], threads: int, args: tuple, shared_bytes: int = 0
+    ) -> None:
         """Run kernel ``name`` of ``module``; ``args`` are device arrays, None
         (a null pointer) or a host NumPy array of one :data:`CONFIG_DTYPE`
-        entry (the ``Config`` struct, by value)."""
+        entry (the ``Config`` struct, by value); ``shared_bytes`` of dynamic
+        shared memory a block (``extern __shared__``), the same at every
+        launch of a kernel."""
 
     def multiprocessors(self, like: Any) -> int:
         """Multiprocessors of ``like``'s device."""
+
+    def shared_memory(self, like: Any) -> int:
+        """Bytes of shared memory a block of ``like``'s device may take,
+        static and dynamic together (CUDA's opt-in maximum)."""
 
 
 class CupyRuntime:
@@ -247,7 +255,7 @@ class CupyRuntime:
     ``RawKernel`` and asks the driver for the function on every call)."""
 
     def __init__(self) -> None:
-        self._multiprocessors: dict[int, int] = {}
+        self._attributes: dict[int, dict[str, int]] = {}
         self._kernels: dict[tuple[Any, str], Any] = {}
         self._by_value: dict[int, tuple[np.ndarray, Any]] = {}  # id(host array) -> (it, its CPointer)
 
@@ -257,17 +265,21 @@ class CupyRuntime:
         options = ("--std=c++17",) + tuple(f"-D{name}={value}" for name, value in defines)
         return cupy.RawModule(code=source, options=options)
 
-    def launch(self, module: Any, name: str, grid: tuple[int, int, int], threads: int, args: tuple) -> None:
+    def launch(
+        self, module: Any, name: str, grid: tuple[int, int, int], threads: int, args: tuple, shared_bytes: int = 0
+    ) -> None:
         kernel = self._kernels.get((module, name))
         if kernel is None:
             kernel = self._kernels[(module, name)] = module.get_function(name)
+            if shared_bytes:  # past 48 KiB a kernel must opt in (cudaFuncAttributeMaxDynamicSharedMemorySize)
+                kernel.max_dynamic_shared_size_bytes = shared_bytes
         # None as a NULL pointer and the Config struct by value, each a
         # pointer to host bytes the driver copies (_by_value); device arrays
         # as they are: one comprehension, no call per device array
         by_value = self._by_value_pointer
         converted = [by_value(a) if type(a) is np.ndarray else by_value(_NULL) if a is None else a for a in args]
         with args[0].device:  # the arrays' device, whichever is current
-            kernel(grid, (threads, 1, 1), tuple(converted))
+            kernel(grid, (threads, 1, 1), tuple(converted), shared_mem=shared_bytes)
 
     def _by_value_pointer(self, host: np.ndarray) -> Any:
         """CuPy's kernel argument for the bytes of ``host``, passed by value:
@@ -289,10 +301,17 @@ class CupyRuntime:
         return kept[1]
 
     def multiprocessors(self, like: Any) -> int:
+        return self._device_attributes(like)["MultiProcessorCount"]
+
+    def shared_memory(self, like: Any) -> int:
+        # CUDA's portable 48 KiB where a CuPy's attributes lack the opt-in maximum
+        return self._device_attributes(like).get("MaxSharedMemoryPerBlockOptin", 48 * 1024)
+
+    def _device_attributes(self, like: Any) -> dict[str, int]:
         device = like.device.id
-        if device not in self._multiprocessors:  # Device.attributes reads every attribute: once per device
-            self._multiprocessors[device] = int(like.device.attributes["MultiProcessorCount"])
-        return self._multiprocessors[device]
+        if device not in self._attributes:  # Device.attributes reads every attribute: once per device
+            self._attributes[device] = dict(like.device.attributes)
+        return self._attributes[device]
 
 
 _CUPY_RUNTIME = CupyRuntime()
@@ -536,25 +555,31 @@ def operand_dtype(spec: AttentionSpec) -> Any:
 _FLOAT16 = np.dtype(np.float16)
 
 
-def _tensor_module(runtime: Runtime, spec: AttentionSpec, precision: str, warps: int, backward: bool = False) -> Any:
+def _tensor_module(
+    runtime: Runtime, spec: AttentionSpec, precision: str, warps: int, backward: bool = False, kept: int = 0
+) -> Any:
     """The tensor-core forward (with the merge of key ranges) or backward
     (with ``D``) for ``spec``'s dims, ``precision`` and ``warps``
-    (:func:`tensor_warps`), each with its own tiles (:func:`tensor_tile`):
-    looked up by these and :func:`plain_scores` alone (1 µs; building its
-    definitions takes 2.5 more, 2-core EPYC)."""
-    key = (runtime, precision, spec.head_dim, spec.value_dim, warps, backward, plain_scores(spec))
+    (:func:`tensor_warps`), each with its own tiles (:func:`tensor_tile`),
+    the backward with ``kept`` operands in shared memory
+    (:func:`tensor_kept_operands`): looked up by these and
+    :func:`plain_scores` alone (1 µs; building its definitions takes 2.5
+    more, 2-core EPYC)."""
+    key = (runtime, precision, spec.head_dim, spec.value_dim, warps, backward, plain_scores(spec), kept)
     module = _TENSOR_MODULES.get(key)
     if module is None:
         kind = "tensor_backward" if backward else "tensor_forward"
-        module = _TENSOR_MODULES[key] = _compiled(runtime, kind, _tensor_defines(spec, precision, backward))
+        module = _TENSOR_MODULES[key] = _compiled(runtime, kind, _tensor_defines(spec, precision, backward, kept))
     return module
 
 
-_TENSOR_MODULES: dict[tuple[Runtime, str, int, int, int, bool, bool], Any] = {}
+_TENSOR_MODULES: dict[tuple[Runtime, str, int, int, int, bool, bool, int], Any] = {}
 
 
-def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tuple[tuple[str, str], ...]:
-    """The ``-D`` definitions of :func:`_tensor_module` (``benchmarks/count_sass.py`` compiles with them too)."""
+def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool, kept: int = 0) -> tuple[tuple[str, str], ...]:
+    """The ``-D`` definitions of :func:`_tensor_module`, the backward's with
+    ``kept`` operands in shared memory (:func:`tensor_kept_operands`;
+    ``benchmarks/count_sass.py`` compiles with them too)."""
     tile = tensor_tile(spec, precision, backward)
     defines = (
         ("scalar_t", "double" if precision == "f64" else "float"),
@@ -567,7 +592,7 @@ def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool) -> tupl
         ("TC_WARPS", str(tensor_warps(spec, backward))),
     )
     if backward:
-        return defines
+        return defines + (("TC_KEPT", str(kept)),)
     return defines + (
         ("TC_MIN_BLOCKS", str(tensor_min_blocks(spec, precision))),
         ("TC_SPLIT_STAGES", str(int(tensor_split_stages(spec, precision)))),
@@ -624,16 +649,73 @@ def _tile_stride(width: int, precision: str) -> int:
     return width + 16 // TENSOR_PRECISIONS[precision][1]
 
 
+#: How many of the tensor-core backward's two A operands (``Q`` and ``dO``
+#: in dQ, ``K`` and ``V`` in dK/dV: 16 rows a warp, read once) each kernel
+#: keeps in dynamic shared memory rather than registers (``TC_KEPT``), at
+#: most, by precision: both in float64, whose registers spilled them
+#: (``count_sass.py``, sm_90, H=Hv=64, the kernels shipped for plain scores:
+#: dQ 255 registers, 184 bytes spilled and 73 spill loads and stores in its
+#: tile loop, against 220 registers and none kept; dK/dV 255, 400 and 68
+#: against 242 and none, its loop 1669 instructions against 1587); none in
+#: float16 and float32, whose registers hold them at heads up to 64 (at
+#: H=Hv=128 float32's backward spills, but its fragments kept are split
+#: into TensorFloat-32 halves again each tile: dK/dV's plain loop 2532
+#: instructions against 2102 and 148 spill loads and stores). Not yet timed
+#: on a GPU.
+TENSOR_KEPT_OPERANDS = {"f16": 0, "tf32x3": 0, "f64": 2}
+
+#: Bytes of an ``mma``'s A fragment, a thread's share (``FragA``,
+#: ``operands.cuh``), by precision.
+TENSOR_FRAG_BYTES = {"f16": 16, "tf32x3": 16, "f64": 32}
+
+
+def _kept_bytes(spec: AttentionSpec, precision: str, kept: int) -> int:
+    """Dynamic shared memory of a tensor-core backward block whose first
+    ``kept`` A operands (of ``H``, then ``Hv`` entries a row) are kept there."""
+    step = 16 if precision == "f16" else 8  # an mma's inner dimension (KSTEP)
+    widths = (spec.head_dim, spec.value_dim)[:kept]
+    threads = 32 * TENSOR_BACKWARD_WARPS[precision]
+    return threads * sum(width // step for width in widths) * TENSOR_FRAG_BYTES[precision]
+
+
+def tensor_kept_operands(spec: AttentionSpec, precision: str, shared_memory: int) -> int:
+    """How many A operands the tensor-core backward keeps in dynamic shared
+    memory (``TC_KEPT``): :data:`TENSOR_KEPT_OPERANDS`, fewer where a
+    block's static and dynamic shared memory would pass the device's
+    ``shared_memory`` bytes (CUDA's opt-in maximum per block: 227 KiB on an
+    H100, 163 on an A100, 99 on the GeForce GPUs of compute capability 8.6
+    and 8.9).
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> x = np.zeros((1, 8, 1024, 64))
+    >>> [tensor_kept_operands(make_spec(x, x, x), "f64", kib * 1024) for kib in (227, 163, 99, 48)]
+    [2, 2, 1, 0]
+    """
+    static = _static_shared_bytes(spec, precision, tensor_tile(spec, precision, backward=True), backward=True)
+    kept = TENSOR_KEPT_OPERANDS[precision]
+    while kept and static + _kept_bytes(spec, precision, kept) > shared_memory:
+        kept -= 1
+    return kept
+
+
+def _static_shared_bytes(spec: AttentionSpec, precision: str, tile: int, backward: bool, stages: int = 2) -> int:
+    """A tensor-core kernel's static shared memory at most with ``stages``
+    tiles of ``tile`` rows (:func:`_tiles_fit`), and 256 bytes for the
+    block's key span and ``exp2.cuh``'s table."""
+    item = TENSOR_PRECISIONS[precision][1]
+    padded = _tile_stride(spec.head_dim, precision) + _tile_stride(spec.value_dim, precision)
+    per_stage = tile * (padded * item + (TENSOR_ROW_BYTES[precision] if backward else 0))
+    return stages * per_stage + 256
+
+
 def _tiles_fit(spec: AttentionSpec, precision: str, tile: int, backward: bool, stages: int = 2) -> bool:
     """Whether ``stages`` tiles (two: ``TC_STAGES``, ``tensor_tiles.cuh``)
     fit CUDA's 48 KiB of static shared memory: a key and a value tile each
     in the forward (rows :func:`_tile_stride` entries apart); in the
     backward, the largest kernel's, dK/dV's: a query and a ``dO`` tile each,
     with :data:`TENSOR_ROW_BYTES` per query row."""
-    item = TENSOR_PRECISIONS[precision][1]
-    padded = _tile_stride(spec.head_dim, precision) + _tile_stride(spec.value_dim, precision)
-    per_stage = tile * (padded * item + (TENSOR_ROW_BYTES[precision] if backward else 0))
-    return stages * per_stage <= 48 * 1024 - 256  # 256: the block's key span (16 bytes a warp), exp2.cuh's table
+    return _static_shared_bytes(spec, precision, tile, backward, stages) <= 48 * 1024
 
 
 #: Precisions whose tensor-core forward keeps the tile its registers allow
@@ -685,9 +767,10 @@ def tensor_tile(spec: AttentionSpec, precision: str, backward: bool = False) -> 
 
     - By registers: 64; 32 in float32 in the backward and with heads over
       64 in the forward; in float64 32 in the forward and 16 in the backward
-      (whose kernels take 255 registers and spill some even so: ptxas
-      reports 420 bytes each for dQ and dK/dV at H=64, against 936 and
-      1568 with 32-row tiles).
+      (whose kernels, before their operands were kept in shared memory,
+      :func:`tensor_kept_operands`, took 255 registers and spilled some
+      even so: ptxas reported 420 bytes each for dQ and dK/dV at H=64,
+      against 936 and 1568 with 32-row tiles).
     - Halved: 32 keys in the float16 forward at H=Hv=128 (a decode step's
       head) and the float32 forward at H=Hv=64 (the float64 forward at
       H=Hv=64 keeps 32 keys, one tile of each); in the backward, 32 rows in
@@ -1002,13 +1085,15 @@ class _Plan(NamedTuple):
     (:func:`_kv_operands`), kept where the spec has no per-batch arrays
     (whose copies, and so addresses, are a call's own); and ``scratch``,
     the bytes of the ranges' outputs before their merge (:func:`_scratch`),
-    with several ranges."""
+    with several ranges; ``shared_bytes``, the dynamic shared memory of the
+    tensor-core backward's dQ and dK/dV blocks (:func:`tensor_kept_operands`)."""
 
     module: Any
     launches: tuple[_Launch, ...]
     splits: int
     calls: dict[int, _Call]
     scratch: tuple[int, ...] = ()
+    shared_bytes: int = 0
 
     def call(self, spec: AttentionSpec, kv_head_rows: int) -> _Call:
         """The kernels' :class:`_Call` for ``spec`` (the plan's) with ``k``
@@ -1038,7 +1123,7 @@ def _plan(runtime: Runtime, spec: AttentionSpec, like: Any, backward: bool) -> _
     plan = None if plans is None else plans.get((runtime, setting, backward))
     if plan is None:
         precision = _precision(spec, setting)
-        plan = _backward_plan(runtime, spec, precision) if backward else _forward_plan(runtime, spec, like, precision)
+        plan = (_backward_plan if backward else _forward_plan)(runtime, spec, like, precision)
         if plans is not None:
             plans[(runtime, setting, backward)] = plan
     return plan
@@ -1069,17 +1154,21 @@ def _forward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: s
     return _Plan(module, launches, splits, {}, scratch)
 
 
-def _backward_plan(runtime: Runtime, spec: AttentionSpec, precision: str | None) -> _Plan:
+def _backward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: str | None) -> _Plan:
     """:func:`backward`'s launches: ``D``'s (a warp per row), then ``dQ``'s
     over (row blocks, kv heads, batch) and ``dK``/``dV``'s over (key
-    blocks, kv heads, batch)."""
+    blocks, kv heads, batch), with the dynamic shared memory of the
+    operands they keep there on ``like``'s device."""
+    shared_bytes = 0
     if precision is None:
         shape = launch_shape(spec, backward=True)
         module, threads, suffix = _module(runtime, spec, shape), BLOCK_THREADS, ""
         row_blocks, key_blocks = _grid_rows(spec, shape), -(-spec.kv_len // (shape.rows * shape.tile))
     else:
         warps = TENSOR_BACKWARD_WARPS[precision]  # tensor_warps(spec, backward=True), the precision known
-        module = _tensor_module(runtime, spec, precision, warps, backward=True)
+        kept = tensor_kept_operands(spec, precision, runtime.shared_memory(like))
+        module = _tensor_module(runtime, spec, precision, warps, backward=True, kept=kept)
+        shared_bytes = _kept_bytes(spec, precision, kept)
         threads, suffix, block_rows = 32 * warps, "_tc", TENSOR_WARP_ROWS * warps
         row_blocks, key_blocks = -(-spec.group_size * spec.q_len // block_rows), -(-spec.kv_len // block_rows)
     B, K = spec.num_batch, spec.num_kv_heads
@@ -1089,7 +1178,7 @@ def _backward_plan(runtime: Runtime, spec: AttentionSpec, precision: str | None)
         ("npattn_backward_dq" + suffix, (row_blocks, K, B), threads),
         ("npattn_backward_dkdv" + suffix, (key_blocks, K, B), threads),
     )
-    return _Plan(module, launches, 1, {})
+    return _Plan(module, launches, 1, {}, shared_bytes=shared_bytes)
 
 
 def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None = None) -> tuple[Any, Any]:
@@ -1164,8 +1253,8 @@ def backward(
     outc, lsec, dlsec = (None if x is None else _contiguous(x) for x in (out, lse, dlse))
     runtime.launch(plan.module, *d_launch, (doc, outc, dlsec, D, call.config))
     inputs = (qc, kc, vc, doc, lsec, D)
-    runtime.launch(plan.module, *dq_launch, (*inputs, dq, slope_rows, call.config))
-    runtime.launch(plan.module, *dkdv_launch, (*inputs, dk, dv, call.config))
+    runtime.launch(plan.module, *dq_launch, (*inputs, dq, slope_rows, call.config), plan.shared_bytes)
+    runtime.launch(plan.module, *dkdv_launch, (*inputs, dk, dv, call.config), plan.shared_bytes)
     alibi_total = None if slope_rows is None else xp.reshape(xp.sum(slope_rows, axis=-1), bs + (N,))  # (..., N)
     params = param_grads_from_heads(spec, alibi_total)
     return (

@@ -94,10 +94,11 @@ P argument(void* a) {
 }
 template <class... P, std::size_t... I>
 void call_with(void (*kernel)(P...), void** a, std::index_sequence<I...>) { kernel(argument<P>(a[I])...); }
-#define EMULATED(name, arity)                                                                        \
-  extern "C" void launch_##name(unsigned gx, unsigned gy, unsigned gz, unsigned threads, void** a) { \
-    cuda_emulator::launch(dim3(gx, gy, gz), dim3(threads),                                           \
-                          [&] { call_with(name, a, std::make_index_sequence<arity>{}); });           \
+#define EMULATED(name, arity)                                                                               \
+  extern "C" void launch_##name(unsigned gx, unsigned gy, unsigned gz, unsigned threads, std::size_t shared, \
+                                void** a) {                                                                 \
+    cuda_emulator::launch(                                                                                  \
+        dim3(gx, gy, gz), dim3(threads), [&] { call_with(name, a, std::make_index_sequence<arity>{}); }, shared); \
   }
 """
 
@@ -109,10 +110,11 @@ def _wrapper(kind: str) -> str:
 class EmulatedRuntime:
     """:class:`npattn.fast_cupy.Runtime` on the CPU: g++ and the emulator, NumPy arrays."""
 
-    def __init__(self, multiprocessors: int = 4):
-        self.count = multiprocessors
+    def __init__(self, multiprocessors: int = 4, shared_memory: int = 227 * 1024):
+        self.count, self.shared_bytes = multiprocessors, shared_memory  # an H100's opt-in shared memory a block
         self.launches: list[tuple[str, tuple[int, int, int], int]] = []  # name, grid, threads
         self.arguments: list[tuple] = []  # each launch's arguments, as given
+        self.shared: list[int] = []  # each launch's dynamic shared memory
 
     def module(self, source: str, defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
         folder = resources.files("npattn") / "cuda"
@@ -121,7 +123,7 @@ class EmulatedRuntime:
         paths = [EMULATED.get(name, str(folder / name)) for name in fast_cupy.SOURCES[kinds[0]]]
         return build.build(paths, _wrapper(kinds[0]), dict(defines), f"npattn_{kinds[0]}")
 
-    def launch(self, module, name, grid, threads, args) -> None:
+    def launch(self, module, name, grid, threads, args, shared_bytes=0) -> None:
         assert len(args) == KERNEL_ARITY[name], f"{name} takes {KERNEL_ARITY[name]} arguments, got {len(args)}"
         addresses = []  # each array's address, as a kernel argument of its own
         for position, a in enumerate(args):
@@ -136,12 +138,18 @@ class EmulatedRuntime:
         params = [a.ctypes.data if v else ctypes.addressof(x) for a, v, x in zip(args, by_value, addresses)]
         self.launches.append((name, grid, threads))
         self.arguments.append(args)
+        self.shared.append(shared_bytes)
         getattr(module, f"launch_{name}")(
-            *(ctypes.c_uint(x) for x in (*grid, threads)), (ctypes.c_void_p * len(params))(*params)
+            *(ctypes.c_uint(x) for x in (*grid, threads)),
+            ctypes.c_size_t(shared_bytes),
+            (ctypes.c_void_p * len(params))(*params),
         )
 
     def multiprocessors(self, like) -> int:
         return self.count
+
+    def shared_memory(self, like) -> int:
+        return self.shared_bytes
 
 
 emulated = pytest.mark.skipif(not build.available(), reason="no working g++ to build the CUDA emulator")
@@ -399,6 +407,56 @@ def test_emulated_forward_with_one_key_and_one_value_tile(monkeypatch, case, dty
     assert chosen == precision
     assert [defines["TC_SPLIT_STAGES"] for defines in built if "TC_SPLIT_STAGES" in defines] == ["1"]
     _assert_within(fused, exact, TENSOR_TOLERANCE[precision])
+
+
+#: The backward's operands kept in shared memory (TC_KEPT) forced: both, in
+#: every case and precision (float64's own choice on an H100 or A100); one,
+#: in float64 (on a GPU whose blocks take 99 KiB).
+KEPT_MATRIX = [(case, dtype, precision, 2) for case, dtype, precision in TENSOR_MATRIX] + [
+    (case, dtype, precision, 1) for case, dtype, precision in TENSOR_MATRIX if precision == "f64"
+]
+
+
+@emulated
+@pytest.mark.parametrize("case, dtype, precision, kept", KEPT_MATRIX)
+def test_emulated_backward_with_operands_kept_in_shared_memory(monkeypatch, case, dtype, precision, kept):
+    """The tensor-core backward with its first ``kept`` A operands (Q then
+    dO in dQ, K then V in dK/dV) read from dynamic shared memory
+    (``TC_KEPT``, operands.cuh's RowOperand) rather than registers, through
+    _tensor_paths as test_emulated_tensor_cores_match_float64; dQ and dK/dV
+    launched with that memory, the other kernels with none."""
+    monkeypatch.setattr(fast_cupy, "tensor_kept_operands", lambda spec, precision, shared_memory: kept)
+    launched = []
+    launch = EmulatedRuntime.launch
+
+    def recorded(runtime, module, name, grid, threads, args, shared_bytes=0):
+        launched.append((name, shared_bytes))
+        launch(runtime, module, name, grid, threads, args, shared_bytes)
+
+    monkeypatch.setattr(EmulatedRuntime, "launch", recorded)
+    fused, exact, _, chosen = _tensor_paths(case, dtype)
+    assert chosen == precision
+    widths = (TENSOR_CASES[case]["H"], TENSOR_CASES[case]["Hv"])[:kept]
+    frags = sum(widths) // (16 if precision == "f16" else 8)
+    threads = 32 * fast_cupy.TENSOR_BACKWARD_WARPS[precision]
+    expected = threads * frags * {"f16": 16, "tf32x3": 16, "f64": 32}[precision]
+    assert [shared for name, shared in launched if name.startswith("npattn_backward_d")] == [0, expected, expected]
+    assert all(shared == 0 for name, shared in launched if name.startswith(("npattn_forward", "npattn_merge")))
+    _assert_within(fused, exact, TENSOR_TOLERANCE[precision])
+
+
+def test_backward_keeps_the_operands_that_fit_the_devices_shared_memory():
+    """float64's backward keeps both operands where a block's shared memory
+    takes them (an H100's 227 KiB, an A100's 163), one at 99 KiB, none at
+    CUDA's portable 48; float16 and float32 keep none. A plan's dQ and dK/dV
+    get that memory, and the module its TC_KEPT."""
+    x64, x16 = np.zeros((1, 2, 64, 64)), np.zeros((1, 2, 64, 64), np.float16)
+    for kib, kept in ((227, 2), (163, 2), (99, 1), (48, 0)):
+        runtime = EmulatedRuntime(shared_memory=kib * 1024)
+        runtime.module = lambda source, defines: dict(defines)  # the plan alone, nothing built
+        plan = fast_cupy._backward_plan(runtime, make_spec(x64, x64, x64), x64, "f64")
+        assert plan.module["TC_KEPT"] == str(kept) and plan.shared_bytes == 256 * 8 * kept * 32
+        assert fast_cupy._backward_plan(runtime, make_spec(x16, x16, x16), x16, "f16").shared_bytes == 0
 
 
 @emulated
@@ -1184,6 +1242,9 @@ class _NoKernels:
     def multiprocessors(self, like):
         return 4
 
+    def shared_memory(self, like):
+        return 227 * 1024
+
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float64])
 @pytest.mark.parametrize("H", [64, 200])  # the tensor cores', and (above their widest heads) the CUDA cores'
@@ -1274,7 +1335,9 @@ def test_cupy_runtime_looks_each_kernel_up_once(monkeypatch):
     """CupyRuntime asks a module for a kernel once, then reuses it (without
     CuPy: a module, arrays and a ``CPointer`` that record what they are
     given), passing ``None`` as a pointer to eight zero bytes and the
-    ``Config`` struct as a pointer to its bytes, kept for the next launch."""
+    ``Config`` struct as a pointer to its bytes, kept for the next launch;
+    a kernel launched with dynamic shared memory opts in to that much once
+    (``max_dynamic_shared_size_bytes``) and gets it at every launch."""
     import contextlib
     import types
 
@@ -1286,10 +1349,17 @@ def test_cupy_runtime_looks_each_kernel_up_once(monkeypatch):
         monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(CPointer=CPointer))
     asked, launched = [], []
 
+    class Kernel:  # cupy.RawKernel's launch and its attribute
+        def __init__(self, name):
+            self.name, self.max_dynamic_shared_size_bytes = name, 0
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            launched.append((self.name, grid, block, args, shared_mem, self.max_dynamic_shared_size_bytes))
+
     class Module:
         def get_function(self, name):
             asked.append(name)
-            return lambda grid, block, args: launched.append((name, grid, block, args))
+            return Kernel(name)
 
     array = types.SimpleNamespace(device=contextlib.nullcontext())
     runtime, module = fast_cupy.CupyRuntime(), Module()
@@ -1305,9 +1375,13 @@ def test_cupy_runtime_looks_each_kernel_up_once(monkeypatch):
     assert ctypes.string_at(passed.ptr, config.nbytes) == config.tobytes()
     assert all(launch[3][2] is passed for launch in launched)  # kept by the config's identity
     assert config.dtype == fast_cupy.CONFIG_DTYPE and config.tobytes() == before.tobytes()  # left as it was
+    assert all(launch[4:] == (0, 0) for launch in launched)
     for _ in range(fast_cupy.BY_VALUE_POINTERS + 1):  # a new config a call: the kept pointers stay few
         runtime.launch(module, "npattn_forward_tc", (1, 1, 1), 32, (array, config.copy()))
     assert len(runtime._by_value) <= fast_cupy.BY_VALUE_POINTERS
+    for _ in range(2):
+        runtime.launch(module, "npattn_backward_dq_tc", (1, 1, 1), 256, (array, config), 131072)
+    assert asked.count("npattn_backward_dq_tc") == 1 and [launch[4:] for launch in launched[-2:]] == [(131072,) * 2] * 2
 
 
 def test_splits_stay_within_the_grid():

@@ -41,8 +41,9 @@ class _Recorder:
     """:class:`npattn.fast_cupy.Runtime` that compiles nothing: it keeps
     each module's ``(source, defines)`` in the order asked."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared_memory: int) -> None:
         self.modules: dict[tuple[str, tuple[tuple[str, str], ...]], None] = {}
+        self.shared_bytes = shared_memory
 
     def module(self, source: str, defines: tuple[tuple[str, str], ...]) -> object:
         self.modules[(source, defines)] = None
@@ -50,6 +51,9 @@ class _Recorder:
 
     def multiprocessors(self, like) -> int:
         return MULTIPROCESSORS
+
+    def shared_memory(self, like) -> int:
+        return self.shared_bytes
 
 
 def _targets_specs():
@@ -68,20 +72,24 @@ def _targets_specs():
 def shipped_modules() -> dict[tuple[str, tuple[tuple[str, str], ...]], None]:
     """Every module (source, defines) the emulated tests and issue 18's
     shapes build, on the tensor cores and, with ``NPATTN_CUPY_TENSOR_CORES=0``,
-    the CUDA cores."""
-    recorder = _Recorder()
+    the CUDA cores; the backward's on GPUs whose blocks take 227, 163 or 99
+    KiB of shared memory (H100, A100, GeForce 8.6 and 8.9: its operands kept
+    there, ``TC_KEPT``, as many as fit)."""
     problems = [_problem(dtype=dtype, **TENSOR_CASES[case]) for case, dtype, _ in TENSOR_MATRIX]
     problems += [
         _problem(dtype=dtype, **case) for case in CASES.values() for dtype in (np.float64, np.float32, np.float16)
     ]
-    specs = [_spec(q, k, v, options) for q, k, v, options in problems]
-    specs += list(_targets_specs())
-    for spec in specs:
-        for setting in ("1", "0"):
-            precision = fast_cupy._precision(spec, setting)
-            fast_cupy._forward_plan(recorder, spec, None, precision)
-            fast_cupy._backward_plan(recorder, spec, precision)
-    return recorder.modules
+    specs = [_spec(q, k, v, options) for q, k, v, options in problems] + list(_targets_specs())
+    modules: dict[tuple[str, tuple[tuple[str, str], ...]], None] = {}
+    for kib in (227, 163, 99):
+        recorder = _Recorder(kib * 1024)
+        for spec in specs:
+            for setting in ("1", "0"):
+                precision = fast_cupy._precision(spec, setting)
+                fast_cupy._forward_plan(recorder, spec, None, precision)
+                fast_cupy._backward_plan(recorder, spec, None, precision)
+        modules.update(recorder.modules)
+    return modules
 
 
 def _compile_error(tools, source: str, defines: tuple[tuple[str, str], ...], arch: str, folder: Path) -> str | None:

@@ -155,6 +155,79 @@ __device__ __forceinline__ void a_from_rows(FragA (&a)[WIDTH / KSTEP], const til
   }
 }
 
+// A thread's A fragments of 16 rows of WIDTH entries (a_from_rows'), held
+// in registers or, where KEPT, in dynamic shared memory (the backward's Q
+// and dO, K and V, where registers would spill them: TC_KEPT,
+// tensor_backward.cu): written once, read back at each use. In shared
+// memory a fragment is FRAG_PIECES 16-byte pieces, piece p of fragment ks
+// in its own plane of TC_THREADS pieces, one a thread (`kept` points at
+// this operand's first plane), so that a warp's read of a piece takes the
+// fewest passes of the banks. Each thread reads only its own pieces: no
+// barrier is needed.
+#if PRECISION == PRECISION_F64
+using Piece = double2;
+constexpr int FRAG_PIECES = 2;
+__device__ __forceinline__ Piece frag_piece(const FragA& a, int p) { return Piece{a.r[2 * p], a.r[2 * p + 1]}; }
+__device__ __forceinline__ void set_frag_piece(FragA& a, int p, const Piece& x) {
+  a.r[2 * p] = x.x;
+  a.r[2 * p + 1] = x.y;
+}
+#else
+using Piece = float4;
+constexpr int FRAG_PIECES = 1;
+__device__ __forceinline__ float as_float(float x) { return x; }
+__device__ __forceinline__ float as_float(unsigned x) { return __uint_as_float(x); }
+__device__ __forceinline__ void from_float(float& to, float x) { to = x; }
+__device__ __forceinline__ void from_float(unsigned& to, float x) { to = __float_as_uint(x); }
+__device__ __forceinline__ Piece frag_piece(const FragA& a, int) {
+  return make_float4(as_float(a.r[0]), as_float(a.r[1]), as_float(a.r[2]), as_float(a.r[3]));
+}
+__device__ __forceinline__ void set_frag_piece(FragA& a, int, const Piece& x) {
+  from_float(a.r[0], x.x);
+  from_float(a.r[1], x.y);
+  from_float(a.r[2], x.z);
+  from_float(a.r[3], x.w);
+}
+#endif
+
+template <int WIDTH, bool KEPT, int THREADS_>
+struct RowOperand {
+  static constexpr int frags = WIDTH / KSTEP;
+  static constexpr int planes = frags * FRAG_PIECES;  // pieces a thread keeps
+  FragA held[KEPT ? 1 : frags];                       // the fragments, where not kept
+  Piece* kept;
+
+  // The rows `upper` (row g) and `lower` (row g + 8), as a_from_rows reads them.
+  __device__ __forceinline__ RowOperand(const tile_t* upper, const tile_t* lower, int t, Piece* planes_at)
+      : kept(planes_at + threadIdx.x) {
+    if constexpr (KEPT) {
+      FragA a[frags];
+      a_from_rows<WIDTH>(a, upper, lower, t);
+#pragma unroll
+      for (int ks = 0; ks < frags; ++ks)
+#pragma unroll
+        for (int p = 0; p < FRAG_PIECES; ++p) kept[(ks * FRAG_PIECES + p) * THREADS_] = frag_piece(a[ks], p);
+    } else {
+      a_from_rows<WIDTH>(held, upper, lower, t);
+    }
+  }
+
+  // use(a) with the fragments a (FragA[WIDTH / KSTEP]).
+  template <class Use>
+  __device__ __forceinline__ void with_fragments(Use use) const {
+    if constexpr (KEPT) {
+      FragA a[frags];
+#pragma unroll
+      for (int ks = 0; ks < frags; ++ks)
+#pragma unroll
+        for (int p = 0; p < FRAG_PIECES; ++p) set_frag_piece(a[ks], p, kept[(ks * FRAG_PIECES + p) * THREADS_]);
+      use(a);
+    } else {
+      use(held);
+    }
+  }
+};
+
 // A = the scores of keys [n0, n0 + KSTEP) as the C fragments hold them
 // (c points at block n0 / 8).
 __device__ __forceinline__ FragA a_from_scores(const scalar_t (*c)[4]) {

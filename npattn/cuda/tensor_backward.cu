@@ -14,8 +14,17 @@
 // P, dP and dR stay in registers between the products; tiles are copied as
 // in tensor_forward.cu.
 //
+// Each warp's A operands (Q and dO in dq, K and V in dkdv) are read once;
+// the first TC_KEPT of the two (0, 1 or 2) are kept in dynamic shared memory
+// (operands.cuh's RowOperand, TC_THREADS * (H + Hv) / KSTEP fragments where
+// both are), the others in registers, whose products they feed each tile.
+//
 // Compile-time constants: tensor_tiles.cuh's (TC_KEYS: keys per tile of the
-// dq kernel, query rows per tile of the dkdv kernel).
+// dq kernel, query rows per tile of the dkdv kernel) and TC_KEPT
+// (npattn.fast_cupy.tensor_kept_operands).
+#ifndef TC_KEPT
+#define TC_KEPT 0
+#endif
 
 // dR_ij = dS_ij = P_ij (dP_ij - D_i) of an entry with a plain score (scale *
 // q . k: no softcap, no ALiBi) and no dropout, and P_ij in `p`:
@@ -76,9 +85,11 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     row_lse[i] = lse[index];
     row_D[i] = D[index];
   }
-  FragA q_frag[HEAD_DIM / KSTEP], dout_frag[VALUE_DIM / KSTEP];
-  a_from_rows<HEAD_DIM>(q_frag, q_rows[0], q_rows[1], t);
-  a_from_rows<VALUE_DIM>(dout_frag, dout_rows[0], dout_rows[1], t);
+  extern __shared__ __align__(16) Piece kept_pieces[];  // TC_KEPT operands' fragments
+  using QOperand = RowOperand<HEAD_DIM, TC_KEPT >= 1, TC_THREADS>;
+  const QOperand q_operand(q_rows[0], q_rows[1], t, kept_pieces);
+  const RowOperand<VALUE_DIM, TC_KEPT >= 2, TC_THREADS> dout_operand(dout_rows[0], dout_rows[1], t,
+                                                                     kept_pieces + QOperand::planes * TC_THREADS);
   scalar_t dq_acc[HEAD_DIM / 8][4] = {};
 
   long long first, end;
@@ -93,8 +104,12 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     const long long tile = first + (long long)it * TC_KEYS;
     const tile_t *keys = key_tile[it % TC_STAGES], *values = value_tile[it % TC_STAGES];
     scalar_t s[TC_KEYS / 8][4] = {}, dp[TC_KEYS / 8][4] = {};  // Q K^T and dO V^T: (16, TC_KEYS) per warp
-    products_with_rows<HEAD_DIM>(s, q_frag, keys, lane);
-    products_with_rows<VALUE_DIM>(dp, dout_frag, values, lane);
+    q_operand.with_fragments([&](const FragA(&q_frag)[HEAD_DIM / KSTEP]) {
+      products_with_rows<HEAD_DIM>(s, q_frag, keys, lane);
+    });
+    dout_operand.with_fragments([&](const FragA(&dout_frag)[VALUE_DIM / KSTEP]) {
+      products_with_rows<VALUE_DIM>(dp, dout_frag, values, lane);
+    });
     const KeyRange range = key_range(pb, rows, tile, end);
     if (plain && !pb.dropout && sees_whole_tile(range)) {  // the common tile: dR = dS = P (dP - D)
 #pragma unroll
@@ -178,9 +193,11 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     k_rows[i] = key[i] < pb.S ? k + index * HEAD_DIM : nullptr;
     v_rows[i] = key[i] < pb.S ? v + index * VALUE_DIM : nullptr;
   }
-  FragA k_frag[HEAD_DIM / KSTEP], v_frag[VALUE_DIM / KSTEP];
-  a_from_rows<HEAD_DIM>(k_frag, k_rows[0], k_rows[1], t);
-  a_from_rows<VALUE_DIM>(v_frag, v_rows[0], v_rows[1], t);
+  extern __shared__ __align__(16) Piece kept_pieces[];  // TC_KEPT operands' fragments
+  using KOperand = RowOperand<HEAD_DIM, TC_KEPT >= 1, TC_THREADS>;
+  const KOperand k_operand(k_rows[0], k_rows[1], t, kept_pieces);
+  const RowOperand<VALUE_DIM, TC_KEPT >= 2, TC_THREADS> v_operand(v_rows[0], v_rows[1], t,
+                                                                  kept_pieces + KOperand::planes * TC_THREADS);
   scalar_t dk_acc[HEAD_DIM / 8][4] = {}, dv_acc[VALUE_DIM / 8][4] = {};
 
   const long long key_first = (long long)blockIdx.x * TC_ROWS;
@@ -219,8 +236,12 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     const int stage = it % TC_STAGES;
     const tile_t *queries = query_tile[stage], *douts = dout_tile[stage];
     scalar_t s[TC_KEYS / 8][4] = {}, dp[TC_KEYS / 8][4] = {};  // K Q^T and V dO^T: (16, TC_KEYS) per warp
-    products_with_rows<HEAD_DIM>(s, k_frag, queries, lane);
-    products_with_rows<VALUE_DIM>(dp, v_frag, douts, lane);
+    k_operand.with_fragments([&](const FragA(&k_frag)[HEAD_DIM / KSTEP]) {
+      products_with_rows<HEAD_DIM>(s, k_frag, queries, lane);
+    });
+    v_operand.with_fragments([&](const FragA(&v_frag)[VALUE_DIM / KSTEP]) {
+      products_with_rows<VALUE_DIM>(dp, v_frag, douts, lane);
+    });
     const bool seen = rows_see_keys(tile_rows[stage], warp_first, warp_last, lane);  // every thread: it shuffles
     // The common tile: dR = P (dP - D), and P for dV.
     if (plain && !pb.dropout && !pb.kv_segments && seen && warp_last < pb.S) {
