@@ -114,7 +114,6 @@ class EmulatedRuntime:
         self.count, self.shared_bytes = multiprocessors, shared_memory  # an H100's opt-in shared memory a block
         self.launches: list[tuple[str, tuple[int, int, int], int]] = []  # name, grid, threads
         self.arguments: list[tuple] = []  # each launch's arguments, as given
-        self.shared: list[int] = []  # each launch's dynamic shared memory
 
     def module(self, source: str, defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
         folder = resources.files("npattn") / "cuda"
@@ -138,7 +137,6 @@ class EmulatedRuntime:
         params = [a.ctypes.data if v else ctypes.addressof(x) for a, v, x in zip(args, by_value, addresses)]
         self.launches.append((name, grid, threads))
         self.arguments.append(args)
-        self.shared.append(shared_bytes)
         getattr(module, f"launch_{name}")(
             *(ctypes.c_uint(x) for x in (*grid, threads)),
             ctypes.c_size_t(shared_bytes),
