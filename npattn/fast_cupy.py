@@ -257,6 +257,7 @@ class CupyRuntime:
     def __init__(self) -> None:
         self._attributes: dict[int, dict[str, int]] = {}
         self._kernels: dict[tuple[Any, str], Any] = {}
+        self._opted_in: set[tuple[Any, int]] = set()  # (kernel, device id) given its dynamic shared memory
         self._by_value: dict[int, tuple[np.ndarray, Any]] = {}  # id(host array) -> (it, its CPointer)
 
     def module(self, source: str, defines: tuple[tuple[str, str], ...]) -> Any:
@@ -271,14 +272,17 @@ class CupyRuntime:
         kernel = self._kernels.get((module, name))
         if kernel is None:
             kernel = self._kernels[(module, name)] = module.get_function(name)
-            if shared_bytes:  # past 48 KiB a kernel must opt in (cudaFuncAttributeMaxDynamicSharedMemorySize)
-                kernel.max_dynamic_shared_size_bytes = shared_bytes
         # None as a NULL pointer and the Config struct by value, each a
         # pointer to host bytes the driver copies (_by_value); device arrays
         # as they are: one comprehension, no call per device array
         by_value = self._by_value_pointer
         converted = [by_value(a) if type(a) is np.ndarray else by_value(_NULL) if a is None else a for a in args]
-        with args[0].device:  # the arrays' device, whichever is current
+        device = args[0].device
+        with device:  # the arrays' device, whichever is current
+            if shared_bytes and (kernel, device.id) not in self._opted_in:
+                # past 48 KiB a kernel opts in, on each device (cudaFuncAttributeMaxDynamicSharedMemorySize)
+                kernel.max_dynamic_shared_size_bytes = shared_bytes
+                self._opted_in.add((kernel, device.id))
             kernel(grid, (threads, 1, 1), tuple(converted), shared_mem=shared_bytes)
 
     def _by_value_pointer(self, host: np.ndarray) -> Any:

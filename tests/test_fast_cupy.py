@@ -1359,7 +1359,12 @@ def test_cupy_runtime_looks_each_kernel_up_once(monkeypatch):
             asked.append(name)
             return Kernel(name)
 
-    array = types.SimpleNamespace(device=contextlib.nullcontext())
+    class Device(contextlib.nullcontext):  # cupy.cuda.Device: a context with an id
+        def __init__(self, id):
+            super().__init__()
+            self.id = id
+
+    array = types.SimpleNamespace(device=Device(0))
     runtime, module = fast_cupy.CupyRuntime(), Module()
     config = np.zeros(1, fast_cupy.CONFIG_DTYPE)
     config["T"], config["scale"] = 7, 0.125
@@ -1380,6 +1385,11 @@ def test_cupy_runtime_looks_each_kernel_up_once(monkeypatch):
     for _ in range(2):
         runtime.launch(module, "npattn_backward_dq_tc", (1, 1, 1), 256, (array, config), 131072)
     assert asked.count("npattn_backward_dq_tc") == 1 and [launch[4:] for launch in launched[-2:]] == [(131072,) * 2] * 2
+    assert len(runtime._opted_in) == 1  # once a kernel and device
+    runtime.launch(
+        module, "npattn_backward_dq_tc", (1, 1, 1), 256, (types.SimpleNamespace(device=Device(1)), config), 131072
+    )
+    assert len(runtime._opted_in) == 2 and launched[-1][4] == 131072
 
 
 def test_splits_stay_within_the_grid():
