@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 plain = source
                 for text, replacement in PLAIN_CALL:
                     plain = plain.replace(text, replacement)
-                kept = fast_cupy.tensor_kept_operands(spec, precision, H100_SHARED_MEMORY) if backward else 0
+                kept = fast_cupy.tensor_kept_operands(spec, precision, H100_SHARED_MEMORY) if backward else (0, 0)
                 defines = dict(fast_cupy._tensor_defines(spec, precision, backward, kept))  # PLAIN_SCORES=1
                 options = ["--std=c++17", "-arch=compute_90"] + [f"-D{k}={v}" for k, v in defines.items()]
                 report, listing = tools.assemble(tools.ptx(source, options), folder)

@@ -560,7 +560,12 @@ _FLOAT16 = np.dtype(np.float16)
 
 
 def _tensor_module(
-    runtime: Runtime, spec: AttentionSpec, precision: str, warps: int, backward: bool = False, kept: int = 0
+    runtime: Runtime,
+    spec: AttentionSpec,
+    precision: str,
+    warps: int,
+    backward: bool = False,
+    kept: tuple[int, int] = (0, 0),
 ) -> Any:
     """The tensor-core forward (with the merge of key ranges) or backward
     (with ``D``) for ``spec``'s dims, ``precision`` and ``warps``
@@ -577,10 +582,12 @@ def _tensor_module(
     return module
 
 
-_TENSOR_MODULES: dict[tuple[Runtime, str, int, int, int, bool, bool, int], Any] = {}
+_TENSOR_MODULES: dict[tuple[Runtime, str, int, int, int, bool, bool, tuple[int, int]], Any] = {}
 
 
-def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool, kept: int = 0) -> tuple[tuple[str, str], ...]:
+def _tensor_defines(
+    spec: AttentionSpec, precision: str, backward: bool, kept: tuple[int, int] = (0, 0)
+) -> tuple[tuple[str, str], ...]:
     """The ``-D`` definitions of :func:`_tensor_module`, the backward's with
     ``kept`` operands in shared memory (:func:`tensor_kept_operands`;
     ``benchmarks/count_sass.py`` compiles with them too)."""
@@ -596,7 +603,7 @@ def _tensor_defines(spec: AttentionSpec, precision: str, backward: bool, kept: i
         ("TC_WARPS", str(tensor_warps(spec, backward))),
     )
     if backward:
-        return defines + (("TC_KEPT", str(kept)),)
+        return defines + (("TC_KEPT_DQ", str(kept[0])), ("TC_KEPT_DKDV", str(kept[1])))
     return defines + (
         ("TC_MIN_BLOCKS", str(tensor_min_blocks(spec, precision))),
         ("TC_SPLIT_STAGES", str(int(tensor_split_stages(spec, precision)))),
@@ -653,21 +660,29 @@ def _tile_stride(width: int, precision: str) -> int:
     return width + 16 // TENSOR_PRECISIONS[precision][1]
 
 
-#: How many of the tensor-core backward's two A operands (``Q`` and ``dO``
-#: in dQ, ``K`` and ``V`` in dK/dV: 16 rows a warp, read once) each kernel
-#: keeps in dynamic shared memory rather than registers (``TC_KEPT``), at
-#: most, by precision: both in float64, whose registers spilled them
-#: (``count_sass.py``, sm_90, H=Hv=64, the kernels shipped for plain scores:
-#: dQ 255 registers, 184 bytes spilled and 73 spill loads and stores in its
-#: tile loop of 1137 instructions, against 205 registers, none spilled and
-#: 1056 kept; dK/dV 255, 400 bytes, 68 of 1669 against 242, none and
-#: 1587); none in float16 and float32, whose registers hold them at heads
-#: up to 64 (at
-#: H=Hv=128 float32's backward spills, but its fragments kept are split
-#: into TensorFloat-32 halves again each tile: dK/dV's plain loop 2532
-#: instructions against 2102 and 148 spill loads and stores). Not yet timed
-#: on a GPU.
-TENSOR_KEPT_OPERANDS = {"f16": 0, "tf32x3": 0, "f64": 2}
+#: How many of its two A operands (``Q`` and ``dO`` in dQ, ``K`` and ``V``
+#: in dK/dV: 16 rows a warp, read once) each kernel of the tensor-core
+#: backward keeps in dynamic shared memory rather than registers
+#: (``TC_KEPT_DQ``, ``TC_KEPT_DKDV``), at most, by precision: ``(dQ,
+#: dK/dV)`` for heads up to 64 and for wider ones. ``count_sass.py``, sm_90,
+#: the kernels shipped for plain scores (registers, spilled bytes, and the
+#: tile loop's instructions with its spill loads and stores):
+#:
+#: - float64, both in both kernels, whose registers spilled them (H=Hv=64):
+#:   dQ 255, 184 bytes, 1137 with 73 against 205, none, 1056 kept; dK/dV
+#:   255, 400 bytes, 1669 with 68 against 242, none, 1587;
+#: - float16, both in dQ (H=Hv=64: 230 registers against 168, which let
+#:   three blocks run a multiprocessor where two did; its loop 1131
+#:   instructions against 1139); in dK/dV at heads over 64 alone (H=Hv=64:
+#:   247 registers against 187, two blocks either way, 1795 instructions
+#:   against 1823; H=Hv=128: 255 registers, 120 bytes, 1392 with 39 against
+#:   244, none, 1326; dQ 242 registers against 160);
+#: - float32, none: its fragments kept are split into TensorFloat-32 halves
+#:   again each tile (H=Hv=128, whose backward spills: dK/dV's plain loop
+#:   2531 instructions against 2102 and 148 spill loads and stores).
+#:
+#: Not yet timed on a GPU.
+TENSOR_KEPT_OPERANDS = {"f16": ((2, 0), (2, 2)), "tf32x3": ((0, 0), (0, 0)), "f64": ((2, 2), (2, 2))}
 
 #: Bytes of an ``mma``'s A fragment, a thread's share (``FragA``,
 #: ``operands.cuh``), by precision.
@@ -683,25 +698,32 @@ def _kept_bytes(spec: AttentionSpec, precision: str, kept: int) -> int:
     return threads * sum(width // step for width in widths) * TENSOR_FRAG_BYTES[precision]
 
 
-def tensor_kept_operands(spec: AttentionSpec, precision: str, shared_memory: int) -> int:
-    """How many A operands the tensor-core backward keeps in dynamic shared
-    memory (``TC_KEPT``): :data:`TENSOR_KEPT_OPERANDS`, fewer where a
-    block's static and dynamic shared memory would pass the device's
-    ``shared_memory`` bytes (CUDA's opt-in maximum per block: 227 KiB on an
-    H100, 163 on an A100, 99 on the GeForce GPUs of compute capability 8.6
-    and 8.9).
+def tensor_kept_operands(spec: AttentionSpec, precision: str, shared_memory: int) -> tuple[int, int]:
+    """How many A operands the tensor-core backward's dQ and dK/dV kernels
+    keep in dynamic shared memory (``TC_KEPT_DQ``, ``TC_KEPT_DKDV``):
+    :data:`TENSOR_KEPT_OPERANDS`, fewer where a block's static and dynamic
+    shared memory would pass the device's ``shared_memory`` bytes (CUDA's
+    opt-in maximum per block: 227 KiB on an H100, 163 on an A100, 99 on the
+    GeForce GPUs of compute capability 8.6 and 8.9).
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
     >>> x = np.zeros((1, 8, 1024, 64))
     >>> [tensor_kept_operands(make_spec(x, x, x), "f64", kib * 1024) for kib in (227, 163, 99, 48)]
-    [2, 2, 1, 0]
+    [(2, 2), (2, 2), (1, 1), (0, 0)]
+    >>> tensor_kept_operands(make_spec(*(x.astype(np.float16),) * 3), "f16", 227 * 1024)
+    (2, 0)
     """
     static = _static_shared_bytes(spec, precision, tensor_tile(spec, precision, backward=True), backward=True)
-    kept = TENSOR_KEPT_OPERANDS[precision]
-    while kept and static + _kept_bytes(spec, precision, kept) > shared_memory:
-        kept -= 1
-    return kept
+    narrow, wide = TENSOR_KEPT_OPERANDS[precision]
+
+    def fitting(kept: int) -> int:  # the static bytes are dK/dV's, the larger kernel's
+        while kept and static + _kept_bytes(spec, precision, kept) > shared_memory:
+            kept -= 1
+        return kept
+
+    dq, dkdv = narrow if max(spec.head_dim, spec.value_dim) <= 64 else wide
+    return fitting(dq), fitting(dkdv)
 
 
 def _static_shared_bytes(spec: AttentionSpec, precision: str, tile: int, backward: bool, stages: int = 2) -> int:
@@ -1098,7 +1120,7 @@ class _Plan(NamedTuple):
     splits: int
     calls: dict[int, _Call]
     scratch: tuple[int, ...] = ()
-    shared_bytes: int = 0
+    shared_bytes: tuple[int, int] = (0, 0)
 
     def call(self, spec: AttentionSpec, kv_head_rows: int) -> _Call:
         """The kernels' :class:`_Call` for ``spec`` (the plan's) with ``k``
@@ -1164,7 +1186,7 @@ def _backward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: 
     over (row blocks, kv heads, batch) and ``dK``/``dV``'s over (key
     blocks, kv heads, batch), with the dynamic shared memory of the
     operands they keep there on ``like``'s device."""
-    shared_bytes = 0
+    shared_bytes = (0, 0)
     if precision is None:
         shape = launch_shape(spec, backward=True)
         module, threads, suffix = _module(runtime, spec, shape), BLOCK_THREADS, ""
@@ -1173,7 +1195,7 @@ def _backward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: 
         warps = TENSOR_BACKWARD_WARPS[precision]  # tensor_warps(spec, backward=True), the precision known
         kept = tensor_kept_operands(spec, precision, runtime.shared_memory(like))
         module = _tensor_module(runtime, spec, precision, warps, backward=True, kept=kept)
-        shared_bytes = _kept_bytes(spec, precision, kept)
+        shared_bytes = (_kept_bytes(spec, precision, kept[0]), _kept_bytes(spec, precision, kept[1]))
         threads, suffix, block_rows = 32 * warps, "_tc", TENSOR_WARP_ROWS * warps
         row_blocks, key_blocks = -(-spec.group_size * spec.q_len // block_rows), -(-spec.kv_len // block_rows)
     B, K = spec.num_batch, spec.num_kv_heads
@@ -1258,8 +1280,9 @@ def backward(
     outc, lsec, dlsec = (None if x is None else _contiguous(x) for x in (out, lse, dlse))
     runtime.launch(plan.module, *d_launch, (doc, outc, dlsec, D, call.config))
     inputs = (qc, kc, vc, doc, lsec, D)
-    runtime.launch(plan.module, *dq_launch, (*inputs, dq, slope_rows, call.config), plan.shared_bytes)
-    runtime.launch(plan.module, *dkdv_launch, (*inputs, dk, dv, call.config), plan.shared_bytes)
+    dq_shared, dkdv_shared = plan.shared_bytes
+    runtime.launch(plan.module, *dq_launch, (*inputs, dq, slope_rows, call.config), dq_shared)
+    runtime.launch(plan.module, *dkdv_launch, (*inputs, dk, dv, call.config), dkdv_shared)
     alibi_total = None if slope_rows is None else xp.reshape(xp.sum(slope_rows, axis=-1), bs + (N,))  # (..., N)
     params = param_grads_from_heads(spec, alibi_total)
     return (

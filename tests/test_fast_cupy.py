@@ -407,22 +407,26 @@ def test_emulated_forward_with_one_key_and_one_value_tile(monkeypatch, case, dty
     _assert_within(fused, exact, TENSOR_TOLERANCE[precision])
 
 
-#: The backward's operands kept in shared memory (TC_KEPT) forced: both, in
-#: every case and precision (float64's own choice on an H100 or A100); one,
-#: in float64 (on a GPU whose blocks take 99 KiB).
-KEPT_MATRIX = [(case, dtype, precision, 2) for case, dtype, precision in TENSOR_MATRIX] + [
-    (case, dtype, precision, 1) for case, dtype, precision in TENSOR_MATRIX if precision == "f64"
-]
+#: The backward's operands kept in shared memory (TC_KEPT_DQ, TC_KEPT_DKDV)
+#: forced: both in both kernels, in every case and precision (float64's own
+#: choice on an H100 or A100); one in each, in float64 (on a GPU whose
+#: blocks take 99 KiB); both in dQ alone, float16's at heads up to 64.
+KEPT_MATRIX = (
+    [(case, dtype, precision, (2, 2)) for case, dtype, precision in TENSOR_MATRIX]
+    + [(case, dtype, precision, (1, 1)) for case, dtype, precision in TENSOR_MATRIX if precision == "f64"]
+    + [(case, dtype, precision, (2, 0)) for case, dtype, precision in TENSOR_MATRIX if precision == "f16"]
+)
 
 
 @emulated
 @pytest.mark.parametrize("case, dtype, precision, kept", KEPT_MATRIX)
 def test_emulated_backward_with_operands_kept_in_shared_memory(monkeypatch, case, dtype, precision, kept):
-    """The tensor-core backward with its first ``kept`` A operands (Q then
-    dO in dQ, K then V in dK/dV) read from dynamic shared memory
-    (``TC_KEPT``, operands.cuh's RowOperand) rather than registers, through
-    _tensor_paths as test_emulated_tensor_cores_match_float64; dQ and dK/dV
-    launched with that memory, the other kernels with none."""
+    """The tensor-core backward with the first ``kept`` A operands of dQ (Q
+    then dO) and of dK/dV (K then V) read from dynamic shared memory
+    (``TC_KEPT_DQ``, ``TC_KEPT_DKDV``, operands.cuh's RowOperand) rather
+    than registers, through _tensor_paths as
+    test_emulated_tensor_cores_match_float64; dQ and dK/dV launched with
+    that memory, the other kernels with none."""
     monkeypatch.setattr(fast_cupy, "tensor_kept_operands", lambda spec, precision, shared_memory: kept)
     launched = []
     launch = EmulatedRuntime.launch
@@ -434,27 +438,39 @@ def test_emulated_backward_with_operands_kept_in_shared_memory(monkeypatch, case
     monkeypatch.setattr(EmulatedRuntime, "launch", recorded)
     fused, exact, _, chosen = _tensor_paths(case, dtype)
     assert chosen == precision
-    widths = (TENSOR_CASES[case]["H"], TENSOR_CASES[case]["Hv"])[:kept]
-    frags = sum(widths) // (16 if precision == "f16" else 8)
     threads = 32 * fast_cupy.TENSOR_BACKWARD_WARPS[precision]
-    expected = threads * frags * {"f16": 16, "tf32x3": 16, "f64": 32}[precision]
-    assert [shared for name, shared in launched if name.startswith("npattn_backward_d")] == [0, expected, expected]
+    expected = [
+        threads
+        * sum((TENSOR_CASES[case]["H"], TENSOR_CASES[case]["Hv"])[:n])
+        // (16 if precision == "f16" else 8)
+        * {"f16": 16, "tf32x3": 16, "f64": 32}[precision]
+        for n in kept
+    ]
+    assert [shared for name, shared in launched if name.startswith("npattn_backward_d")] == [0, *expected]
     assert all(shared == 0 for name, shared in launched if name.startswith(("npattn_forward", "npattn_merge")))
     _assert_within(fused, exact, TENSOR_TOLERANCE[precision])
 
 
 def test_backward_keeps_the_operands_that_fit_the_devices_shared_memory():
-    """float64's backward keeps both operands where a block's shared memory
-    takes them (an H100's 227 KiB, an A100's 163), one at 99 KiB, none at
-    CUDA's portable 48; float16 and float32 keep none. A plan's dQ and dK/dV
-    get that memory, and the module its TC_KEPT."""
-    x64, x16 = np.zeros((1, 2, 64, 64)), np.zeros((1, 2, 64, 64), np.float16)
-    for kib, kept in ((227, 2), (163, 2), (99, 1), (48, 0)):
+    """float64's backward keeps both operands in both kernels where a
+    block's shared memory takes them (an H100's 227 KiB, an A100's 163), one
+    at 99 KiB, none at CUDA's portable 48; float16 both in dQ, and in dK/dV
+    too at heads over 64; float32 none. A plan's dQ and dK/dV get that
+    memory, and the module its TC_KEPT_DQ and TC_KEPT_DKDV."""
+
+    def plan(kib, dtype, H):
         runtime = EmulatedRuntime(shared_memory=kib * 1024)
         runtime.module = lambda source, defines: dict(defines)  # the plan alone, nothing built
-        plan = fast_cupy._backward_plan(runtime, make_spec(x64, x64, x64), x64, "f64")
-        assert plan.module["TC_KEPT"] == str(kept) and plan.shared_bytes == 256 * 8 * kept * 32
-        assert fast_cupy._backward_plan(runtime, make_spec(x16, x16, x16), x16, "f16").shared_bytes == 0
+        x = np.zeros((1, 2, 64, H), dtype)
+        spec = make_spec(x, x, x)
+        found = fast_cupy._backward_plan(runtime, spec, x, fast_cupy.tensor_precision(spec))
+        return (int(found.module["TC_KEPT_DQ"]), int(found.module["TC_KEPT_DKDV"])), found.shared_bytes
+
+    for kib, kept in ((227, 2), (163, 2), (99, 1), (48, 0)):
+        assert plan(kib, np.float64, 64) == ((kept, kept), (256 * 8 * kept * 32,) * 2)
+    assert plan(227, np.float16, 64) == ((2, 0), (128 * 8 * 16, 0))
+    assert plan(227, np.float16, 128) == ((2, 2), (128 * 16 * 16,) * 2)
+    assert plan(227, np.float32, 128) == ((0, 0), (0, 0))
 
 
 @emulated

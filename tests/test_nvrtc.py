@@ -74,7 +74,7 @@ def shipped_modules() -> dict[tuple[str, tuple[tuple[str, str], ...]], None]:
     shapes build, on the tensor cores and, with ``NPATTN_CUPY_TENSOR_CORES=0``,
     the CUDA cores; the backward's on GPUs whose blocks take 227, 163 or 99
     KiB of shared memory (H100, A100, GeForce 8.6 and 8.9: its operands kept
-    there, ``TC_KEPT``, as many as fit)."""
+    there, ``TC_KEPT_DQ`` and ``TC_KEPT_DKDV``, as many as fit)."""
     problems = [_problem(dtype=dtype, **TENSOR_CASES[case]) for case, dtype, _ in TENSOR_MATRIX]
     problems += [
         _problem(dtype=dtype, **case) for case in CASES.values() for dtype in (np.float64, np.float32, np.float16)

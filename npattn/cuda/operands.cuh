@@ -157,11 +157,11 @@ __device__ __forceinline__ void a_from_rows(FragA (&a)[WIDTH / KSTEP], const til
 
 // A thread's A fragments of 16 rows of WIDTH entries (a_from_rows'), held
 // in registers or, where KEPT, in dynamic shared memory (the backward's Q
-// and dO, K and V, where registers would spill them: TC_KEPT,
-// tensor_backward.cu): written once, read back at each use. In shared
-// memory a fragment is FRAG_PIECES 16-byte pieces, piece p of fragment ks
-// in its own plane of TC_THREADS pieces, one a thread (`kept` points at
-// this operand's first plane), so that a warp's read of a piece takes the
+// and dO, K and V: TC_KEPT_DQ and TC_KEPT_DKDV, tensor_backward.cu):
+// written once, read back at each use. In shared memory a fragment is
+// FRAG_PIECES 16-byte pieces, piece p of fragment ks in its own plane of
+// THREADS_ pieces, one a thread (`kept` points at this thread's piece of
+// the operand's first plane), so that a warp's read of a piece takes the
 // fewest passes of the banks. Each thread reads only its own pieces: no
 // barrier is needed.
 #if PRECISION == PRECISION_F64

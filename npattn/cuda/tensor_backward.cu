@@ -15,15 +15,19 @@
 // in tensor_forward.cu.
 //
 // Each warp's A operands (Q and dO in dq, K and V in dkdv) are read once;
-// the first TC_KEPT of the two (0, 1 or 2) are kept in dynamic shared memory
-// (operands.cuh's RowOperand, TC_THREADS * (H + Hv) / KSTEP fragments where
-// both are), the others in registers, whose products they feed each tile.
+// the first TC_KEPT_DQ (or TC_KEPT_DKDV) of the two (0, 1 or 2) are kept in
+// dynamic shared memory (operands.cuh's RowOperand, TC_THREADS * (H + Hv) /
+// KSTEP fragments where both are), the others in registers, whose products
+// they feed each tile.
 //
 // Compile-time constants: tensor_tiles.cuh's (TC_KEYS: keys per tile of the
-// dq kernel, query rows per tile of the dkdv kernel) and TC_KEPT
-// (npattn.fast_cupy.tensor_kept_operands).
-#ifndef TC_KEPT
-#define TC_KEPT 0
+// dq kernel, query rows per tile of the dkdv kernel), TC_KEPT_DQ and
+// TC_KEPT_DKDV (npattn.fast_cupy.tensor_kept_operands).
+#ifndef TC_KEPT_DQ
+#define TC_KEPT_DQ 0
+#endif
+#ifndef TC_KEPT_DKDV
+#define TC_KEPT_DKDV 0
 #endif
 
 // dR_ij = dS_ij = P_ij (dP_ij - D_i) of an entry with a plain score (scale *
@@ -85,10 +89,10 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     row_lse[i] = lse[index];
     row_D[i] = D[index];
   }
-  extern __shared__ __align__(16) Piece kept_pieces[];  // TC_KEPT operands' fragments
-  using QOperand = RowOperand<HEAD_DIM, TC_KEPT >= 1, TC_THREADS>;
+  extern __shared__ __align__(16) Piece kept_pieces[];  // TC_KEPT_DQ operands' fragments
+  using QOperand = RowOperand<HEAD_DIM, TC_KEPT_DQ >= 1, TC_THREADS>;
   const QOperand q_operand(q_rows[0], q_rows[1], t, kept_pieces);
-  const RowOperand<VALUE_DIM, TC_KEPT >= 2, TC_THREADS> dout_operand(dout_rows[0], dout_rows[1], t,
+  const RowOperand<VALUE_DIM, TC_KEPT_DQ >= 2, TC_THREADS> dout_operand(dout_rows[0], dout_rows[1], t,
                                                                      kept_pieces + QOperand::planes * TC_THREADS);
   scalar_t dq_acc[HEAD_DIM / 8][4] = {};
 
@@ -193,10 +197,10 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     k_rows[i] = key[i] < pb.S ? k + index * HEAD_DIM : nullptr;
     v_rows[i] = key[i] < pb.S ? v + index * VALUE_DIM : nullptr;
   }
-  extern __shared__ __align__(16) Piece kept_pieces[];  // TC_KEPT operands' fragments
-  using KOperand = RowOperand<HEAD_DIM, TC_KEPT >= 1, TC_THREADS>;
+  extern __shared__ __align__(16) Piece kept_pieces[];  // TC_KEPT_DKDV operands' fragments
+  using KOperand = RowOperand<HEAD_DIM, TC_KEPT_DKDV >= 1, TC_THREADS>;
   const KOperand k_operand(k_rows[0], k_rows[1], t, kept_pieces);
-  const RowOperand<VALUE_DIM, TC_KEPT >= 2, TC_THREADS> v_operand(v_rows[0], v_rows[1], t,
+  const RowOperand<VALUE_DIM, TC_KEPT_DKDV >= 2, TC_THREADS> v_operand(v_rows[0], v_rows[1], t,
                                                                   kept_pieces + KOperand::planes * TC_THREADS);
   scalar_t dk_acc[HEAD_DIM / 8][4] = {}, dv_acc[VALUE_DIM / 8][4] = {};
 
