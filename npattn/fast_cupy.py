@@ -684,6 +684,13 @@ def _tile_stride(width: int, precision: str) -> int:
 #: Not yet timed on a GPU.
 TENSOR_KEPT_OPERANDS = {"f16": ((2, 0), (2, 2)), "tf32x3": ((0, 0), (0, 0)), "f64": ((2, 2), (2, 2))}
 
+#: Blocks of the backward's dQ and dK/dV kernels a multiprocessor runs, as
+#: their registers allow, with their operands kept in shared memory (float16
+#: dQ's 168 registers, 3 blocks of 4 warps; float64's 8 warps, one): the
+#: shared memory they keep must leave room for that many
+#: (:func:`tensor_kept_operands`).
+TENSOR_BACKWARD_BLOCKS = {"f16": (3, 2), "tf32x3": (2, 2), "f64": (1, 1)}
+
 #: Bytes of an ``mma``'s A fragment, a thread's share (``FragA``,
 #: ``operands.cuh``), by precision.
 TENSOR_FRAG_BYTES = {"f16": 16, "tf32x3": 16, "f64": 32}
@@ -701,29 +708,36 @@ def _kept_bytes(spec: AttentionSpec, precision: str, kept: int) -> int:
 def tensor_kept_operands(spec: AttentionSpec, precision: str, shared_memory: int) -> tuple[int, int]:
     """How many A operands the tensor-core backward's dQ and dK/dV kernels
     keep in dynamic shared memory (``TC_KEPT_DQ``, ``TC_KEPT_DKDV``):
-    :data:`TENSOR_KEPT_OPERANDS`, fewer where a block's static and dynamic
-    shared memory would pass the device's ``shared_memory`` bytes (CUDA's
-    opt-in maximum per block: 227 KiB on an H100, 163 on an A100, 99 on the
-    GeForce GPUs of compute capability 8.6 and 8.9).
+    :data:`TENSOR_KEPT_OPERANDS`, fewer where the blocks of a kernel that a
+    multiprocessor runs (:data:`TENSOR_BACKWARD_BLOCKS`), with their static
+    and dynamic shared memory and the 1 KiB CUDA reserves for each, would
+    pass its shared memory: the device's ``shared_memory`` bytes a block
+    (CUDA's opt-in maximum: 227 KiB on an H100, 163 on an A100, 99 on the
+    GeForce GPUs of compute capability 8.6 and 8.9) and that 1 KiB.
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
     >>> x = np.zeros((1, 8, 1024, 64))
     >>> [tensor_kept_operands(make_spec(x, x, x), "f64", kib * 1024) for kib in (227, 163, 99, 48)]
     [(2, 2), (2, 2), (1, 1), (0, 0)]
-    >>> tensor_kept_operands(make_spec(*(x.astype(np.float16),) * 3), "f16", 227 * 1024)
-    (2, 0)
+    >>> [tensor_kept_operands(make_spec(*(x.astype(np.float16),) * 3), "f16", kib * 1024) for kib in (227, 99)]
+    [(2, 0), (0, 0)]
     """
-    static = _static_shared_bytes(spec, precision, tensor_tile(spec, precision, backward=True), backward=True)
+    tile = tensor_tile(spec, precision, backward=True)
+    statics = (  # dQ's: its key and value tiles, as the forward's; dK/dV's: query and dO tiles, and their rows'
+        _static_shared_bytes(spec, precision, tile, backward=False),
+        _static_shared_bytes(spec, precision, tile, backward=True),
+    )
     narrow, wide = TENSOR_KEPT_OPERANDS[precision]
 
-    def fitting(kept: int) -> int:  # the static bytes are dK/dV's, the larger kernel's
-        while kept and static + _kept_bytes(spec, precision, kept) > shared_memory:
+    def fitting(kept: int, static: int, blocks: int) -> int:
+        while kept and blocks * (static + _kept_bytes(spec, precision, kept) + 1024) > shared_memory + 1024:
             kept -= 1
         return kept
 
-    dq, dkdv = narrow if max(spec.head_dim, spec.value_dim) <= 64 else wide
-    return fitting(dq), fitting(dkdv)
+    wanted = narrow if max(spec.head_dim, spec.value_dim) <= 64 else wide
+    dq, dkdv = (fitting(*kernel) for kernel in zip(wanted, statics, TENSOR_BACKWARD_BLOCKS[precision]))
+    return dq, dkdv
 
 
 def _static_shared_bytes(spec: AttentionSpec, precision: str, tile: int, backward: bool, stages: int = 2) -> int:

@@ -455,8 +455,10 @@ def test_backward_keeps_the_operands_that_fit_the_devices_shared_memory():
     """float64's backward keeps both operands in both kernels where a
     block's shared memory takes them (an H100's 227 KiB, an A100's 163), one
     at 99 KiB, none at CUDA's portable 48; float16 both in dQ, and in dK/dV
-    too at heads over 64; float32 none. A plan's dQ and dK/dV get that
-    memory, and the module its TC_KEPT_DQ and TC_KEPT_DKDV."""
+    too at heads over 64, where the blocks its registers allow a
+    multiprocessor (3 of dQ, 2 of dK/dV) fit its shared memory, fewer
+    elsewhere; float32 none. A plan's dQ and dK/dV get that memory, and the
+    module its TC_KEPT_DQ and TC_KEPT_DKDV."""
 
     def plan(kib, dtype, H):
         runtime = EmulatedRuntime(shared_memory=kib * 1024)
@@ -468,8 +470,10 @@ def test_backward_keeps_the_operands_that_fit_the_devices_shared_memory():
 
     for kib, kept in ((227, 2), (163, 2), (99, 1), (48, 0)):
         assert plan(kib, np.float64, 64) == ((kept, kept), (256 * 8 * kept * 32,) * 2)
-    assert plan(227, np.float16, 64) == ((2, 0), (128 * 8 * 16, 0))
+    assert plan(227, np.float16, 64) == plan(163, np.float16, 64) == ((2, 0), (128 * 8 * 16, 0))
     assert plan(227, np.float16, 128) == ((2, 2), (128 * 16 * 16,) * 2)
+    assert plan(163, np.float16, 128) == ((1, 2), (128 * 8 * 16, 128 * 16 * 16))
+    assert plan(99, np.float16, 64) == plan(99, np.float16, 128) == ((0, 0), (0, 0))
     assert plan(227, np.float32, 128) == ((0, 0), (0, 0))
 
 
