@@ -691,18 +691,15 @@ TENSOR_KEPT_OPERANDS = {"f16": ((2, 0), (2, 2)), "tf32x3": ((0, 0), (0, 0)), "f6
 #: (:func:`tensor_kept_operands`).
 TENSOR_BACKWARD_BLOCKS = {"f16": (3, 2), "tf32x3": (2, 2), "f64": (1, 1)}
 
-#: Bytes of an ``mma``'s A fragment, a thread's share (``FragA``,
-#: ``operands.cuh``), by precision.
-TENSOR_FRAG_BYTES = {"f16": 16, "tf32x3": 16, "f64": 32}
-
 
 def _kept_bytes(spec: AttentionSpec, precision: str, kept: int) -> int:
     """Dynamic shared memory of a tensor-core backward block whose first
-    ``kept`` A operands (of ``H``, then ``Hv`` entries a row) are kept there."""
-    step = 16 if precision == "f16" else 8  # an mma's inner dimension (KSTEP)
-    widths = (spec.head_dim, spec.value_dim)[:kept]
+    ``kept`` A operands (of ``H``, then ``Hv`` entries a row) are kept there:
+    each warp's 16 rows of an operand, entries of the precision's size,
+    spread over its 32 lanes."""
+    item = TENSOR_PRECISIONS[precision][1]
     threads = 32 * TENSOR_BACKWARD_WARPS[precision]
-    return threads * sum(width // step for width in widths) * TENSOR_FRAG_BYTES[precision]
+    return threads * sum((spec.head_dim, spec.value_dim)[:kept]) * 16 * item // 32
 
 
 def tensor_kept_operands(spec: AttentionSpec, precision: str, shared_memory: int) -> tuple[int, int]:
