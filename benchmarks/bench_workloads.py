@@ -418,8 +418,21 @@ def load_base(revision: str) -> Any:
         ).stdout
         subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
         (folder / "npattn").rename(target)
+    _own_kernel_sources(target)
     sys.path.insert(0, str(folder))
     return importlib.import_module("npattn_base")
+
+
+def _own_kernel_sources(package: Path) -> None:
+    """Point a base copy's ``fast_cupy`` at its own CUDA sources: revisions
+    before 2026-11-27's tenth session read them as ``resources.files("npattn")``,
+    which in the copy ``npattn_base`` is this checkout's package, so that an
+    A/B compiled this checkout's kernels with the base's definitions (and a
+    base whose sources list differs failed to compile)."""
+    module = package / "fast_cupy.py"
+    if module.is_file():
+        text = module.read_text(encoding="utf-8")
+        module.write_text(text.replace('resources.files("npattn")', "resources.files(__package__)"), encoding="utf-8")
 
 
 # --- the table --------------------------------------------------------------

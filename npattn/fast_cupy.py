@@ -329,8 +329,9 @@ BY_VALUE_POINTERS = 64
 @functools.cache
 def kernel_source(kind: str = "cuda_cores") -> str:
     """The CUDA C++ source of one kind of kernels (:data:`SOURCES`):
-    ``npattn/cuda``'s files, in order."""
-    folder = resources.files("npattn") / "cuda"
+    ``npattn/cuda``'s files, in order: this package's own, also in a copy
+    imported under another name (a benchmark's base revision)."""
+    folder = resources.files(__package__) / "cuda"
     return "\n".join((folder / name).read_text(encoding="utf-8") for name in SOURCES[kind])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -154,6 +155,39 @@ def test_workloads_benchmark_times_a_base_revision_beside(capsys):
     assert "base ms" in out
     rows = [line.split() for line in out.splitlines() if line.startswith("tiny")]
     assert len(rows) == 2 and all(row[-2].endswith("x") for row in rows)
+
+
+def test_a_base_copy_compiles_its_own_kernel_sources(tmp_path, monkeypatch):
+    """A base revision's package, copied under another name, reads the CUDA
+    sources of its own ``cuda/`` folder, not this checkout's: as
+    ``fast_cupy`` now asks for them, and as older revisions ask (for
+    ``"npattn"`` by name), which ``load_base`` rewrites in the copy."""
+    import importlib
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_workloads
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    source = Path(__file__).resolve().parents[1] / "npattn"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name, old_style in (("npattn_copy_now", False), ("npattn_copy_old", True)):
+        copy = tmp_path / name
+        shutil.copytree(source, copy, ignore=shutil.ignore_patterns("__pycache__"))
+        with (copy / "cuda" / "merge.cu").open("a") as cu:
+            cu.write(f"// {name}'s own\n")
+        if old_style:
+            module = copy / "fast_cupy.py"
+            text = module.read_text()
+            assert "resources.files(__package__)" in text
+            module.write_text(text.replace("resources.files(__package__)", 'resources.files("npattn")'))
+        bench_workloads._own_kernel_sources(copy)
+        try:
+            fast_cupy = importlib.import_module(f"{name}.fast_cupy")
+            assert f"// {name}'s own" in fast_cupy.kernel_source("tensor_forward")
+        finally:
+            for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+                del sys.modules[module]
 
 
 def test_workloads_benchmark_prints_the_auto_rule_grid(capsys):
