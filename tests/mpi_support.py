@@ -42,10 +42,17 @@ def mpi_skip_reason() -> str | None:
     return None
 
 
+#: Open MPI's ``mpiexec`` refuses to run as root without these (MPICH's, which
+#: ``npattn[mpi]`` installs, ignores them); the GPU machines run the tests as
+#: root with an Open MPI of their own.
+OPEN_MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
 def run_mpi(P: int, script, args=(), *, env=None, cwd=None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``python -m mpi4py script args...`` on P ranks; raise
     ``subprocess.TimeoutExpired`` after killing every process on a timeout."""
     command = [find_mpiexec(), "-n", str(P), sys.executable, "-m", "mpi4py", str(script), *map(str, args)]
+    env = {**(os.environ if env is None else env), **OPEN_MPI_AS_ROOT}
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True
     )
