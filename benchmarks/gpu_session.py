@@ -11,13 +11,15 @@ session must learn from it is prepared beforehand and asked in one call:
 
 1. ``env``: the device and the libraries (``nvidia-smi -L``; CuPy's, its
    CUDA runtime's and torch's versions);
-2. ``tests``: ``python -m pytest -m gpu -x``: the fused kernels against the
+2. ``tests``: ``python -m pytest -m gpu -x`` (in :data:`TEST_WORKERS`
+   processes where pytest-xdist is installed): the fused kernels against the
    generic path and NumPy, gradient checks, dropout bits, determinism;
-3. ``targets``: ``bench_gpu.py --targets``, issue 18's table;
-4. ``kernels-REV``, for each folder given (a copy of another revision's
+3. ``kernels-REV`` for the first folder given (a copy of another revision's
    package, which ``--prepare`` writes, since the device's copy of the
    checkout has no git history): ``bench_gpu.py --kernels --base FOLDER``,
-   every fused kernel against that revision's, call by call in turn.
+   every fused kernel against that revision's, call by call in turn;
+4. ``targets``: ``bench_gpu.py --targets``, issue 18's table;
+5. ``kernels-REV`` for each further folder.
 
 Each step's output goes to ``OUT/NN-step.log`` (``OUT``: ``--out``, else
 ``$OUT``, which the device tool brings back, else ``gpu_session/``) and a
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -49,6 +52,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: Each step's limit in seconds (a kernels step's for each base).
 STEP_LIMITS = {"env": 30, "tests": 240, "targets": 300, "kernels": 150}
+
+#: pytest-xdist's workers for the tests step, where it is installed (the GPU
+#: machines have it and 16 cores): most of the step is NVRTC compiling kernels.
+TEST_WORKERS = 8
 
 #: A step that would start with less than this left of the budget is skipped.
 MIN_STEP_SECONDS = 30
@@ -82,14 +89,17 @@ def print_environment() -> int:
 def steps(bases: list[str]) -> list[tuple[str, list[str], int]]:
     """``(name, command, limit)`` of each step, in order."""
     python, bench = sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py")
+    pytest = [python, "-m", "pytest", "-m", "gpu", "-x", "-q", "-p", "no:cacheprovider"]
+    if importlib.util.find_spec("xdist") is not None:  # the kernels compile in TEST_WORKERS processes
+        pytest += ["-n", str(TEST_WORKERS)]
+    kernels = [("kernels-" + Path(base).name, [python, bench, "--kernels", "--base", base]) for base in bases]
     found = [
         ("env", [python, str(Path(__file__).resolve()), "--env"], STEP_LIMITS["env"]),
-        ("tests", [python, "-m", "pytest", "-m", "gpu", "-x", "-q", "-p", "no:cacheprovider"], STEP_LIMITS["tests"]),
+        ("tests", pytest, STEP_LIMITS["tests"]),
+        *((name, command, STEP_LIMITS["kernels"]) for name, command in kernels[:1]),
         ("targets", [python, bench, "--targets"], STEP_LIMITS["targets"]),
+        *((name, command, STEP_LIMITS["kernels"]) for name, command in kernels[1:]),
     ]
-    for base in bases:
-        name = "kernels-" + Path(base).name
-        found.append((name, [python, bench, "--kernels", "--base", base], STEP_LIMITS["kernels"]))
     return found
 
 

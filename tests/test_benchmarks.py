@@ -486,14 +486,17 @@ def test_gpu_session_runs_its_steps_within_the_budget(tmp_path, capsys):
 @pytest.mark.skipif(not _in_git_checkout(), reason="needs git and a checkout")
 def test_gpu_session_prepares_bases_and_plans_a_kernels_step_each(tmp_path, capsys):
     """``--prepare``'s copy of a revision's package is a folder ``--base``
-    takes, and the plan (``--dry-run``) has the env, tests and targets steps,
-    then one kernels step for each base folder given."""
+    takes, and the plan (``--dry-run``) has the env and tests steps, the
+    first base folder's kernels step, the targets, then a kernels step for
+    each further base."""
     session = _gpu_session()
     assert session["prepare"](["HEAD"], tmp_path) == 0
     assert (tmp_path / "HEAD" / "npattn" / "fast_cupy.py").is_file()
-    assert _run_script("gpu_session.py", ["--dry-run", str(tmp_path / "HEAD")]) == 0
+    shutil.copytree(tmp_path / "HEAD", tmp_path / "older")  # a second base (a shallow clone has one revision)
+    bases = [str(tmp_path / "HEAD"), str(tmp_path / "older")]
+    assert _run_script("gpu_session.py", ["--dry-run", *bases]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines[1:]] == ["env", "tests", "targets", "kernels-HEAD"]
-    assert lines[-1].endswith(f"--kernels --base {tmp_path / 'HEAD'}")
+    assert [line.split()[0] for line in lines[1:]] == ["env", "tests", "kernels-HEAD", "targets", "kernels-older"]
+    assert lines[-1].endswith(f"--kernels --base {bases[1]}")
     assert _run_script("gpu_session.py", [str(tmp_path)]) == 2  # no npattn/ there
     assert "no npattn/ package in" in capsys.readouterr().err
