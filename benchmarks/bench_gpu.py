@@ -7,6 +7,7 @@
     python benchmarks/bench_gpu.py --kernels  # where the fused path's time goes, kernel by kernel
     python benchmarks/bench_gpu.py --kernels --base HEAD~3  # each kernel against a revision's, interleaved
     python benchmarks/bench_gpu.py --tiles    # each tensor-core kernel at each tile size
+    python benchmarks/bench_gpu.py --kept     # the backward with 0, 1 or 2 operands kept in shared memory
     python benchmarks/bench_gpu.py --auto     # the fused path against the dense one at small sizes
     python benchmarks/bench_gpu.py --cache    # a decode step on a preallocated KV cache's views
     python benchmarks/bench_gpu.py --host-time --base HEAD~1  # npattn's Python per decode call, no GPU
@@ -96,6 +97,16 @@ row) with its keys split for each of ``SPLIT_SWEEP`` blocks per
 multiprocessor (``npattn.fast_cupy.SPLIT_BLOCKS_PER_SM`` patched): its key
 ranges, the forward's and the merge's device ms and the GB/s of ``k`` and
 ``v``. These are the data to choose both rules from.
+
+``--kept`` times the tensor-core backward's dQ and dK/dV kernels with 0,
+1 and 2 of each one's A operands kept in shared memory
+(``npattn.fast_cupy.TENSOR_KEPT_OPERANDS`` patched, each count's modules
+and plans kept apart), the counts in turn call by call, best of
+``--repeats`` calls each, ``*`` on what ``tensor_kept_operands`` picks, a
+count in brackets where the shared memory took fewer: float16 at H=64
+(T=S=4096 and 16384) and H=128, float32 at H=64 and 128, float64 at H=64,
+full and causal, B=1, N=8. These are the data to choose ``TENSOR_KEPT_OPERANDS``
+from.
 
 ``--auto`` holds up ``impl="auto"``'s rule on CuPy (the fused kernels
 wherever they run the call, however small): the dense path and the fused
@@ -360,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--kernels", action="store_true", help="the fused path's time, kernel by kernel")
     parser.add_argument("--tiles", action="store_true", help="each tensor-core kernel at each tile size")
+    parser.add_argument("--kept", action="store_true", help="the backward by operands kept in shared memory")
     parser.add_argument("--auto", action="store_true", help="the fused path against the dense one at small sizes")
     parser.add_argument("--cache", action="store_true", help="a decode step on a preallocated KV cache's views")
     parser.add_argument("--host-time", action="store_true", help="npattn's Python per decode call, on the CPU")
@@ -395,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         return kernels(cp, args.repeats)
     if args.tiles:
         return tiles(cp, args.repeats)
+    if args.kept:
+        return kept(cp, args.repeats)
     if args.auto:
         return auto(cp)
     if args.cache:
@@ -1145,6 +1159,94 @@ def _fresh_lookups(fast_cupy):
         mock.patch.object(fast_cupy, "RECURRING_SPECS", SpecMemo()),
     ):
         yield
+
+
+#: Counts of each backward kernel's A operands ``--kept`` keeps in shared memory.
+KEPT_SWEEP = (0, 1, 2)
+
+#: The backward kernels ``--kept`` times.
+KEPT_KERNELS = ("npattn_backward_dq_tc", "npattn_backward_dkdv_tc")
+
+
+def _kept_rows():
+    """``(label, problem arguments)`` of ``--kept``."""
+    for dtype, H, lengths in (
+        ("float16", 64, (4096, 16384)),
+        ("float16", 128, (4096,)),
+        ("float32", 64, (4096,)),
+        ("float32", 128, (4096,)),
+        ("float64", 64, (4096,)),
+    ):
+        for T in lengths:
+            for causal in (False, True):
+                yield f"{dtype} H={H} T=S={T} {'causal' if causal else 'full'}", (dtype, 1, 8, 8, T, T, H, causal)
+
+
+def kept(cp, repeats: int) -> int:
+    """Print the backward's kernels' device ms by the operands they keep in
+    shared memory (see the module's docstring)."""
+    from npattn import fast_cupy
+
+    name = _device_name(cp)
+    print(
+        f"npattn tensor-core backward on {name}: device ms by A operands kept in shared memory, "
+        f"best of {repeats} calls each, the counts in turn; * fast_cupy's choice, (n) where fewer fit"
+    )
+    columns = [f"{kernel.removeprefix('npattn_backward_')} {n}" for kernel in KEPT_KERNELS for n in KEPT_SWEEP]
+    print(f"{'problem':<30} " + " ".join(f"{column:>13}" for column in columns))
+    timed = _TimedLaunches(cp, fast_cupy._CUPY_RUNTIME)
+    with mock.patch.object(fast_cupy, "_CUPY_RUNTIME", timed):
+        for label, arguments in _kept_rows():
+            problem = _Problem(cp, None, *arguments)
+            spec = make_spec(*problem.arrays[:3])
+            precision = fast_cupy.tensor_precision(spec)
+            if precision is None:
+                print(f"{label:<30} skipped: no tensor-core kernels for it on this device")
+                continue
+            _kept_row(timed, problem, spec, precision, label, repeats)
+            del problem
+            _free_pools(cp, None)
+    return 0
+
+
+def _kept_row(timed: _TimedLaunches, problem: _Problem, spec, precision: str, label: str, repeats: int) -> None:
+    """One row of ``--kept``: each count's modules and plans looked up apart
+    (compiled in a first call each), then ``repeats`` calls of each count in
+    turn."""
+    from npattn import fast_cupy
+
+    shared = timed.shared_memory(problem.arrays[0])
+    chosen = fast_cupy.tensor_kept_operands(spec, precision, shared)
+    lookups = {n: ({}, SpecMemo()) for n in KEPT_SWEEP}  # each count's modules and plans
+
+    @contextlib.contextmanager
+    def keeping(n: int):
+        modules, plans = lookups[n]
+        with (
+            mock.patch.dict(fast_cupy.TENSOR_KEPT_OPERANDS, {precision: ((n, n), (n, n))}),
+            mock.patch.object(fast_cupy, "_TENSOR_MODULES", modules),
+            mock.patch.object(fast_cupy, "RECURRING_SPECS", plans),
+        ):
+            yield fast_cupy.tensor_kept_operands(spec, precision, shared)
+
+    best: dict[int, dict[str, float]] = {n: {} for n in KEPT_SWEEP}
+    fitted = {}
+    for n in KEPT_SWEEP:
+        with keeping(n) as fitted[n]:
+            problem.npattn(True)  # compiles
+    timed.kernel_ms()
+    for round_ in range(repeats):
+        for n in KEPT_SWEEP if round_ % 2 == 0 else reversed(KEPT_SWEEP):
+            with keeping(n):
+                problem.npattn(True)
+            for kernel, ms in timed.kernel_ms().items():
+                best[n][kernel] = min(best[n].get(kernel, float("inf")), ms)
+    cells = []
+    for index, kernel in enumerate(KEPT_KERNELS):
+        for n in KEPT_SWEEP:
+            cell = f"{best[n][kernel]:.3f}" + ("*" if n == chosen[index] else "")
+            cells.append(f"{cell + (f'({fitted[n][index]})' if fitted[n][index] != n else ''):>13}")
+    print(f"{label:<30} " + " ".join(cells), flush=True)
 
 
 def _split_rows(cp, timed: _TimedLaunches, repeats: int) -> None:

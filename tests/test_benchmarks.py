@@ -389,6 +389,65 @@ def test_gpu_benchmark_cache_rows_time_views_copies_and_c_order_keys(capsys, mon
             assert (step - half) / (ms[0] + half) - 0.005 <= ratio <= (step + half) / (ms[0] - half) + 0.005
 
 
+def test_gpu_benchmark_kept_sweep_compiles_each_count_of_kept_operands(capsys, monkeypatch):
+    """``bench_gpu.py --kept``' own code on NumPy in CuPy's place, kernels
+    not run: a row per problem, dQ's and dK/dV's cells for 0, 1 and 2 kept
+    operands, each count's backward compiled with it (``TC_KEPT_DQ``,
+    ``TC_KEPT_DKDV``), ``*`` on ``tensor_kept_operands``' choice, and the
+    count that fits in brackets where the device's shared memory takes
+    fewer."""
+    import numpy as np
+
+    from npattn import fast_cupy
+    from npattn.options import make_spec
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+    class Compiled(bench_gpu._NoKernels):
+        def __init__(self, shared_memory):
+            self.kept, self.bytes = set(), shared_memory
+
+        def module(self, source, defines):
+            values = dict(defines)
+            if "TC_KEPT_DQ" in values:
+                self.kept.add((values["PRECISION"], int(values["TC_KEPT_DQ"]), int(values["TC_KEPT_DKDV"])))
+            return super().module(source, defines)
+
+        def shared_memory(self, like):
+            return self.bytes
+
+    rows = [(f"{dtype} full", (dtype, 1, 2, 2, 64, 64, 64, False)) for dtype in ("float16", "float64")]
+    for kib in (227, 99):  # an H100's blocks keep what the table says; at 99 KiB float64 keeps one, float16 none
+        runtime = Compiled(kib * 1024)
+        bench_gpu, cp = _fake_gpu_bench(monkeypatch, runtime)
+        monkeypatch.setattr(bench_gpu, "_kept_rows", lambda: rows)
+        with np.errstate(all="ignore"):
+            assert bench_gpu.kept(cp, repeats=2) == 0
+        table = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+        assert [row[:2] for row in table] == [["float16", "full"], ["float64", "full"]]
+        for (_, arguments), row in zip(rows, table):
+            x = np.zeros(arguments[1:3] + arguments[4:5] + arguments[6:7], arguments[0])
+            precision = "f16" if arguments[0] == "float16" else "f64"
+            chosen = fast_cupy.tensor_kept_operands(make_spec(x, x, x), precision, kib * 1024)
+            cells = row[2:]
+            assert len(cells) == 6 and all(float(cell.split("(")[0].rstrip("*")) == 1.0 for cell in cells)
+            stars = [index for index, cell in enumerate(cells) if cell.endswith("*")]
+            assert stars == [chosen[0], 3 + chosen[1]]
+        fits = {("PRECISION_F16", 227): 2, ("PRECISION_F64", 227): 2}
+        fits |= {("PRECISION_F16", 99): 0, ("PRECISION_F64", 99): 1}
+        expected = {
+            (precision, min(n, fits[precision, kib]), min(n, fits[precision, kib]))
+            for precision in ("PRECISION_F16", "PRECISION_F64")
+            for n in (0, 1, 2)
+        }
+        assert runtime.kept == expected
+        assert ("(1)" in " ".join(table[1])) == (kib == 99)  # float64's 2 fit as 1 at 99 KiB
+
+
 def test_gpu_benchmark_tile_sweep_compiles_each_size_that_fits(capsys, monkeypatch):
     """``bench_gpu.py --tiles``' own code on NumPy in CuPy's place, kernels
     not run: a row per tile size whose two tiles fit, each kernel compiled
