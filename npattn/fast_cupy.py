@@ -664,26 +664,32 @@ def _tile_stride(width: int, precision: str) -> int:
 #: How many of its two A operands (``Q`` and ``dO`` in dQ, ``K`` and ``V``
 #: in dK/dV: 16 rows a warp, read once) each kernel of the tensor-core
 #: backward keeps in dynamic shared memory rather than registers
-#: (``TC_KEPT_DQ``, ``TC_KEPT_DKDV``), at most, by precision: ``(dQ,
-#: dK/dV)`` for heads up to 64 and for wider ones. ``count_sass.py``, sm_90,
-#: the kernels shipped for plain scores (registers, spilled bytes, and the
-#: tile loop's instructions with its spill loads and stores):
+#: (``TC_KEPT_DQ``, ``TC_KEPT_DKDV``; 1: the first), at most, by precision:
+#: ``(dQ, dK/dV)`` for heads up to 64 and for wider ones. The fastest count
+#: of each on an H100 (2026-11-27, tenth session; ``bench_gpu.py --kept
+#: --repeats 5``: 0, 1 and 2 kept, best of 5 calls each in turn, B=1, N=8,
+#: T=S=4096 unless said; ms for 0, 1, 2; three runs, on two machines, agree
+#: within 3% but for float16's dK/dV at T=S=16384 full, where 2 kept took
+#: 0.98-1.01x of none):
 #:
-#: - float64, both in both kernels, whose registers spilled them (H=Hv=64):
-#:   dQ 255, 184 bytes, 1137 with 73 against 205, none, 1056 kept; dK/dV
-#:   255, 400 bytes, 1669 with 68 against 242, none, 1587;
-#: - float16, both in dQ (H=Hv=64: 230 registers against 168, which let
-#:   three blocks run a multiprocessor where two did; its loop 1131
-#:   instructions against 1139); in dK/dV at heads over 64 alone (H=Hv=64:
-#:   247 registers against 187, two blocks either way, 1795 instructions
-#:   against 1823; H=Hv=128: 255 registers, 120 bytes, 1392 with 39 against
-#:   244, none, 1326; dQ 242 registers against 160);
-#: - float32, none: its fragments kept are split into TensorFloat-32 halves
-#:   again each tile (H=Hv=128, whose backward spills: dK/dV's plain loop
-#:   2531 instructions against 2102 and 148 spill loads and stores).
-#:
-#: Not yet timed on a GPU.
-TENSOR_KEPT_OPERANDS = {"f16": ((2, 0), (2, 2)), "tf32x3": ((0, 0), (0, 0)), "f64": ((2, 2), (2, 2))}
+#: - float16 at H=Hv=64: dQ none (full 0.203, 0.232, 0.265; causal 0.144,
+#:   0.169, 0.139; T=S=16384 full 2.687, 3.132, 2.981), dK/dV both (full
+#:   0.313, 0.320, 0.307; causal 0.233, 0.235, 0.224; T=S=16384 full 4.609,
+#:   4.703, 4.504, causal 2.331, 2.382, 2.284);
+#: - float16 at H=Hv=128: dQ none (full 0.342, 0.374, 0.413; causal 0.252,
+#:   0.281, 0.285), dK/dV one (full 0.568, 0.523, 0.598; causal 0.417,
+#:   0.391, 0.450);
+#: - float32 at H=Hv=64: dQ none (full 0.878, 0.919, 0.940), dK/dV one
+#:   (full 1.404, 1.267, 1.428; causal 1.024, 0.906, 0.977);
+#: - float32 at H=Hv=128: dQ one (full 2.553, 2.083, 2.118; causal 1.878,
+#:   1.527, 1.557), dK/dV both (full 4.097, 3.329, 2.761; causal 2.975,
+#:   2.495, 1.974), where ``count_sass.py`` (sm_90) had counted dK/dV's
+#:   plain loop longer kept (2531 instructions against 2102, its fragments
+#:   split into TensorFloat-32 halves again each tile) but not its spills;
+#: - float64 at H=Hv=64: dQ one (full 1.344, 1.284, 1.400; causal 1.078,
+#:   1.030, 1.118), dK/dV both (full 1.944, 1.878, 1.786; causal 1.556,
+#:   1.503, 1.430).
+TENSOR_KEPT_OPERANDS = {"f16": ((0, 2), (0, 1)), "tf32x3": ((0, 1), (1, 2)), "f64": ((1, 2), (1, 2))}
 
 #: Blocks of the backward's dQ and dK/dV kernels a multiprocessor runs, as
 #: their registers allow, with their operands kept in shared memory (float16
@@ -717,9 +723,9 @@ def tensor_kept_operands(spec: AttentionSpec, precision: str, shared_memory: int
     >>> from npattn.options import make_spec
     >>> x = np.zeros((1, 8, 1024, 64))
     >>> [tensor_kept_operands(make_spec(x, x, x), "f64", kib * 1024) for kib in (227, 163, 99, 48)]
-    [(2, 2), (2, 2), (1, 1), (0, 0)]
+    [(1, 2), (1, 2), (1, 1), (0, 0)]
     >>> [tensor_kept_operands(make_spec(*(x.astype(np.float16),) * 3), "f16", kib * 1024) for kib in (227, 99)]
-    [(2, 0), (0, 0)]
+    [(0, 2), (0, 0)]
     """
     tile = tensor_tile(spec, precision, backward=True)
     statics = (  # dQ's: its key and value tiles, as the forward's; dK/dV's: query and dO tiles, and their rows'
