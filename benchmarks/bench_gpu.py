@@ -825,7 +825,8 @@ def targets(cp, torch, why_no_torch, repeats: int) -> int:
         print(f"skipped: the targets compare with torch SDPA on CUDA ({why_no_torch})")
         return 0
     name = _device_name(cp)
-    print(f"npattn fused CuPy path vs torch {torch.__version__} SDPA on {name}")
+    host = _workload_helpers()["cpu_model"]()  # at small sizes both libraries' times are the host's too
+    print(f"npattn fused CuPy path vs torch {torch.__version__} SDPA on {name}, host {host} ({os.cpu_count()} CPUs)")
     print(
         f"best of {repeats} (decode: {DECODE_REPEATS}), interleaved torch, fused, torch; "
         "CUDA cores (NPATTN_CUPY_TENSOR_CORES=0) and generic (NPATTN_FAST_CUPY=0): best of 2"

@@ -9,8 +9,8 @@ device tool: one machine, 15 minutes of device time a session, its start
 included, at most 10 minutes a command, and no network there). So what a
 session must learn from it is prepared beforehand and asked in one call:
 
-1. ``env``: the device and the libraries (``nvidia-smi -L``; CuPy's, its
-   CUDA runtime's and torch's versions);
+1. ``env``: the host's CPU, the device and the libraries (``nvidia-smi
+   -L``; CuPy's, its CUDA runtime's and torch's versions);
 2. ``tests``: ``python -m pytest -m gpu -x`` (in :data:`TEST_WORKERS`
    processes where pytest-xdist is installed): the fused kernels against the
    generic path and NumPy, gradient checks, dropout bits, determinism;
@@ -42,6 +42,7 @@ import argparse
 import importlib
 import importlib.util
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -62,8 +63,11 @@ MIN_STEP_SECONDS = 30
 
 
 def print_environment() -> int:
-    """The ``env`` step: the device, CuPy with its CUDA runtime, torch, and
-    what the tests need (the machine cannot install what is missing)."""
+    """The ``env`` step: the host's CPU, the device, CuPy with its CUDA
+    runtime, torch, and what the tests need (the machine cannot install what
+    is missing)."""
+    host = runpy.run_path(str(ROOT / "benchmarks" / "bench_workloads.py"))["cpu_model"]()
+    print(f"host {host}, {os.cpu_count()} CPUs")
     smi = shutil.which("nvidia-smi")
     print(subprocess.run([smi, "-L"], capture_output=True, text=True).stdout.strip() if smi else "no nvidia-smi")
     try:
