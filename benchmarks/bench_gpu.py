@@ -105,8 +105,8 @@ and plans kept apart), the counts in turn call by call, best of
 ``--repeats`` calls each, ``*`` on what ``tensor_kept_operands`` picks, a
 count in brackets where the shared memory took fewer: float16 at H=64
 (T=S=4096 and 16384) and H=128, float32 at H=64 and 128, float64 at H=64,
-full and causal, B=1, N=8. These are the data to choose ``TENSOR_KEPT_OPERANDS``
-from.
+full and causal, B=1, N=8. These are the data to choose
+``TENSOR_KEPT_OPERANDS`` from.
 
 ``--auto`` holds up ``impl="auto"``'s rule on CuPy (the fused kernels
 wherever they run the call, however small): the dense path and the fused

@@ -97,14 +97,13 @@ def steps(bases: list[str]) -> list[tuple[str, list[str], int]]:
     if importlib.util.find_spec("xdist") is not None:  # the kernels compile in TEST_WORKERS processes
         pytest += ["-n", str(TEST_WORKERS)]
     kernels = [("kernels-" + Path(base).name, [python, bench, "--kernels", "--base", base]) for base in bases]
-    found = [
+    return [
         ("env", [python, str(Path(__file__).resolve()), "--env"], STEP_LIMITS["env"]),
         ("tests", pytest, STEP_LIMITS["tests"]),
         *((name, command, STEP_LIMITS["kernels"]) for name, command in kernels[:1]),
         ("targets", [python, bench, "--targets"], STEP_LIMITS["targets"]),
         *((name, command, STEP_LIMITS["kernels"]) for name, command in kernels[1:]),
     ]
-    return found
 
 
 def run_steps(plan: list[tuple[str, list[str], int]], out: Path, budget: float) -> int:

@@ -668,9 +668,10 @@ def _tile_stride(width: int, precision: str) -> int:
 #: ``(dQ, dK/dV)`` for heads up to 64 and for wider ones. The fastest count
 #: of each on an H100 (2026-11-27, tenth session; ``bench_gpu.py --kept
 #: --repeats 5``: 0, 1 and 2 kept, best of 5 calls each in turn, B=1, N=8,
-#: T=S=4096 unless said; ms for 0, 1, 2; three runs, on two machines, agree
-#: within 3% but for float16's dK/dV at T=S=16384 full, where 2 kept took
-#: 0.98-1.01x of none):
+#: T=S=4096 unless said; ms for 0, 1, 2, of the first of three runs on three
+#: machines, two for float32 at H=Hv=128; the runs agree on these counts,
+#: but for float16's dQ at T=S=4096 causal, where both kept took 0.97-1.01x
+#: the time of none, and its dK/dV at T=S=16384 full, both kept 0.98-1.01x):
 #:
 #: - float16 at H=Hv=64: dQ none (full 0.203, 0.232, 0.265; causal 0.144,
 #:   0.169, 0.139; T=S=16384 full 2.687, 3.132, 2.981), dK/dV both (full
