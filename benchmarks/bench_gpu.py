@@ -1093,18 +1093,30 @@ def tiles(cp, repeats: int) -> int:
     print(f"{'problem':<24} {'tile':>5} " + " ".join(f"{column:>17}" for column in columns))
     timed = _TimedLaunches(cp, fast_cupy._CUPY_RUNTIME)
     with mock.patch.object(fast_cupy, "_CUPY_RUNTIME", timed):
-        for label, arguments in _tile_rows():
-            problem = _Problem(cp, None, *arguments)
-            spec = make_spec(*problem.arrays[:3])
-            precision = fast_cupy.tensor_precision(spec)
-            if precision is None:
-                print(f"{label:<24} skipped: no tensor-core kernels for it on this device")
-                continue
+        for label, problem, spec, precision in _tensor_problems(cp, _tile_rows(), 24):
             for tile in TILE_SIZES:
                 _tile_row(timed, problem, spec, precision, tile, label, repeats)
-            _free_pools(cp, None)
         _split_rows(cp, timed, repeats)
     return 0
+
+
+def _tensor_problems(cp, rows, width: int):
+    """``(label, problem, spec, precision)`` of each ``(label, problem
+    arguments)`` of ``rows`` that the tensor cores run on this device (the
+    others say so, ``label`` ``width`` wide), its memory freed after its
+    turn."""
+    from npattn import fast_cupy
+
+    for label, arguments in rows:
+        problem = _Problem(cp, None, *arguments)
+        spec = make_spec(*problem.arrays[:3])
+        precision = fast_cupy.tensor_precision(spec)
+        if precision is None:
+            print(f"{label:<{width}} skipped: no tensor-core kernels for it on this device")
+            continue
+        yield label, problem, spec, precision
+        del problem
+        _free_pools(cp, None)
 
 
 def _tile_row(timed: _TimedLaunches, problem: _Problem, spec, precision: str, tile: int, label: str, repeats: int):
@@ -1197,16 +1209,8 @@ def kept(cp, repeats: int) -> int:
     print(f"{'problem':<30} " + " ".join(f"{column:>13}" for column in columns))
     timed = _TimedLaunches(cp, fast_cupy._CUPY_RUNTIME)
     with mock.patch.object(fast_cupy, "_CUPY_RUNTIME", timed):
-        for label, arguments in _kept_rows():
-            problem = _Problem(cp, None, *arguments)
-            spec = make_spec(*problem.arrays[:3])
-            precision = fast_cupy.tensor_precision(spec)
-            if precision is None:
-                print(f"{label:<30} skipped: no tensor-core kernels for it on this device")
-                continue
+        for label, problem, spec, precision in _tensor_problems(cp, _kept_rows(), 30):
             _kept_row(timed, problem, spec, precision, label, repeats)
-            del problem
-            _free_pools(cp, None)
     return 0
 
 
