@@ -22,6 +22,7 @@ import runpy
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -74,12 +75,15 @@ def shipped_modules() -> dict[tuple[str, tuple[tuple[str, str], ...]], None]:
     shapes build, on the tensor cores and, with ``NPATTN_CUPY_TENSOR_CORES=0``,
     the CUDA cores; the backward's on GPUs whose blocks take 227, 163 or 99
     KiB of shared memory (H100, A100, GeForce 8.6 and 8.9: its operands kept
-    there, ``TC_KEPT_DQ`` and ``TC_KEPT_DKDV``, as many as fit)."""
-    problems = [_problem(dtype=dtype, **TENSOR_CASES[case]) for case, dtype, _ in TENSOR_MATRIX]
-    problems += [
+    there, ``TC_KEPT_DQ`` and ``TC_KEPT_DKDV``, as many as fit), and the
+    tensor cases' backward with one and with both kept in each kernel, as
+    ``KEPT_MATRIX``'s emulated tests force them."""
+    tensor_problems = [_problem(dtype=dtype, **TENSOR_CASES[case]) for case, dtype, _ in TENSOR_MATRIX]
+    tensor_specs = [_spec(q, k, v, options) for q, k, v, options in tensor_problems]
+    problems = [
         _problem(dtype=dtype, **case) for case in CASES.values() for dtype in (np.float64, np.float32, np.float16)
     ]
-    specs = [_spec(q, k, v, options) for q, k, v, options in problems] + list(_targets_specs())
+    specs = tensor_specs + [_spec(q, k, v, options) for q, k, v, options in problems] + list(_targets_specs())
     modules: dict[tuple[str, tuple[tuple[str, str], ...]], None] = {}
     for kib in (227, 163, 99):
         recorder = _Recorder(kib * 1024)
@@ -89,6 +93,12 @@ def shipped_modules() -> dict[tuple[str, tuple[tuple[str, str], ...]], None]:
                 fast_cupy._forward_plan(recorder, spec, None, precision)
                 fast_cupy._backward_plan(recorder, spec, None, precision)
         modules.update(recorder.modules)
+    recorder = _Recorder(227 * 1024)
+    for n in (1, 2):
+        with mock.patch.object(fast_cupy, "tensor_kept_operands", lambda spec, precision, shared, n=n: (n, n)):
+            for spec in tensor_specs:
+                fast_cupy._backward_plan(recorder, spec, None, fast_cupy._precision(spec, "1"))
+    modules.update(recorder.modules)
     return modules
 
 
