@@ -8,6 +8,7 @@
     python benchmarks/bench_gpu.py --kernels --base HEAD~3  # each kernel against a revision's, interleaved
     python benchmarks/bench_gpu.py --tiles    # each tensor-core kernel at each tile size
     python benchmarks/bench_gpu.py --kept     # the backward with 0, 1 or 2 operands kept in shared memory
+    python benchmarks/bench_gpu.py --fused-dq --kernels --base HEAD   # float64's dQ summed in dK/dV, against not
     python benchmarks/bench_gpu.py --auto     # the fused path against the dense one at small sizes
     python benchmarks/bench_gpu.py --cache    # a decode step on a preallocated KV cache's views
     python benchmarks/bench_gpu.py --host-time --base HEAD~1  # npattn's Python per decode call, no GPU
@@ -107,6 +108,12 @@ count in brackets where the shared memory took fewer: float16 at H=64
 (T=S=4096 and 16384) and H=128, float32 at H=64 and 128, float64 at H=64,
 full and causal, B=1, N=8. These are the data to choose
 ``TENSOR_KEPT_OPERANDS`` from.
+
+``--fused-dq`` runs whatever else is asked (``--kernels``, ``--kernels
+--base REV``, ``--targets``) with float64's dK/dV kernel summing dQ
+(``npattn.fast_cupy.TENSOR_FUSED_DQ`` set to float64 for the run; not yet
+shipped): against ``--base HEAD``, each kernel and the backward's whole
+time with and without the dQ kernel. These are the data to ship it from.
 
 ``--auto`` holds up ``impl="auto"``'s rule on CuPy (the fused kernels
 wherever they run the call, however small): the dense path and the fused
@@ -378,7 +385,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--base", help="with --host-time or --kernels: a git revision (or folder, or 'worktree') of npattn beside"
     )
+    parser.add_argument(
+        "--fused-dq",
+        action="store_true",
+        help="float64's dK/dV kernel sums dQ (fast_cupy.TENSOR_FUSED_DQ, not yet shipped); "
+        "with --kernels --base REV, against REV's dQ kernel",
+    )
     args = parser.parse_args(argv)
+    if args.fused_dq:
+        import npattn.fast_cupy
+
+        npattn.fast_cupy.TENSOR_FUSED_DQ = frozenset({"f64"})
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if not args.row_budget > 0:

@@ -567,31 +567,35 @@ def _tensor_module(
     warps: int,
     backward: bool = False,
     kept: tuple[int, int] = (0, 0),
+    fused_dq: bool = False,
 ) -> Any:
     """The tensor-core forward (with the merge of key ranges) or backward
     (with ``D``) for ``spec``'s dims, ``precision`` and ``warps``
     (:func:`tensor_warps`), each with its own tiles (:func:`tensor_tile`),
     the backward with ``kept`` operands in shared memory
-    (:func:`tensor_kept_operands`): looked up by these and
+    (:func:`tensor_kept_operands`) and its dK/dV kernel summing dQ where
+    ``fused_dq`` (:func:`tensor_fused_dq`): looked up by these and
     :func:`plain_scores` alone (1 µs; building its definitions takes 2.5
     more, 2-core EPYC)."""
-    key = (runtime, precision, spec.head_dim, spec.value_dim, warps, backward, plain_scores(spec), kept)
+    key = (runtime, precision, spec.head_dim, spec.value_dim, warps, backward, plain_scores(spec), kept, fused_dq)
     module = _TENSOR_MODULES.get(key)
     if module is None:
         kind = "tensor_backward" if backward else "tensor_forward"
-        module = _TENSOR_MODULES[key] = _compiled(runtime, kind, _tensor_defines(spec, precision, backward, kept))
+        defines = _tensor_defines(spec, precision, backward, kept, fused_dq)
+        module = _TENSOR_MODULES[key] = _compiled(runtime, kind, defines)
     return module
 
 
-_TENSOR_MODULES: dict[tuple[Runtime, str, int, int, int, bool, bool, tuple[int, int]], Any] = {}
+_TENSOR_MODULES: dict[tuple[Runtime, str, int, int, int, bool, bool, tuple[int, int], bool], Any] = {}
 
 
 def _tensor_defines(
-    spec: AttentionSpec, precision: str, backward: bool, kept: tuple[int, int] = (0, 0)
+    spec: AttentionSpec, precision: str, backward: bool, kept: tuple[int, int] = (0, 0), fused_dq: bool = False
 ) -> tuple[tuple[str, str], ...]:
     """The ``-D`` definitions of :func:`_tensor_module`, the backward's with
-    ``kept`` operands in shared memory (:func:`tensor_kept_operands`;
-    ``benchmarks/count_sass.py`` compiles with them too)."""
+    ``kept`` operands in shared memory (:func:`tensor_kept_operands`) and
+    ``TC_FUSED_DQ`` where ``fused_dq`` (``benchmarks/count_sass.py``
+    compiles with them too)."""
     tile = tensor_tile(spec, precision, backward)
     defines = (
         ("scalar_t", "double" if precision == "f64" else "float"),
@@ -604,7 +608,8 @@ def _tensor_defines(
         ("TC_WARPS", str(tensor_warps(spec, backward))),
     )
     if backward:
-        return defines + (("TC_KEPT_DQ", str(kept[0])), ("TC_KEPT_DKDV", str(kept[1])))
+        kept_defines = (("TC_KEPT_DQ", str(kept[0])), ("TC_KEPT_DKDV", str(kept[1])))
+        return defines + kept_defines + ((("TC_FUSED_DQ", "1"),) if fused_dq else ())
     return defines + (
         ("TC_MIN_BLOCKS", str(tensor_min_blocks(spec, precision))),
         ("TC_SPLIT_STAGES", str(int(tensor_split_stages(spec, precision)))),
@@ -743,6 +748,63 @@ def tensor_kept_operands(spec: AttentionSpec, precision: str, shared_memory: int
     wanted = narrow if max(spec.head_dim, spec.value_dim) <= 64 else wide
     dq, dkdv = (fitting(*kernel) for kernel in zip(wanted, statics, TENSOR_BACKWARD_BLOCKS[precision]))
     return dq, dkdv
+
+
+#: Precisions whose tensor-core dK/dV kernel sums dQ as well
+#: (``TC_FUSED_DQ``, ``tensor_backward.cu``; :func:`tensor_fused_dq`): each
+#: key block adds its share of a tile's dQ after the key block before it,
+#: where the dQ kernel computes ``S = Q K^T`` and ``dP = dO V^T`` a second
+#: time, 2 of the backward's 7 products. float64 alone can (its dQ is summed
+#: in its own dtype, with no buffer beside it). None yet: not timed on a
+#: GPU (``benchmarks/bench_gpu.py --fused-dq`` times the backward both ways).
+TENSOR_FUSED_DQ: frozenset[str] = frozenset()
+
+
+def _fused_bytes(spec: AttentionSpec, precision: str, kept: int) -> int:
+    """Dynamic shared memory of a dK/dV block that sums dQ too: its keys'
+    tile (its rows, ``H`` entries each), dR's (a tile's query rows, an entry
+    a key of the block), each thread's kept share of a tile's dQ (two
+    16-byte pieces for each of its warp's (16, 8) blocks of it), and, where
+    ``kept`` is 2, V's fragments as :func:`_kept_bytes` counts them."""
+    item = TENSOR_PRECISIONS[precision][1]
+    warps = TENSOR_BACKWARD_WARPS[precision]
+    keys, tile = TENSOR_WARP_ROWS * warps, tensor_tile(spec, precision, backward=True)
+    tiles = keys * _tile_stride(spec.head_dim, precision) + tile * keys
+    share = 2 * -(-(tile // 16 * spec.head_dim // 8) // warps) * 32 * warps * 16
+    values = _kept_bytes(spec, precision, 2) - _kept_bytes(spec, precision, 1) if kept == 2 else 0
+    return tiles * item + share + values
+
+
+def tensor_fused_dq(spec: AttentionSpec, precision: str, shared_memory: int) -> int:
+    """Whether the tensor-core backward's dK/dV kernel sums dQ as well
+    (``TC_FUSED_DQ``), so that no dQ kernel runs: 0 where it does not,
+    else its operands in shared memory, 1 (the keys, as a tile its dQ
+    products read too) or 2 (and V, where :func:`tensor_kept_operands`
+    keeps both). It does for the precisions of :data:`TENSOR_FUSED_DQ`,
+    calls with plain scores (:func:`plain_scores`: ALiBi's slopes are summed
+    in the dQ kernel) and devices whose blocks take those tiles beside the
+    kernel's static ones (``shared_memory``: as for
+    :func:`tensor_kept_operands`).
+
+    >>> import numpy as np
+    >>> from unittest import mock
+    >>> from npattn import fast_cupy
+    >>> from npattn.options import make_spec
+    >>> x = np.zeros((1, 8, 1024, 64))
+    >>> with mock.patch.object(fast_cupy, "TENSOR_FUSED_DQ", frozenset({"f64"})):
+    ...     [tensor_fused_dq(make_spec(x, x, x), "f64", kib * 1024) for kib in (227, 163, 99)]
+    [2, 1, 0]
+    >>> tensor_fused_dq(make_spec(x, x, x), "f64", 227 * 1024)  # not in TENSOR_FUSED_DQ
+    0
+    """
+    if precision not in TENSOR_FUSED_DQ or not plain_scores(spec):
+        return 0
+    static = _static_shared_bytes(spec, precision, tensor_tile(spec, precision, backward=True), backward=True)
+    blocks = TENSOR_BACKWARD_BLOCKS[precision][1]
+    kept = 2 if tensor_kept_operands(spec, precision, shared_memory)[1] == 2 else 1
+    while kept and blocks * (static + _fused_bytes(spec, precision, kept) + 1024) > shared_memory + 1024:
+        kept -= 1
+    return kept
 
 
 def _static_shared_bytes(spec: AttentionSpec, precision: str, tile: int, backward: bool, stages: int = 2) -> int:
@@ -1064,6 +1126,18 @@ def _empties(spec: AttentionSpec, *requests: tuple[tuple[int, ...], Any] | None)
     return [None if request is None else xp.empty(request[0], dtype=request[1], device=device) for request in requests]
 
 
+def _zeros(spec: AttentionSpec, *requests: tuple[tuple[int, ...], Any]) -> list[Any]:
+    """New arrays of zeros of these ``(shape, dtype)`` on the call's device,
+    as :func:`_empties` makes its arrays."""
+    if array_api_compat.is_cupy_namespace(spec.xp):
+        import cupy
+
+        with spec.device:
+            return [cupy.zeros(*request) for request in requests]
+    xp, device = spec.xp, spec.device
+    return [xp.zeros(request[0], dtype=request[1], device=device) for request in requests]
+
+
 def _scratch(spec: AttentionSpec, sizes: tuple[int, ...]) -> list[Any]:
     """Device memory for the kernels' own use within a call, pieces of these
     byte ``sizes`` (each starting :data:`SCRATCH_ALIGNMENT`-aligned) in one
@@ -1132,7 +1206,11 @@ class _Plan(NamedTuple):
     (whose copies, and so addresses, are a call's own); and ``scratch``,
     the bytes of the ranges' outputs before their merge (:func:`_scratch`),
     with several ranges; ``shared_bytes``, the dynamic shared memory of the
-    tensor-core backward's dQ and dK/dV blocks (:func:`tensor_kept_operands`)."""
+    tensor-core backward's dQ and dK/dV blocks (:func:`tensor_kept_operands`);
+    ``dq_flags``, the tensor-core dK/dV kernel's flags where it sums dQ
+    (:func:`tensor_fused_dq`: one a tile of stacked rows of a kv head, and
+    no dQ kernel launched), 0 where it does not, None for the CUDA cores'
+    (which take no dQ)."""
 
     module: Any
     launches: tuple[_Launch, ...]
@@ -1140,6 +1218,7 @@ class _Plan(NamedTuple):
     calls: dict[int, _Call]
     scratch: tuple[int, ...] = ()
     shared_bytes: tuple[int, int] = (0, 0)
+    dq_flags: int | None = None
 
     def call(self, spec: AttentionSpec, kv_head_rows: int) -> _Call:
         """The kernels' :class:`_Call` for ``spec`` (the plan's) with ``k``
@@ -1202,29 +1281,36 @@ def _forward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: s
 
 def _backward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: str | None) -> _Plan:
     """:func:`backward`'s launches: ``D``'s (a warp per row), then ``dQ``'s
-    over (row blocks, kv heads, batch) and ``dK``/``dV``'s over (key
-    blocks, kv heads, batch), with the dynamic shared memory of the
-    operands they keep there on ``like``'s device."""
-    shared_bytes = (0, 0)
+    over (row blocks, kv heads, batch), unless the dK/dV kernel sums dQ
+    (:func:`tensor_fused_dq`), and ``dK``/``dV``'s over (key blocks, kv
+    heads, batch), with the dynamic shared memory of the operands they keep
+    there on ``like``'s device."""
+    B, K = spec.num_batch, spec.num_kv_heads
+    shared_bytes, dq_flags = (0, 0), None
     if precision is None:
         shape = launch_shape(spec, backward=True)
         module, threads, suffix = _module(runtime, spec, shape), BLOCK_THREADS, ""
         row_blocks, key_blocks = _grid_rows(spec, shape), -(-spec.kv_len // (shape.rows * shape.tile))
     else:
         warps = TENSOR_BACKWARD_WARPS[precision]  # tensor_warps(spec, backward=True), the precision known
-        kept = tensor_kept_operands(spec, precision, runtime.shared_memory(like))
-        module = _tensor_module(runtime, spec, precision, warps, backward=True, kept=kept)
-        shared_bytes = (_kept_bytes(spec, precision, kept[0]), _kept_bytes(spec, precision, kept[1]))
+        shared = runtime.shared_memory(like)
+        fused = tensor_fused_dq(spec, precision, shared)
+        kept = (0, fused) if fused else tensor_kept_operands(spec, precision, shared)
+        module = _tensor_module(runtime, spec, precision, warps, backward=True, kept=kept, fused_dq=bool(fused))
+        dkdv_bytes = _fused_bytes(spec, precision, fused) if fused else _kept_bytes(spec, precision, kept[1])
+        shared_bytes = (_kept_bytes(spec, precision, kept[0]), dkdv_bytes)
+        tiles = -(-spec.group_size * spec.q_len // tensor_tile(spec, precision, backward=True))
+        dq_flags = B * K * tiles if fused else 0
         threads, suffix, block_rows = 32 * warps, "_tc", TENSOR_WARP_ROWS * warps
         row_blocks, key_blocks = -(-spec.group_size * spec.q_len // block_rows), -(-spec.kv_len // block_rows)
-    B, K = spec.num_batch, spec.num_kv_heads
     rows = B * spec.num_heads * spec.q_len
+    dq_launch = () if dq_flags else (("npattn_backward_dq" + suffix, (row_blocks, K, B), threads),)
     launches = (
         ("npattn_backward_d", (-(-rows // (BLOCK_THREADS // 32)), 1, 1), BLOCK_THREADS),
-        ("npattn_backward_dq" + suffix, (row_blocks, K, B), threads),
+        *dq_launch,
         ("npattn_backward_dkdv" + suffix, (key_blocks, K, B), threads),
     )
-    return _Plan(module, launches, 1, {}, shared_bytes=shared_bytes)
+    return _Plan(module, launches, 1, {}, shared_bytes=shared_bytes, dq_flags=dq_flags)
 
 
 def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None = None) -> tuple[Any, Any]:
@@ -1286,12 +1372,12 @@ def backward(
     qc, doc = _operands(spec, q, dout)
     kc, vc, kv_head_rows = _kv_operands(spec, k, v)
     call = plan.call(spec, kv_head_rows)
-    d_launch, dq_launch, dkdv_launch = plan.launches
+    d_launch, *dq_launch, dkdv_launch = plan.launches
     grads, rows = operand_dtype(spec), ((B, N, T), spec.compute_dtype)
     D, dq, dk, dv, slope_rows = _empties(  # slope_rows: ALiBi's per-row sums, None without ALiBi
         spec,
         rows,
-        ((B, N, T, H), grads),
+        None if plan.dq_flags else ((B, N, T, H), grads),
         ((B, K, S, H), grads),
         ((B, K, S, Hv), grads),
         rows if spec.alibi_slopes is not None else None,
@@ -1300,8 +1386,15 @@ def backward(
     runtime.launch(plan.module, *d_launch, (doc, outc, dlsec, D, call.config))
     inputs = (qc, kc, vc, doc, lsec, D)
     dq_shared, dkdv_shared = plan.shared_bytes
-    runtime.launch(plan.module, *dq_launch, (*inputs, dq, slope_rows, call.config), dq_shared)
-    runtime.launch(plan.module, *dkdv_launch, (*inputs, dk, dv, call.config), dkdv_shared)
+    sums: tuple[Any, ...] = ()  # the tensor-core dK/dV kernel's dQ and flags where it sums dQ
+    if plan.dq_flags:
+        dq, flags = _zeros(spec, ((B, N, T, H), grads), ((plan.dq_flags,), np.int32))
+        sums = (dq, flags)
+    elif plan.dq_flags is not None:
+        sums = (None, None)
+    if dq_launch:
+        runtime.launch(plan.module, *dq_launch[0], (*inputs, dq, slope_rows, call.config), dq_shared)
+    runtime.launch(plan.module, *dkdv_launch, (*inputs, dk, dv, *sums, call.config), dkdv_shared)
     alibi_total = None if slope_rows is None else xp.reshape(xp.sum(slope_rows, axis=-1), bs + (N,))  # (..., N)
     params = param_grads_from_heads(spec, alibi_total)
     return (

@@ -52,7 +52,7 @@ KERNEL_ARITY = {
     "npattn_backward_dkdv": 9,
     "npattn_forward_tc": 6,
     "npattn_backward_dq_tc": 9,
-    "npattn_backward_dkdv_tc": 9,
+    "npattn_backward_dkdv_tc": 11,
 }
 #: The kernels that read ``k`` and ``v`` (arguments 1 and 2) where they lie:
 #: C-order rows, kv heads ``Config.kv_head_rows`` rows apart.
@@ -309,17 +309,18 @@ TENSOR_TOLERANCE = {"f16": 3e-3, "tf32x3": 1e-4, "f64": 1e-12}
 FLOAT32_LOSS = 4
 
 
-def _tensor_paths(case: str, dtype, cases=TENSOR_CASES):
-    """The fused kernels (emulated; the tensor cores for TENSOR_CASES) on
-    ``dtype`` inputs, and the generic path in float64 on the same values:
-    (out, lse, dq, dk, dv, the ALiBi slopes' gradient or None) each, the
-    launched kernels' names and the tensor cores' precision chosen."""
+def _tensor_paths(case: str, dtype, cases=TENSOR_CASES, runtime=None):
+    """The fused kernels (emulated, on ``runtime`` or a new
+    EmulatedRuntime; the tensor cores for TENSOR_CASES) on ``dtype`` inputs,
+    and the generic path in float64 on the same values: (out, lse, dq, dk,
+    dv, the ALiBi slopes' gradient or None) each, the launched kernels'
+    names and the tensor cores' precision chosen."""
     q, k, v, options = _problem(dtype=dtype, **cases[case])
     spec = _spec(q, k, v, options)
     rng = np.random.default_rng(1)
     dout = rng.standard_normal((*q.shape[:-1], v.shape[-1]))
     g_lse = rng.standard_normal(q.shape[:-1])
-    runtime = EmulatedRuntime()
+    runtime = runtime or EmulatedRuntime()
     operand = fast_cupy.operand_dtype(spec)  # float16 stays float16, as forward_from_spec passes it
     assert q.dtype == operand
     out, lse = fast_cupy.forward(spec, q, k, v, runtime=runtime)
@@ -482,6 +483,64 @@ def test_backward_keeps_the_operands_that_fit_the_devices_shared_memory(monkeypa
     assert plan(227, np.float16, 64) == plan(163, np.float16, 64) == ((2, 2), (128 * 8 * 16,) * 2)
     assert plan(163, np.float16, 128) == ((1, 2), (128 * 8 * 16, 128 * 16 * 16))
     assert plan(99, np.float16, 64) == plan(99, np.float16, 128) == ((0, 0), (0, 0))
+
+
+#: The float64 cases of TENSOR_MATRIX, whose dK/dV kernel can sum dQ
+#: (TC_FUSED_DQ), each with V kept in shared memory (2, as on an H100 at
+#: H=Hv=64) and in registers (1: an A100's, whose blocks take the keys alone).
+FUSED_DQ_MATRIX = [(case, kept) for case, dtype, _ in TENSOR_MATRIX if dtype == np.float64 for kept in (2, 1)]
+
+
+@emulated
+@pytest.mark.parametrize("case, kept", FUSED_DQ_MATRIX)
+def test_emulated_dkdv_kernel_sums_dq_in_order(monkeypatch, case, kept):
+    """float64's dK/dV kernel summing dQ (``TC_FUSED_DQ``, forced: not yet
+    shipped), through _tensor_paths as test_emulated_tensor_cores_match_float64:
+    no dQ kernel for a call with plain scores (the others keep it, and their
+    module builds no fused dK/dV), its dynamic shared memory the keys' and
+    dR's tiles, the kept shares and V's fragments where kept; each key block
+    found the block before's flags released where it waited (the emulator's
+    wait_for_flag aborts otherwise), and each tile's flag ends at 1 + the
+    last key block that added into it (fused_tiles, mirrored here for a
+    mask and windows of whole query positions)."""
+    fused_dq = fast_cupy.tensor_fused_dq
+    monkeypatch.setattr(fast_cupy, "TENSOR_FUSED_DQ", frozenset({"f64"}))
+    monkeypatch.setattr(fast_cupy, "tensor_fused_dq", lambda *arguments: fused_dq(*arguments) and kept)
+    runtime = EmulatedRuntime()
+    fused, exact, launched, chosen = _tensor_paths(case, np.float64, runtime=runtime)
+    assert chosen == "f64"
+    q, k, v, options = _problem(**TENSOR_CASES[case])
+    spec = _spec(q, k, v, options)
+    summed = fast_cupy.plain_scores(spec)
+    assert ("npattn_backward_dq_tc" in launched) != summed
+    _assert_within(fused, exact, TENSOR_TOLERANCE["f64"])
+    if not summed:
+        return
+    (index,) = [i for i, (name, *_) in enumerate(runtime.launches) if name == "npattn_backward_dkdv_tc"]
+    dq, flags = runtime.arguments[index][8:10]
+    assert np.shares_memory(dq, fused[2]) and flags.dtype == np.int32
+    plan = fast_cupy._backward_plan(runtime, spec, None, "f64")
+    assert plan.dq_flags == flags.size and plan.shared_bytes == (0, fast_cupy._fused_bytes(spec, "f64", kept))
+    if set(options) <= {"causal", "align", "scale"}:  # no window or lengths: _last_key_blocks' mirror
+        tile = fast_cupy.tensor_tile(spec, "f64", backward=True)
+        expected = _last_key_blocks(spec, options, tile) + 1
+        assert (expected > 0).any()
+        np.testing.assert_array_equal(flags.reshape(expected.shape)[expected > 0], expected[expected > 0])
+
+
+def _last_key_blocks(spec, options, tile: int) -> np.ndarray:
+    """The last key block (of 16 keys a warp) that adds into each tile of
+    ``tile`` stacked rows of each (batch element, kv head), as fused_tiles
+    reads query_range, for a causal mask or none (-1 where none does)."""
+    B, K, G, T, S = spec.num_batch, spec.num_kv_heads, spec.group_size, spec.q_len, spec.kv_len
+    rows = 16 * fast_cupy.TENSOR_BACKWARD_WARPS["f64"]
+    offset = S - T if options.get("align") == "bottom_right" else 0
+    last = np.full((B, K, -(-G * T // tile)), -1)
+    for block in range(-(-S // rows)):
+        first = max(0, block * rows - offset) if options.get("causal") else 0  # key j seen by rows j - offset on
+        if first < T:
+            last[:, :, first * G // tile : -(-T * G // tile)] = block
+    return last
 
 
 @emulated
@@ -1744,8 +1803,21 @@ def test_gpu_tensor_cores_match_float64(backend, case, dtype, precision):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cupy"], indirect=True)
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_gpu_fused_is_deterministic(backend, dtype):
+@pytest.mark.parametrize("case", [case for case, dtype, _ in TENSOR_MATRIX if dtype == np.float64])
+def test_gpu_dkdv_kernel_sums_dq_as_the_dq_kernel(backend, case, monkeypatch):
+    """float64's dK/dV kernel summing dQ (``TC_FUSED_DQ``, forced) on the
+    GPU, its key blocks ordered by flags, against NumPy in float64."""
+    monkeypatch.setattr(fast_cupy, "TENSOR_FUSED_DQ", frozenset({"f64"}))
+    test_gpu_tensor_cores_match_float64(backend, case, np.float64, "f64")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cupy"], indirect=True)
+@pytest.mark.parametrize("dtype, fused_dq", [(np.float32, False), (np.float64, False), (np.float64, True)])
+def test_gpu_fused_is_deterministic(backend, dtype, fused_dq, monkeypatch):
+    """Two runs give the same bits, float64's with its dK/dV kernel summing
+    dQ too (its key blocks' adds in a fixed order) and without."""
+    monkeypatch.setattr(fast_cupy, "TENSOR_FUSED_DQ", frozenset({"f64"} if fused_dq else ()))
     q, k, v, options = _problem(N=8, K=2, T=500, S=700, H=64, Hv=64, causal=True, align="bottom_right")
     dout = np.random.default_rng(1).standard_normal((*q.shape[:-1], 64))
     args = [backend.asarray(x.astype(dtype)) for x in (q, k, v, dout)]

@@ -98,6 +98,14 @@ def shipped_modules() -> dict[tuple[str, tuple[tuple[str, str], ...]], None]:
         with mock.patch.object(fast_cupy, "tensor_kept_operands", lambda spec, precision, shared, n=n: (n, n)):
             for spec in tensor_specs:
                 fast_cupy._backward_plan(recorder, spec, None, fast_cupy._precision(spec, "1"))
+        # float64's dK/dV summing dQ (TC_FUSED_DQ), V kept (n = 2) and not, as the emulated tests force it
+        with (
+            mock.patch.object(fast_cupy, "TENSOR_FUSED_DQ", frozenset({"f64"})),
+            mock.patch.object(fast_cupy, "tensor_fused_dq", lambda *arguments, n=n: n if arguments[1] == "f64" else 0),
+        ):
+            for spec in tensor_specs + list(_targets_specs()):
+                if fast_cupy._precision(spec, "1") == "f64" and fast_cupy.plain_scores(spec):
+                    fast_cupy._backward_plan(recorder, spec, None, "f64")
     modules.update(recorder.modules)
     return modules
 

@@ -280,6 +280,38 @@ __device__ __forceinline__ void b_pair_from_rows(FragB (&b)[2], const tile_t* ti
 #endif
 }
 
+// A = rows row0 + g and row0 + g + 8 of a tile in shared memory, columns
+// k0 .. k0 + KSTEP - 1 in a_from_rows' order: the two fragments
+// b_pair_from_rows reads of those rows are that A's halves, in every
+// precision (their lane g's row, B's rows t and t + 4 as A's columns).
+template <int WIDTH>
+__device__ __forceinline__ FragA a_from_tile_rows(const tile_t* tile, int row0, int k0, int lane) {
+  FragB b[2];
+  b_pair_from_rows<WIDTH>(b, tile, row0, k0, lane);
+  FragA a;
+  a.r[0] = b[0].r[0];
+  a.r[1] = b[1].r[0];
+  a.r[2] = b[0].r[1];
+  a.r[3] = b[1].r[1];
+  return a;
+}
+
+// A warp's A operand of 16 rows [row0, row0 + 16) of a tile that the block
+// keeps in shared memory (the fused dK/dV's keys, whose dQ products read
+// them as B too), read back at each use: RowOperand's interface.
+template <int WIDTH>
+struct TileRows {
+  const tile_t* tile;
+  int row0, lane;
+  template <class Use>
+  __device__ __forceinline__ void with_fragments(Use use) const {
+    FragA a[WIDTH / KSTEP];
+#pragma unroll
+    for (int ks = 0; ks < WIDTH / KSTEP; ++ks) a[ks] = a_from_tile_rows<WIDTH>(tile, row0, ks * KSTEP, lane);
+    use(a);
+  }
+};
+
 #if PRECISION != PRECISION_F16
 // B[k][n] = tile[k0 + k][n0 + n]: 8 columns of a tile (V in P V), rows in
 // the order a_from_scores gives the keys, entry by entry (float32, float64;
@@ -300,6 +332,30 @@ __device__ __forceinline__ FragB b_from_columns(const tile_t* tile, int k0, int 
   return b;
 }
 #endif
+
+// b_from_columns' B of columns n0 .. n0 + 7 of a tile, for an n0 known at
+// run time alone (a warp's block of dQ in the fused dK/dV kernel) and the
+// same at each use: this lane's two entries found once (rows 2t and 2t + 1
+// of column n0 + g), and rows k0 + 2t and k0 + 2t + 1 read k0 rows further
+// on (k0 a multiple of 8 keeps each row's swizzle), so that no address
+// hangs on n0's parity as b_from_columns' does.
+template <int WIDTH>
+struct TileColumns {
+  const tile_t* at[2];
+  __device__ __forceinline__ TileColumns(const tile_t* tile, int n0, int lane) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int row = 2 * (lane % 4) + e;
+      at[e] = tile + row * tile_stride<WIDTH> + ((n0 + lane / 4) ^ tile_swizzle<WIDTH>(row));
+    }
+  }
+  __device__ __forceinline__ FragB operator()(int k0) const {
+    FragB b;
+    b.r[0] = at[0][k0 * tile_stride<WIDTH>];
+    b.r[1] = at[1][k0 * tile_stride<WIDTH>];
+    return b;
+  }
+};
 
 // The B of columns n0 .. n0 + 7 and n0 + 8 .. n0 + 15 (b_from_columns'):
 // in float16 by one ldmatrix.x4.trans, whose matrices are rows k0 .. and

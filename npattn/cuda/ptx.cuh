@@ -134,6 +134,30 @@ __device__ __forceinline__ void async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
 }
 
+// Flags that order the blocks of one grid (the fused dQ's sums,
+// tensor_backward.cu), as CUTLASS's generic barrier (cutlass/barrier.h)
+// orders its split-K reductions: one thread waits until a flag reaches a
+// value (ld.acquire, gpu scope) and the block's barrier then passes that
+// order on to its other threads; after a barrier that follows the block's
+// writes, one thread releases the flag (fence.acq_rel, then the store). A
+// block waits only for blocks of a lower blockIdx, which a GPU starts
+// first, so that every block waited for runs or has run.
+__device__ __forceinline__ void wait_for_flag(const int* flag, int value) {
+  int seen;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(flag) : "memory");
+  } while (seen < value);
+}
+
+__device__ __forceinline__ void release_flag(int* flag, int value) {
+  asm volatile("fence.acq_rel.gpu;\n\tst.relaxed.gpu.global.b32 [%0], %1;" ::"l"(flag), "r"(value) : "memory");
+}
+
+// 16 bytes of global memory read and written through L2 alone (.cg), where
+// other blocks write them: no stale copy from this multiprocessor's L1.
+__device__ __forceinline__ double2 load_through_l2(const double2* at) { return __ldcg(at); }
+__device__ __forceinline__ void store_through_l2(double2* at, double2 x) { __stcg(at, x); }
+
 // 2^x (ex2.approx: about 2 ulp; the softmax's exponentials in base 2); in
 // float64, exp2.cuh's.
 __device__ __forceinline__ float fast_exp2(float x) {

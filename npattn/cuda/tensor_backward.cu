@@ -20,14 +20,44 @@
 // KSTEP fragments where both are), the others in registers, whose products
 // they feed each tile.
 //
+// With TC_FUSED_DQ (float64, plain scores: npattn.fast_cupy.tensor_fused_dq)
+// the dkdv kernel sums dQ too, and the dq kernel is not launched:
+//
+//   dQ_tile += scale dR_tile,block K_block
+//
+// each key block's share of a tile of query rows added into dQ (zeros
+// before the launch) in the order of the key blocks, 0 first, which flags
+// of their own keep (ptx.cuh's wait_for_flag and release_flag, one a tile,
+// zeros before the launch: tile tau's holds 1 + the last key block that
+// added into it): a fixed order of every sum, and so the same bits each
+// run, without the dq kernel's second S = Q K^T and dP = dO V^T. Each
+// block keeps its keys as a tile in dynamic shared memory (the A operand
+// of K Q^T and the B of dR K), writes dR^T's tile there for its warps'
+// dQ products (a (16 rows, 8 columns) block of each tile's dQ a warp), and
+// adds each tile's share while it goes over the next tile, so that the
+// wait and the reads of dQ overlap that tile's products. Its tiles are
+// aligned on multiples of TC_KEYS stacked rows (the same tiles in every key
+// block) and taken last first: the key blocks of a causal mask, whose rows
+// end together, then go over the same tiles in step, and those of a
+// sliding window each reach a tile after the block before it (taken first
+// first, each would start where the one before reaches only later, and
+// wait for it).
+//
 // Compile-time constants: tensor_tiles.cuh's (TC_KEYS: keys per tile of the
 // dq kernel, query rows per tile of the dkdv kernel), TC_KEPT_DQ and
-// TC_KEPT_DKDV (npattn.fast_cupy.tensor_kept_operands).
+// TC_KEPT_DKDV (npattn.fast_cupy.tensor_kept_operands; with TC_FUSED_DQ the
+// keys are in shared memory as a tile, and V is kept where TC_KEPT_DKDV is 2).
 #ifndef TC_KEPT_DQ
 #define TC_KEPT_DQ 0
 #endif
 #ifndef TC_KEPT_DKDV
 #define TC_KEPT_DKDV 0
+#endif
+#ifndef TC_FUSED_DQ
+#define TC_FUSED_DQ 0
+#endif
+#if TC_FUSED_DQ && PRECISION != PRECISION_F64
+#error "TC_FUSED_DQ sums dQ in its own dtype: float64 alone"
 #endif
 
 // dR_ij = dS_ij = P_ij (dP_ij - D_i) of an entry with a plain score (scale *
@@ -163,6 +193,126 @@ __device__ __forceinline__ bool rows_see_keys(const Row* tile_rows, long long fi
   return latest_first <= first && last < earliest_end;
 }
 
+#if TC_FUSED_DQ
+// (16 rows, 8 columns) blocks of a tile's dQ (TC_KEYS rows, HEAD_DIM
+// columns), and how many a warp takes (block warp + u TC_WARPS, u = 0, 1, ..).
+constexpr int DQ_BLOCKS = TC_KEYS / 16 * (HEAD_DIM / 8);
+constexpr int DQ_BLOCKS_A_WARP = (DQ_BLOCKS + TC_WARPS - 1) / TC_WARPS;
+
+// The tiles [lo, hi) of TC_KEYS stacked rows that the key block from
+// key_first goes over: those of its query rows [first, end) (query_range),
+// aligned on multiples of TC_KEYS, so that every key block's tile tau holds
+// the same rows.
+__device__ __forceinline__ void fused_tiles(const Problem& pb, int b, long long key_first, long long& lo,
+                                            long long& hi) {
+  long long first, end;
+  query_range(pb, b, key_first, min(key_first + TC_ROWS, (long long)pb.S) - 1, first, end);
+  lo = first * pb.G / TC_KEYS;
+  hi = end > first ? (end * pb.G + TC_KEYS - 1) / TC_KEYS : lo;
+}
+
+// dR's tile (TC_KEYS query rows by the block's TC_ROWS keys) in the order
+// the dQ products read it: each A fragment (rows q0 + g and q0 + g + 8,
+// keys k0 + 2t and k0 + 2t + 1, a_from_rows' order) as one lane's 32 bytes,
+// its two 16-byte halves swapped in odd rows g, so that a quarter-warp's
+// 16-byte loads (rows g and g + 1) take the banks once; a fragment's
+// entries lie in its registers' order (no moves between load and mma).
+// The offset, in entries, of dR[q][key].
+__device__ __forceinline__ int dr_entry(int q, int key) {
+  const int g = q % 8, fragment = q / 16 * (TC_ROWS / KSTEP) + key / KSTEP;
+  return fragment * 128 + g * 16 + key % 8 / 2 * 4 + (key % 2 ^ g % 2) * 2 + q / 8 % 2;
+}
+
+// dR^T's (16 keys of this warp, TC_KEYS query rows) C fragments `s` into
+// dR's tile: the entries of rows q and q + 8 (blocks nb and nb + 1) side by
+// side, 16 bytes a store.
+__device__ __forceinline__ void store_dr(tile_t* dr, const scalar_t (&s)[TC_KEYS / 8][4], int warp, int lane) {
+#pragma unroll
+  for (int nb = 0; nb < TC_KEYS / 8; nb += 2)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int q = nb * 8 + 2 * (lane % 4) + e % 2, key = warp * 16 + lane / 4 + 8 * (e / 2);
+      *reinterpret_cast<Piece*>(dr + dr_entry(q, key)) = Piece{s[nb][e], s[nb + 1][e]};
+    }
+}
+
+// A tile's share of dQ, this warp's blocks of it: part[u] (16 rows q0..,
+// 8 columns n0..) = dR (rows q0.., the block's TC_ROWS keys) K (those keys,
+// columns n0..), dR from its tile (store_dr) and K from `keys` (TC_ROWS rows
+// of HEAD_DIM). Every warp runs the products (the emulator's mma is
+// block-wide): one past the last block repeats the last, and its part is
+// not added.
+__device__ __forceinline__ void dq_products(scalar_t (&part)[DQ_BLOCKS_A_WARP][4], const tile_t* dr,
+                                            const tile_t* keys, int warp, int lane) {
+#pragma unroll
+  for (int u = 0; u < DQ_BLOCKS_A_WARP; ++u) {
+    const int block = min(warp + u * TC_WARPS, DQ_BLOCKS - 1);
+    const Piece* fragments = reinterpret_cast<const Piece*>(dr + dr_entry(block / (HEAD_DIM / 8) * 16 + lane / 4, 0) -
+                                                           (lane / 4 % 2) * 2 + lane % 4 * 4);
+    const TileColumns<HEAD_DIM> columns(keys, block % (HEAD_DIM / 8) * 8, lane);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) part[u][e] = (scalar_t)0;
+#pragma unroll
+    for (int kk = 0; kk < TC_ROWS / KSTEP; ++kk) {  // (16, TC_ROWS) (TC_ROWS, 8)
+      FragA a;
+      set_frag_piece(a, 0, fragments[kk * 64 + lane / 4 % 2]);  // keys k0 + 2t (rows g, g + 8), then k0 + 2t + 1
+      set_frag_piece(a, 1, fragments[kk * 64 + 1 - lane / 4 % 2]);
+      mma(part[u], a, columns(kk * KSTEP));
+    }
+  }
+}
+
+// A tile's share of dQ kept while the block goes over the next tile: this
+// thread's part[u][e] in dynamic shared memory, 16-byte pieces a plane of
+// TC_THREADS apiece (`mine` points at this thread's piece of the first
+// plane; as RowOperand keeps fragments: a thread reads back only what it
+// wrote), and the tile's rows as indices into (B, N, T) arrays in `rows`
+// (-1 past the block's rows), which threads < TC_KEYS write.
+__device__ __forceinline__ void keep_share(Piece* mine, const scalar_t (&part)[DQ_BLOCKS_A_WARP][4]) {
+#pragma unroll
+  for (int u = 0; u < DQ_BLOCKS_A_WARP; ++u)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) mine[(2 * u + i) * TC_THREADS] = Piece{part[u][2 * i], part[u][2 * i + 1]};
+}
+
+// Where this thread adds the kept share into dQ: the row of its block u's
+// row g + 8i (-1: none, or a block past the last) and its columns n0 + 2t,
+// n0 + 2t + 1.
+__device__ __forceinline__ tile_t* dq_entries(tile_t* dq, const long long* rows, int u, int i, int warp, int lane) {
+  const int block = warp + u * TC_WARPS;
+  const long long index = block < DQ_BLOCKS ? rows[block / (HEAD_DIM / 8) * 16 + lane / 4 + 8 * i] : -1;
+  return index < 0 ? nullptr : dq + index * HEAD_DIM + block % (HEAD_DIM / 8) * 8 + 2 * (lane % 4);
+}
+
+// dQ's entries that the kept share goes into, read (through L2: other
+// blocks wrote them) before the add.
+__device__ __forceinline__ void load_dq(double2 (&sums)[DQ_BLOCKS_A_WARP][2], tile_t* dq, const long long* rows,
+                                        int warp, int lane) {
+#pragma unroll
+  for (int u = 0; u < DQ_BLOCKS_A_WARP; ++u)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const tile_t* at = dq_entries(dq, rows, u, i, warp, lane);
+      sums[u][i] = at ? load_through_l2(reinterpret_cast<const double2*>(at)) : double2{0.0, 0.0};
+    }
+}
+
+// dQ += scale share, at those entries.
+__device__ __forceinline__ void add_dq(tile_t* dq, const double2 (&sums)[DQ_BLOCKS_A_WARP][2], const long long* rows,
+                                       const Piece* mine, scalar_t scale, int warp, int lane) {
+#pragma unroll
+  for (int u = 0; u < DQ_BLOCKS_A_WARP; ++u)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      tile_t* at = dq_entries(dq, rows, u, i, warp, lane);
+      if (!at) continue;
+      const Piece share = mine[(2 * u + i) * TC_THREADS];
+      store_through_l2(reinterpret_cast<double2*>(at), double2{sums[u][i].x + scale * share.x,
+                                                              sums[u][i].y + scale * share.y});
+    }
+}
+#endif
+
 // One block per TC_ROWS keys of kv head h and batch element b; the query
 // rows that can see them pass through shared memory TC_KEYS stacked rows at
 // a time.
@@ -175,6 +325,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                             const scalar_t* __restrict__ D,     // (B, N, T)
                             tile_t* __restrict__ dk,         // (B, KH, S, H)
                             tile_t* __restrict__ dv,         // (B, KH, S, Hv)
+                            tile_t* dq,                      // (B, N, T, H), zeros: with TC_FUSED_DQ, dQ
+                            int* dq_flags,                   // (B, KH, tiles of G T rows), zeros: TC_FUSED_DQ's
                             const Config config) {
   __shared__ __align__(16) tile_t query_tile[TC_STAGES][TC_KEYS * tile_stride<HEAD_DIM>];
   __shared__ __align__(16) tile_t dout_tile[TC_STAGES][TC_KEYS * tile_stride<VALUE_DIM>];
@@ -197,22 +349,63 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     k_rows[i] = key[i] < pb.S ? k + index * HEAD_DIM : nullptr;
     v_rows[i] = key[i] < pb.S ? v + index * VALUE_DIM : nullptr;
   }
-  extern __shared__ __align__(16) Piece kept_pieces[];  // TC_KEPT_DKDV operands' fragments
-  using KOperand = RowOperand<HEAD_DIM, TC_KEPT_DKDV >= 1, TC_THREADS>;
-  const KOperand k_operand(k_rows[0], k_rows[1], t, kept_pieces);
-  const RowOperand<VALUE_DIM, TC_KEPT_DKDV >= 2, TC_THREADS> v_operand(v_rows[0], v_rows[1], t,
-                                                                  kept_pieces + KOperand::planes * TC_THREADS);
-  scalar_t dk_acc[HEAD_DIM / 8][4] = {}, dv_acc[VALUE_DIM / 8][4] = {};
-
   const long long key_first = (long long)blockIdx.x * TC_ROWS;
   const long long key_last = min(key_first + TC_ROWS, (long long)pb.S) - 1;
+  extern __shared__ __align__(16) Piece kept_pieces[];  // TC_KEPT_DKDV operands' fragments
+#if TC_FUSED_DQ
+  // the block's keys (TC_ROWS rows of H), dR's tile (TC_KEYS query rows of
+  // the TC_ROWS keys), the kept share of dQ, then V's fragments where kept
+  tile_t* keys = reinterpret_cast<tile_t*>(kept_pieces);
+  tile_t* scores = keys + TC_ROWS * tile_stride<HEAD_DIM>;
+  Piece* kept_share = reinterpret_cast<Piece*>(scores + TC_KEYS * TC_ROWS) + threadIdx.x;
+  Piece* v_pieces = kept_share - threadIdx.x + 2 * DQ_BLOCKS_A_WARP * TC_THREADS;
+  __shared__ long long kept_rows[TC_KEYS];  // the kept share's rows (keep_share)
+  load_rows<HEAD_DIM, TC_ROWS, TC_THREADS>(keys, k + kv_head_row(pb, b, h) * HEAD_DIM, key_first, pb.S);
+  async_commit();
+  async_wait<0>();
+  __syncthreads();
+  const TileRows<HEAD_DIM> k_operand{keys, warp * 16, lane};
+#else
+  using KOperand = RowOperand<HEAD_DIM, TC_KEPT_DKDV >= 1, TC_THREADS>;
+  const KOperand k_operand(k_rows[0], k_rows[1], t, kept_pieces);
+  Piece* v_pieces = kept_pieces + KOperand::planes * TC_THREADS;
+#endif
+  const RowOperand<VALUE_DIM, TC_KEPT_DKDV >= 2, TC_THREADS> v_operand(v_rows[0], v_rows[1], t, v_pieces);
+  scalar_t dk_acc[HEAD_DIM / 8][4] = {}, dv_acc[VALUE_DIM / 8][4] = {};
+
   long long first, end;  // query positions i, then stacked rows i * G + g
   query_range(pb, b, key_first, key_last, first, end);
   const long long stacked_end = end * pb.G;
+#if TC_FUSED_DQ
+  long long tile_lo, tile_hi, before_lo = 0, before_hi = 0;  // this block's tiles, and the block before's
+  fused_tiles(pb, b, key_first, tile_lo, tile_hi);
+  if (blockIdx.x > 0) fused_tiles(pb, b, key_first - TC_ROWS, before_lo, before_hi);
+  int* flags = dq_flags + ((long long)b * pb.KH + h) * ((pb.G * (long long)pb.T + TC_KEYS - 1) / TC_KEYS);
+  const long long loop_first = end > first ? tile_lo * TC_KEYS : stacked_end;
+  // tile it's first stacked row: the last tile first
+  auto tile_of = [&](int it) { return (tile_hi - 1 - it) * TC_KEYS; };
+  // Add the kept share (of `tile`; none where -1) into dQ once the block
+  // before has added its own, running `meanwhile` (this tile's products)
+  // while dQ is read, and let the block after add next.
+  auto add_kept_share = [&](long long tile, auto meanwhile) {
+    const long long tau = tile / TC_KEYS;
+    if (tile >= 0 && threadIdx.x == 0 && before_lo <= tau && tau < before_hi) wait_for_flag(flags + tau, blockIdx.x);
+    __syncthreads();  // the block before's sums seen (and this tile's dR written)
+    double2 sums[DQ_BLOCKS_A_WARP][2];
+    if (tile >= 0) load_dq(sums, dq, kept_rows, warp, lane);
+    meanwhile();
+    if (tile >= 0) add_dq(dq, sums, kept_rows, kept_share, pb.scale, warp, lane);
+    __syncthreads();  // every warp's sums stored, and the kept share and rows read
+    if (tile >= 0 && threadIdx.x == 0) release_flag(flags + tau, blockIdx.x + 1);
+  };
+#else
+  const long long loop_first = first * pb.G;
+  auto tile_of = [&](int it) { return first * pb.G + (long long)it * TC_KEYS; };
+#endif
   scalar_t unused_slope_grad = 0;  // the dq kernel sums the slopes' gradient
 
   auto issue = [&](int it) {
-    const long long tile = first * pb.G + (long long)it * TC_KEYS;
+    const long long tile = tile_of(it);
     const int stage = it % TC_STAGES;
     static_assert(TC_KEYS <= TC_THREADS, "a thread per query row of a tile");
     if (const int e = threadIdx.x; e < TC_KEYS) {  // each row's index once (a division by G)
@@ -272,10 +465,23 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
           dp[nb][e] = dropped;
         }
     }
+#if TC_FUSED_DQ
+    store_dr(scores, s, warp, lane);  // dR^T (16, TC_KEYS) into dR's tile (TC_KEYS, TC_ROWS)
+#endif
     products_with_columns<VALUE_DIM>(dv_acc, dp, douts, lane);  // dV += (P drop)^T dO: (16, TC_KEYS) (TC_KEYS, Hv)
     products_with_columns<HEAD_DIM>(dk_acc, s, queries, lane);   // dK += dR^T Q: (16, TC_KEYS) (TC_KEYS, H)
+#if TC_FUSED_DQ
+    scalar_t part[DQ_BLOCKS_A_WARP][4];  // this tile's share of dQ, kept for the next tile's add
+    add_kept_share(it > 0 ? tile_of(it - 1) : -1, [&] { dq_products(part, scores, keys, warp, lane); });
+    keep_share(kept_share, part);
+    if (threadIdx.x < TC_KEYS)
+      kept_rows[threadIdx.x] = tile_of(it) + threadIdx.x < stacked_end ? tile_index[stage][threadIdx.x] : -1;
+#endif
   };
-  pipelined_tiles<TC_KEYS>(first * pb.G, stacked_end, issue, use);
+  pipelined_tiles<TC_KEYS>(loop_first, stacked_end, issue, use);
+#if TC_FUSED_DQ
+  if (tile_hi > tile_lo) add_kept_share(tile_lo * TC_KEYS, [] {});  // the last tile taken: the first
+#endif
 
 #pragma unroll
   for (int i = 0; i < 2; ++i) {

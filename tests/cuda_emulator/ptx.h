@@ -188,6 +188,20 @@ inline void async_wait() {
   ::cuda_emulator::detail::land_async_copies(PENDING);
 }
 
+// The flags between blocks (ptx.cuh's wait_for_flag and release_flag): the
+// emulator runs a grid's blocks one at a time in blockIdx order, so a block
+// finds every flag an earlier block released already set, and one that is
+// not would be waited for forever (on a GPU too, where only earlier blocks
+// set it): that aborts.
+inline void wait_for_flag(const int* flag, int value) {
+  if (*flag < value)
+    ::cuda_emulator::detail::fail("block (%u,%u,%u) waits for a flag to reach %d, at %d, which no earlier block sets",
+                                  blockIdx.x, blockIdx.y, blockIdx.z, value, *flag);
+}
+inline void release_flag(int* flag, int value) { *flag = value; }
+inline double2 load_through_l2(const double2* at) { return *at; }
+inline void store_through_l2(double2* at, double2 x) { *at = x; }
+
 inline float fast_exp2(float x) { return std::exp2(x); }
 
 #define load_matrices(r, row) \
