@@ -7,7 +7,9 @@ Compiles ``npattn.fast_cupy``'s tensor-core kernels as CuPy would (NVRTC,
 ``-arch=compute_90``), assembles them for an H100 (``ptxas -arch=sm_90 -v``)
 and disassembles them (``cuobjdump -sass``), with the tiles ``fast_cupy``
 picks for T=S=4096 (and for a decode step's forward: T=1 at 32 query heads
-on 8 kv heads, in blocks of one warp), and prints per kernel: the registers
+on 8 kv heads, in blocks of one warp; and float64's dK/dV kernel summing
+dQ, ``TC_FUSED_DQ``, not yet shipped, V kept, built for plain scores
+alone, as ``fast_cupy.tensor_fused_dq`` has it on an H100), and prints per kernel: the registers
 a thread takes and the bytes it spills (the shipped kernels: those built
 for plain scores, ``PLAIN_SCORES=1``, which plain calls run, and those
 built for every option, ``all``), and the
@@ -189,37 +191,40 @@ def main(argv: list[str] | None = None) -> int:
         f"tensor-core kernels, H=Hv={H}, sm_90: registers / spilled bytes (as shipped for plain scores, "
         "and for every option); the plain tile loop"
     )
-    header = f"{'precision':<10} {'kernel':<26} {'registers':>9} {'spilled':>8} {'all: regs':>9} {'spilled':>8}"
+    header = f"{'precision':<10} {'kernel':<34} {'registers':>9} {'spilled':>8} {'all: regs':>9} {'spilled':>8}"
     print(f"{header} {'loop instr':>11} {'MMA':>5} {'per MMA':>9} {'loop spills':>12} {'shipped loop':>13}")
     with tempfile.TemporaryDirectory() as folder:
         for dtype in (np.float16, np.float32, np.float64):
             x = np.zeros((1, 8, 4096, H), dtype)
             full, step = make_spec(x, x, x), make_spec(np.zeros((1, 32, 1, H), dtype), x, x)  # step: one-warp blocks
-            for spec, backward in ((full, False), (full, True), (step, False)):
+            for spec, backward, fused in ((full, False, 0), (full, True, 0), (step, False, 0), (full, True, 2)):
                 precision = fast_cupy.tensor_precision(spec)
-                if precision is None:  # float64 above TENSOR_F64_MAX_HEAD_DIM
+                if precision is None or (fused and precision != "f64"):  # float64 above its widest; fused: f64
                     continue
                 source = fast_cupy.kernel_source("tensor_backward" if backward else "tensor_forward")
                 plain = source
                 for text, replacement in PLAIN_CALL:
                     plain = plain.replace(text, replacement)
                 kept = fast_cupy.tensor_kept_operands(spec, precision, H100_SHARED_MEMORY) if backward else (0, 0)
-                defines = dict(fast_cupy._tensor_defines(spec, precision, backward, kept))  # PLAIN_SCORES=1
+                if fused:  # the dK/dV kernel summing dQ, V kept (fast_cupy.tensor_fused_dq on an H100)
+                    kept = (0, fused)
+                defines = dict(fast_cupy._tensor_defines(spec, precision, backward, kept, bool(fused)))
                 options = ["--std=c++17", "-arch=compute_90"] + [f"-D{k}={v}" for k, v in defines.items()]
-                report, listing = tools.assemble(tools.ptx(source, options), folder)
+                report, listing = tools.assemble(tools.ptx(source, options), folder)  # PLAIN_SCORES=1
                 shipped, shipped_loops = registers(report), tile_loops(listing)
                 every = [option.replace("-DPLAIN_SCORES=1", "-DPLAIN_SCORES=0") for option in options]
-                general = registers(tools.assemble(tools.ptx(source, every), folder)[0])
+                general = {} if fused else registers(tools.assemble(tools.ptx(source, every), folder)[0])
                 loops = tile_loops(tools.assemble(tools.ptx(plain, options), folder)[1])
-                for name in (
-                    ("npattn_backward_dq_tc", "npattn_backward_dkdv_tc") if backward else ("npattn_forward_tc",)
-                ):
+                names = ("npattn_backward_dq_tc", "npattn_backward_dkdv_tc") if backward else ("npattn_forward_tc",)
+                for name in names[1:] if fused else names:
                     count, mma, loop_spills = loops[name]
-                    label = name + (" (decode)" if spec is step else "")
-                    figures = "".join(f"{regs:9d} {spilled:8d} " for regs, spilled in (shipped[name], general[name]))
+                    label = name + (" (decode)" if spec is step else " (fused dQ)" if fused else "")
+                    regs, spilled = shipped[name]
+                    every_regs, every_spilled = general.get(name, ("-", "-"))  # fused: plain scores alone
+                    figures = f"{regs:9d} {spilled:8d} {every_regs:>9} {every_spilled:>8} "
                     figures += f"{count:11d} {mma:5d} {count / mma:9.1f} {loop_spills:12d}"
                     figures += f" {shipped_loops[name][2]:13d}"
-                    print(f"{precision:<10} {label:<26} {figures}")
+                    print(f"{precision:<10} {label:<34} {figures}")
     return 0
 
 

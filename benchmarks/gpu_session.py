@@ -3,6 +3,7 @@
     python benchmarks/gpu_session.py --prepare aed86d4 1395c71  # here, with git: gpu_bases/REV/npattn
     python benchmarks/gpu_session.py gpu_bases/*                # on the GPU machine: logs under $OUT
     python benchmarks/gpu_session.py --dry-run gpu_bases/*      # the steps and their limits, nothing run
+    python benchmarks/gpu_session.py --fused-dq gpu_bases/REV   # the timings with float64's dQ fused, against REV
 
 A GPU is lent to some sessions only, for minutes at a time (the project's
 device tool: one machine, 15 minutes of device time a session, its start
@@ -20,6 +21,10 @@ session must learn from it is prepared beforehand and asked in one call:
    every fused kernel against that revision's, call by call in turn;
 4. ``targets``: ``bench_gpu.py --targets``, issue 18's table;
 5. ``kernels-REV`` for each further folder.
+
+With ``--fused-dq`` the timing steps run ``bench_gpu.py --fused-dq``
+(float64's dK/dV kernel summing dQ, not yet shipped): against a base of
+the same revision, the fused kernel against the dQ and dK/dV kernels.
 
 Each step's output goes to ``OUT/NN-step.log`` (``OUT``: ``--out``, else
 ``$OUT``, which the device tool brings back, else ``gpu_session/``) and a
@@ -90,18 +95,20 @@ def print_environment() -> int:
     return 0
 
 
-def steps(bases: list[str]) -> list[tuple[str, list[str], int]]:
-    """``(name, command, limit)`` of each step, in order."""
+def steps(bases: list[str], fused_dq: bool = False) -> list[tuple[str, list[str], int]]:
+    """``(name, command, limit)`` of each step, in order; with ``fused_dq``,
+    the timings' with ``bench_gpu.py --fused-dq``."""
     python, bench = sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py")
+    bench_gpu = [python, bench, *(["--fused-dq"] if fused_dq else [])]
     pytest = [python, "-m", "pytest", "-m", "gpu", "-x", "-q", "-p", "no:cacheprovider"]
     if importlib.util.find_spec("xdist") is not None:  # the kernels compile in TEST_WORKERS processes
         pytest += ["-n", str(TEST_WORKERS)]
-    kernels = [("kernels-" + Path(base).name, [python, bench, "--kernels", "--base", base]) for base in bases]
+    kernels = [("kernels-" + Path(base).name, [*bench_gpu, "--kernels", "--base", base]) for base in bases]
     return [
         ("env", [python, str(Path(__file__).resolve()), "--env"], STEP_LIMITS["env"]),
         ("tests", pytest, STEP_LIMITS["tests"]),
         *((name, command, STEP_LIMITS["kernels"]) for name, command in kernels[:1]),
-        ("targets", [python, bench, "--targets"], STEP_LIMITS["targets"]),
+        ("targets", [*bench_gpu, "--targets"], STEP_LIMITS["targets"]),
         *((name, command, STEP_LIMITS["kernels"]) for name, command in kernels[1:]),
     ]
 
@@ -157,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         "--prepare", nargs="+", metavar="REV", help="instead: write gpu_bases/REV/npattn for each git revision"
     )
     parser.add_argument("--env", action="store_true", help="instead: the env step alone")
+    parser.add_argument(
+        "--fused-dq", action="store_true", help="time with float64's dQ summed in dK/dV (bench_gpu.py --fused-dq)"
+    )
     args = parser.parse_args(argv)
     if args.env:
         return print_environment()
@@ -167,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [base for base in args.bases if not (Path(base) / "npattn").is_dir()]
     if missing:
         parser.error(f"no npattn/ package in {', '.join(missing)} (write them with --prepare)")
-    plan = steps([str(Path(base).resolve()) for base in args.bases])
+    plan = steps([str(Path(base).resolve()) for base in args.bases], args.fused_dq)
     if args.dry_run:
         for name, command, limit in plan:
             print(f"{name:<24} {limit:4d} s  {' '.join(command)}")

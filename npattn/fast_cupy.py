@@ -1361,7 +1361,9 @@ def backward(
     (``npattn/cuda/backward_d.cu``), then ``dQ`` (and the ALiBi slopes'
     per-row sums ``-sum_j dS_ij |p_i - j|``) in ``npattn_backward_dq`` and
     ``dK``, ``dV`` in ``npattn_backward_dkdv`` (``npattn/cuda/backward.cu``;
-    on the tensor cores their ``_tc`` twins of ``tensor_backward.cu``).
+    on the tensor cores their ``_tc`` twins of ``tensor_backward.cu``, whose
+    dK/dV kernel sums dQ too where :func:`tensor_fused_dq` says, so that
+    no dQ kernel runs).
     ``q``, ``k``, ``v`` and ``dout`` may come in the compute dtype or in
     :func:`operand_dtype`; they are read in the latter.
     """

@@ -208,6 +208,7 @@ def test_sass_counts_run_or_say_why_not(capsys):
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith(("f16 ", "tf32x3 ", "f64 "))]
     kernels = ["npattn_forward_tc", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc", "npattn_forward_tc"] * 3
+    kernels.append("npattn_backward_dkdv_tc")  # float64's summing dQ too (fused dQ)
     assert out.startswith("skipped: no ") or [row[1] for row in rows] == kernels
     assert _run_script("count_sass.py", ["--head-dim", "20"]) == 2
     assert "--head-dim must be a multiple of 16" in capsys.readouterr().err
@@ -547,7 +548,8 @@ def test_gpu_session_prepares_bases_and_plans_a_kernels_step_each(tmp_path, caps
     """``--prepare``'s copy of a revision's package is a folder ``--base``
     takes, and the plan (``--dry-run``) has the env and tests steps, the
     first base folder's kernels step, the targets, then a kernels step for
-    each further base."""
+    each further base; with ``--fused-dq``, the timing steps run
+    ``bench_gpu.py --fused-dq``."""
     session = _gpu_session()
     assert session["prepare"](["HEAD"], tmp_path) == 0
     assert (tmp_path / "HEAD" / "npattn" / "fast_cupy.py").is_file()
@@ -557,5 +559,9 @@ def test_gpu_session_prepares_bases_and_plans_a_kernels_step_each(tmp_path, caps
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines[1:]] == ["env", "tests", "kernels-HEAD", "targets", "kernels-older"]
     assert lines[-1].endswith(f"--kernels --base {bases[1]}")
+    assert _run_script("gpu_session.py", ["--dry-run", "--fused-dq", bases[0]]) == 0
+    fused = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in fused] == ["env", "tests", "kernels-HEAD", "targets"]
+    assert all("bench_gpu.py --fused-dq --" in line for line in fused[2:])
     assert _run_script("gpu_session.py", [str(tmp_path)]) == 2  # no npattn/ there
     assert "no npattn/ package in" in capsys.readouterr().err

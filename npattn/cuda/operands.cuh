@@ -282,8 +282,9 @@ __device__ __forceinline__ void b_pair_from_rows(FragB (&b)[2], const tile_t* ti
 
 // A = rows row0 + g and row0 + g + 8 of a tile in shared memory, columns
 // k0 .. k0 + KSTEP - 1 in a_from_rows' order: the two fragments
-// b_pair_from_rows reads of those rows are that A's halves, in every
-// precision (their lane g's row, B's rows t and t + 4 as A's columns).
+// b_pair_from_rows reads of those rows are that A's halves (their lane g's
+// row, B's rows t and t + 4 as A's columns; by ptx.cuh's layouts in every
+// precision, and run in float64's fused dK/dV alone).
 template <int WIDTH>
 __device__ __forceinline__ FragA a_from_tile_rows(const tile_t* tile, int row0, int k0, int lane) {
   FragB b[2];

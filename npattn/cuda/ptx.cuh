@@ -153,10 +153,11 @@ __device__ __forceinline__ void release_flag(int* flag, int value) {
   asm volatile("fence.acq_rel.gpu;\n\tst.relaxed.gpu.global.b32 [%0], %1;" ::"l"(flag), "r"(value) : "memory");
 }
 
-// 16 bytes of global memory read and written through L2 alone (.cg), where
-// other blocks write them: no stale copy from this multiprocessor's L1.
-__device__ __forceinline__ double2 load_through_l2(const double2* at) { return __ldcg(at); }
-__device__ __forceinline__ void store_through_l2(double2* at, double2 x) { __stcg(at, x); }
+// *at += x in global memory (red.add: performed in L2, nothing read back),
+// in the order the flags above keep.
+__device__ __forceinline__ void add_to_global(double* at, double x) {
+  asm volatile("red.relaxed.gpu.global.add.f64 [%0], %1;" ::"l"(at), "d"(x) : "memory");
+}
 
 // 2^x (ex2.approx: about 2 ulp; the softmax's exponentials in base 2); in
 // float64, exp2.cuh's.

@@ -1,5 +1,6 @@
 // FlashAttention-2 backward on the tensor cores: backward.cu's two kernels
-// (the same formulas, the same fixed order of every sum: no atomics), with
+// (the same formulas, the same fixed order of every sum: no atomics but
+// TC_FUSED_DQ's, below, in an order its flags fix), with
 // every product on the tensor cores (operands.cuh):
 //
 //   npattn_backward_dq_tc:   per 16 query rows a warp, over key tiles
@@ -34,14 +35,15 @@
 // block keeps its keys as a tile in dynamic shared memory (the A operand
 // of K Q^T and the B of dR K), writes dR^T's tile there for its warps'
 // dQ products (a (16 rows, 8 columns) block of each tile's dQ a warp), and
-// adds each tile's share while it goes over the next tile, so that the
-// wait and the reads of dQ overlap that tile's products. Its tiles are
-// aligned on multiples of TC_KEYS stacked rows (the same tiles in every key
-// block) and taken last first: the key blocks of a causal mask, whose rows
-// end together, then go over the same tiles in step, and those of a
-// sliding window each reach a tile after the block before it (taken first
-// first, each would start where the one before reaches only later, and
-// wait for it).
+// adds each tile's share as it goes over the next tile (ptx.cuh's
+// add_to_global: red.add, performed in L2, nothing read back), the adds
+// landing while that tile's dQ products run. Its tiles are aligned on
+// multiples of TC_KEYS stacked rows (the same tiles in every key block)
+// and taken last first: the key blocks of a causal mask, whose rows end
+// together, then go over the same tiles in step, and those of a sliding
+// window each reach a tile after the block before it (taken first first,
+// each would start where the one before reaches only later, and wait for
+// it).
 //
 // Compile-time constants: tensor_tiles.cuh's (TC_KEYS: keys per tile of the
 // dq kernel, query rows per tile of the dkdv kernel), TC_KEPT_DQ and
@@ -266,8 +268,8 @@ __device__ __forceinline__ void dq_products(scalar_t (&part)[DQ_BLOCKS_A_WARP][4
 // thread's part[u][e] in dynamic shared memory, 16-byte pieces a plane of
 // TC_THREADS apiece (`mine` points at this thread's piece of the first
 // plane; as RowOperand keeps fragments: a thread reads back only what it
-// wrote), and the tile's rows as indices into (B, N, T) arrays in `rows`
-// (-1 past the block's rows), which threads < TC_KEYS write.
+// wrote). The tile's rows, as indices into (B, N, T) arrays (-1 past the
+// block's rows), are the kernel's `kept_rows`.
 __device__ __forceinline__ void keep_share(Piece* mine, const scalar_t (&part)[DQ_BLOCKS_A_WARP][4]) {
 #pragma unroll
   for (int u = 0; u < DQ_BLOCKS_A_WARP; ++u)
@@ -284,22 +286,9 @@ __device__ __forceinline__ tile_t* dq_entries(tile_t* dq, const long long* rows,
   return index < 0 ? nullptr : dq + index * HEAD_DIM + block % (HEAD_DIM / 8) * 8 + 2 * (lane % 4);
 }
 
-// dQ's entries that the kept share goes into, read (through L2: other
-// blocks wrote them) before the add.
-__device__ __forceinline__ void load_dq(double2 (&sums)[DQ_BLOCKS_A_WARP][2], tile_t* dq, const long long* rows,
-                                        int warp, int lane) {
-#pragma unroll
-  for (int u = 0; u < DQ_BLOCKS_A_WARP; ++u)
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const tile_t* at = dq_entries(dq, rows, u, i, warp, lane);
-      sums[u][i] = at ? load_through_l2(reinterpret_cast<const double2*>(at)) : double2{0.0, 0.0};
-    }
-}
-
-// dQ += scale share, at those entries.
-__device__ __forceinline__ void add_dq(tile_t* dq, const double2 (&sums)[DQ_BLOCKS_A_WARP][2], const long long* rows,
-                                       const Piece* mine, scalar_t scale, int warp, int lane) {
+// dQ += scale share at those entries (add_to_global: in the flags' order).
+__device__ __forceinline__ void add_share(tile_t* dq, const long long* rows, const Piece* mine, scalar_t scale,
+                                          int warp, int lane) {
 #pragma unroll
   for (int u = 0; u < DQ_BLOCKS_A_WARP; ++u)
 #pragma unroll
@@ -307,8 +296,8 @@ __device__ __forceinline__ void add_dq(tile_t* dq, const double2 (&sums)[DQ_BLOC
       tile_t* at = dq_entries(dq, rows, u, i, warp, lane);
       if (!at) continue;
       const Piece share = mine[(2 * u + i) * TC_THREADS];
-      store_through_l2(reinterpret_cast<double2*>(at), double2{sums[u][i].x + scale * share.x,
-                                                              sums[u][i].y + scale * share.y});
+      add_to_global(at, scale * share.x);
+      add_to_global(at + 1, scale * share.y);
     }
 }
 #endif
@@ -385,17 +374,15 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   // tile it's first stacked row: the last tile first
   auto tile_of = [&](int it) { return (tile_hi - 1 - it) * TC_KEYS; };
   // Add the kept share (of `tile`; none where -1) into dQ once the block
-  // before has added its own, running `meanwhile` (this tile's products)
-  // while dQ is read, and let the block after add next.
+  // before has added its own, then run `meanwhile` (this tile's products)
+  // while the adds land, and let the block after add next.
   auto add_kept_share = [&](long long tile, auto meanwhile) {
     const long long tau = tile / TC_KEYS;
     if (tile >= 0 && threadIdx.x == 0 && before_lo <= tau && tau < before_hi) wait_for_flag(flags + tau, blockIdx.x);
-    __syncthreads();  // the block before's sums seen (and this tile's dR written)
-    double2 sums[DQ_BLOCKS_A_WARP][2];
-    if (tile >= 0) load_dq(sums, dq, kept_rows, warp, lane);
+    __syncthreads();  // the block before's adds done (and this tile's dR written)
+    if (tile >= 0) add_share(dq, kept_rows, kept_share, pb.scale, warp, lane);
     meanwhile();
-    if (tile >= 0) add_dq(dq, sums, kept_rows, kept_share, pb.scale, warp, lane);
-    __syncthreads();  // every warp's sums stored, and the kept share and rows read
+    __syncthreads();  // every warp's adds made, and the kept share and rows read
     if (tile >= 0 && threadIdx.x == 0) release_flag(flags + tau, blockIdx.x + 1);
   };
 #else
