@@ -112,8 +112,9 @@ full and causal, B=1, N=8. These are the data to choose
 ``--fused-dq`` runs whatever else is asked (``--kernels``, ``--kernels
 --base REV``, ``--targets``) with float64's dK/dV kernel summing dQ
 (``npattn.fast_cupy.TENSOR_FUSED_DQ`` set to float64 for the run; not yet
-shipped): against ``--base HEAD``, each kernel and the backward's whole
-time with and without the dQ kernel. These are the data to ship it from.
+shipped): against ``--base HEAD``, each kernel with and without the dQ
+kernel, and their sum (``--kernels --base`` prints every kernel's best
+summed too). These are the data to ship it from.
 
 ``--auto`` holds up ``impl="auto"``'s rule on CuPy (the fused kernels
 wherever they run the call, however small): the dense path and the fused
@@ -1039,6 +1040,9 @@ def kernels_against(cp, base, label: str, repeats: int) -> int:
             for kernel in dict.fromkeys([*best["now"], *best["base"]]):  # in launch order
                 now, then = best["now"].get(kernel, float("nan")), best["base"].get(kernel, float("nan"))
                 print(f"  {kernel:<26} {now:9.3f} {then:9.3f} {now / then:9.3f}", flush=True)
+            # every kernel's best summed: the call's kernels where one side launches fewer (--fused-dq)
+            now, then = sum(best["now"].values()), sum(best["base"].values())
+            print(f"  {'every kernel':<26} {now:9.3f} {then:9.3f} {now / then:9.3f}", flush=True)
             del problem
             _free_pools(cp, None)
     return 0

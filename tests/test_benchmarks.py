@@ -325,7 +325,8 @@ def test_gpu_benchmark_kernel_breakdown_runs_its_python_side(capsys, monkeypatch
 def test_gpu_benchmark_kernels_against_a_base_time_both_in_turn(capsys, monkeypatch):
     """``bench_gpu.py --kernels --base worktree``'s own code on NumPy in
     CuPy's place, kernels not run: each kernel of each package timed by its
-    own events, both packages' rows printed with their ratio."""
+    own events, both packages' rows printed with their ratio, and their
+    sums."""
     import numpy as np
 
     bench_gpu, cp = _fake_gpu_bench(monkeypatch)
@@ -337,7 +338,8 @@ def test_gpu_benchmark_kernels_against_a_base_time_both_in_turn(capsys, monkeypa
     monkeypatch.setattr(bench_gpu, "_kernel_rows", lambda: rows)
     with np.errstate(all="ignore"):
         assert bench_gpu.kernels_against(cp, base, "worktree", repeats=2) == 0
-    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  npattn_")]
+    out = capsys.readouterr().out.splitlines()
+    lines = [line.split() for line in out if line.startswith("  npattn_")]
     assert [line[0] for line in lines] == [
         "npattn_forward_tc",
         "npattn_backward_d",
@@ -346,6 +348,8 @@ def test_gpu_benchmark_kernels_against_a_base_time_both_in_turn(capsys, monkeypa
     ]
     for _, now, then, ratio in lines:  # each launch spans one fake "ms": its own two events
         assert float(now) == float(then) == 1.0 and float(ratio) == 1.0
+    (every,) = [line.split()[2:] for line in out if line.startswith("  every kernel")]
+    assert [float(x) for x in every] == [4.0, 4.0, 1.0]  # the four kernels' ms summed
 
 
 def test_gpu_benchmark_auto_rows_time_both_paths_and_say_which_auto_takes(capsys, monkeypatch):

@@ -496,13 +496,13 @@ FUSED_DQ_MATRIX = [(case, kept) for case, dtype, _ in TENSOR_MATRIX if dtype == 
 def test_emulated_dkdv_kernel_sums_dq_in_order(monkeypatch, case, kept):
     """float64's dK/dV kernel summing dQ (``TC_FUSED_DQ``, forced: not yet
     shipped), through _tensor_paths as test_emulated_tensor_cores_match_float64:
-    no dQ kernel for a call with plain scores (the others keep it, and their
-    module builds no fused dK/dV), its dynamic shared memory the keys' and
-    dR's tiles, the kept shares and V's fragments where kept; each key block
-    found the block before's flags released where it waited (the emulator's
-    wait_for_flag aborts otherwise), and each tile's flag ends at 1 + the
-    last key block that added into it (fused_tiles, mirrored here for a
-    mask and windows of whole query positions)."""
+    no dQ kernel for a call with plain scores (the others keep it), the
+    plan's dynamic shared memory the keys' and dR's tiles, the kept shares
+    and V's fragments where kept; each key block found the block before's
+    flags released where it waited (the emulator's wait_for_flag aborts
+    otherwise), and, with a causal mask or none, each tile's flag ends at
+    1 + the last key block that added into it (fused_tiles, mirrored by
+    _last_key_blocks)."""
     fused_dq = fast_cupy.tensor_fused_dq
     monkeypatch.setattr(fast_cupy, "TENSOR_FUSED_DQ", frozenset({"f64"}))
     monkeypatch.setattr(fast_cupy, "tensor_fused_dq", lambda *arguments: fused_dq(*arguments) and kept)
@@ -529,7 +529,7 @@ def test_emulated_dkdv_kernel_sums_dq_in_order(monkeypatch, case, kept):
 
 
 def _last_key_blocks(spec, options, tile: int) -> np.ndarray:
-    """The last key block (of 16 keys a warp) that adds into each tile of
+    """The last key block (16 keys a warp) that adds into each tile of
     ``tile`` stacked rows of each (batch element, kv head), as fused_tiles
     reads query_range, for a causal mask or none (-1 where none does)."""
     B, K, G, T, S = spec.num_batch, spec.num_kv_heads, spec.group_size, spec.q_len, spec.kv_len
