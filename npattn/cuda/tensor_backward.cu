@@ -248,17 +248,16 @@ __device__ __forceinline__ void dq_products(scalar_t (&part)[DQ_BLOCKS_A_WARP][4
                                             const tile_t* keys, int warp, int lane) {
 #pragma unroll
   for (int u = 0; u < DQ_BLOCKS_A_WARP; ++u) {
-    const int block = min(warp + u * TC_WARPS, DQ_BLOCKS - 1);
-    const Piece* fragments = reinterpret_cast<const Piece*>(dr + dr_entry(block / (HEAD_DIM / 8) * 16 + lane / 4, 0) -
-                                                           (lane / 4 % 2) * 2 + lane % 4 * 4);
+    const int block = min(warp + u * TC_WARPS, DQ_BLOCKS - 1), row = block / (HEAD_DIM / 8) * 16 + lane / 4;
     const TileColumns<HEAD_DIM> columns(keys, block % (HEAD_DIM / 8) * 8, lane);
 #pragma unroll
     for (int e = 0; e < 4; ++e) part[u][e] = (scalar_t)0;
 #pragma unroll
     for (int kk = 0; kk < TC_ROWS / KSTEP; ++kk) {  // (16, TC_ROWS) (TC_ROWS, 8)
       FragA a;
-      set_frag_piece(a, 0, fragments[kk * 64 + lane / 4 % 2]);  // keys k0 + 2t (rows g, g + 8), then k0 + 2t + 1
-      set_frag_piece(a, 1, fragments[kk * 64 + 1 - lane / 4 % 2]);
+#pragma unroll
+      for (int half = 0; half < 2; ++half)  // keys k0 + 2t (rows g, g + 8), then k0 + 2t + 1
+        set_frag_piece(a, half, *reinterpret_cast<const Piece*>(dr + dr_entry(row, kk * KSTEP + 2 * (lane % 4) + half)));
       mma(part[u], a, columns(kk * KSTEP));
     }
   }
