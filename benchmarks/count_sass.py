@@ -27,10 +27,13 @@ whose registers are allocated for every branch left in it (masks,
 windows, lengths), so that a plain call can spill there where the plain
 build does not (the float16 forward when it was capped to 4 blocks:
 Nsight Compute counted 3.5 million spill requests in one call at T=S=4096
-on an H100, before the kernels were built apart for plain scores). Fewer
-instructions per MMA is what a kernel bound by instruction issue needs;
-whether a change makes the kernels faster is for ``bench_gpu.py
---targets`` on a GPU to say.
+on an H100, before the kernels were built apart for plain scores). The
+last three columns bound a warp's pass through the plain loop from below,
+in the multiprocessor's cycles of each resource its warps share
+(:meth:`Loop.bounds`): issue, shared memory and, in float64, the tensor
+cores; the largest bounds the kernel (docs/gpu_performance.rst's "Static
+bounds of the tile loops"). Whether a change makes the kernels faster is
+for ``bench_gpu.py --targets`` on a GPU to say.
 
 The tools come from NVIDIA's pip wheels (none of them a dependency of
 npattn): ``nvidia-cuda-nvrtc-cu12`` (libnvrtc), ``nvidia-cuda-nvcc-cu12``
@@ -51,6 +54,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from typing import NamedTuple
 from unittest import mock
 
 import numpy as np
@@ -144,10 +148,53 @@ def registers(report: str) -> dict[str, tuple[int, int]]:
     return found
 
 
-def tile_loops(listing: str) -> dict[str, tuple[int, int, int]]:
-    """``{kernel: (instructions, HMMA or DMMA instructions, spill loads and
-    stores)}`` of each kernel's longest loop (the span of its longest
-    backward branch)."""
+#: Multiprocessor cycles of the float64 tensor cores a DMMA.16x8x8 (1024
+#: multiply-adds, the only DMMA shape the kernels issue) takes at an H100
+#: SXM's float64 tensor peak: 67 TFLOP/s at 1.98 GHz on 132
+#: multiprocessors is 256 flops a cycle each, so 2048 / 256 = 8 (on each of
+#: the 4 sub-partitions' tensor cores, 32 of its scheduler's cycles).
+DMMA_CYCLES = 8
+
+#: Schedulers of a multiprocessor, each issuing one instruction a cycle.
+SCHEDULERS = 4
+
+
+def shared_wavefronts(op: str) -> int:
+    """Passes of shared memory (128 bytes a cycle) a warp's instruction
+    ``op`` takes at the fewest, its lanes hitting no bank twice: loads and
+    stores by their width (``LDS``, ``LDS.64``, ``STS.128``), ``ldmatrix``
+    by its matrices (``LDSM.16.M88.4``), ``cp.async`` by what it writes
+    (``LDGSTS.E.BYPASS.LTC128B.128``); 0 for any other instruction."""
+    parts = op.split(".")
+    if parts[0] == "LDSM":
+        return {"2": 2, "4": 4}.get(parts[-1], 1)
+    if parts[0] not in ("LDS", "STS", "LDGSTS"):
+        return 0
+    return 4 if "128" in parts[1:] else 2 if "64" in parts[1:] else 1
+
+
+class Loop(NamedTuple):
+    """What a warp's pass through a kernel's tile loop issues."""
+
+    instructions: int
+    mma: int  # HMMA or DMMA
+    spills: int  # spill loads and stores (LDL, STL)
+    wavefronts: int  # shared memory's passes at the fewest (shared_wavefronts)
+    dmma: int
+
+    def bounds(self) -> tuple[float, int, int | None]:
+        """The multiprocessor cycles a warp's tile takes at the least of
+        each resource it shares with the other warps there: issue (its
+        instructions over the 4 schedulers), shared memory (its wavefronts)
+        and, in float64, the tensor cores (DMMA_CYCLES a DMMA; None
+        otherwise: the H100's rate for ``mma.sync`` in float16 and
+        TensorFloat-32 is not published)."""
+        return self.instructions / SCHEDULERS, self.wavefronts, self.dmma * DMMA_CYCLES if self.dmma else None
+
+
+def tile_loops(listing: str) -> dict[str, Loop]:
+    """Each kernel's longest loop (the span of its longest backward branch),
+    counted (:class:`Loop`)."""
     loops = {}
     for part in listing.split("Function : ")[1:]:
         name = part.split()[0]
@@ -160,8 +207,13 @@ def tile_loops(listing: str) -> dict[str, tuple[int, int, int]]:
         if spans:
             first, last = max(spans, key=lambda s: s[1] - s[0])
             body = [op for a, op in code if first <= a <= last]
-            mma = sum(op.startswith(("HMMA", "DMMA")) for op in body)
-            loops[name] = (len(body), mma, sum(op.startswith(("LDL", "STL")) for op in body))
+            loops[name] = Loop(
+                instructions=len(body),
+                mma=sum(op.startswith(("HMMA", "DMMA")) for op in body),
+                spills=sum(op.startswith(("LDL", "STL")) for op in body),
+                wavefronts=sum(shared_wavefronts(op) for op in body),
+                dmma=sum(op.startswith("DMMA") for op in body),
+            )
     return loops
 
 
@@ -193,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         "and for every option); the plain tile loop"
     )
     header = f"{'precision':<10} {'kernel':<34} {'registers':>9} {'spilled':>8} {'all: regs':>9} {'spilled':>8}"
-    print(f"{header} {'loop instr':>11} {'MMA':>5} {'per MMA':>9} {'loop spills':>12} {'shipped loop':>13}")
+    header += f" {'loop instr':>11} {'MMA':>5} {'per MMA':>9} {'loop spills':>12} {'shipped loop':>13}"
+    print(f"{header} {'issue':>7} {'shared':>7} {'DMMA':>7}")
     with tempfile.TemporaryDirectory() as folder:
         for dtype in (np.float16, np.float32, np.float64):
             x = np.zeros((1, 8, 4096, H), dtype)
@@ -219,13 +272,15 @@ def main(argv: list[str] | None = None) -> int:
                 loops = tile_loops(tools.assemble(tools.ptx(plain, options), folder)[1])
                 names = ("npattn_backward_dq_tc", "npattn_backward_dkdv_tc") if backward else ("npattn_forward_tc",)
                 for name in names[1:] if fused else names:
-                    count, mma, loop_spills = loops[name]
+                    loop = loops[name]
                     label = name + (" (decode)" if spec is step else " (fused dQ)" if fused else "")
                     regs, spilled = shipped[name]
                     every_regs, every_spilled = general.get(name, ("-", "-"))  # fused: plain scores alone
                     figures = f"{regs:9d} {spilled:8d} {every_regs:>9} {every_spilled:>8} "
-                    figures += f"{count:11d} {mma:5d} {count / mma:9.1f} {loop_spills:12d}"
-                    figures += f" {shipped_loops[name][2]:13d}"
+                    figures += f"{loop.instructions:11d} {loop.mma:5d} {loop.instructions / loop.mma:9.1f}"
+                    figures += f" {loop.spills:12d} {shipped_loops[name].spills:13d}"
+                    issue, shared, tensor = loop.bounds()
+                    figures += f" {issue:7.0f} {shared:7d} {'-' if tensor is None else tensor:>7}"
                     print(f"{precision:<10} {label:<34} {figures}")
     return 0
 

@@ -4,6 +4,7 @@
     python benchmarks/gpu_session.py gpu_bases/*                # on the GPU machine: logs under $OUT
     python benchmarks/gpu_session.py --dry-run gpu_bases/*      # the steps and their limits, nothing run
     python benchmarks/gpu_session.py --fused-dq gpu_bases/REV   # the timings with float64's dQ fused, against REV
+    python benchmarks/gpu_session.py --profile gpu_bases/REV    # and Nsight Compute's metrics of the kernels
 
 A GPU is lent to some sessions only, for minutes at a time (the project's
 device tool: one machine, 15 minutes of device time a session, its start
@@ -25,6 +26,14 @@ session must learn from it is prepared beforehand and asked in one call:
 With ``--fused-dq`` the timing steps run ``bench_gpu.py --fused-dq``
 (float64's dK/dV kernel summing dQ, not yet shipped): against a base of
 the same revision, the fused kernel against the dQ and dK/dV kernels.
+
+With ``--profile``, three steps follow the first kernels step: ``profile``
+runs ``profile_gpu.py`` under Nsight Compute (``ncu --set full``, the
+clocks left alone, the npattn kernels of one profiled call of each
+workload: float64 with its dQ kernel and with dQ fused, float16), its
+report kept outside ``OUT``; ``profile-metrics`` prints the report's every
+metric as CSV (``--page raw``) and ``profile-details`` its sections'
+figures and advice (``--page details``), each into its log.
 
 Each step's output goes to ``OUT/NN-step.log`` (``OUT``: ``--out``, else
 ``$OUT``, which the device tool brings back, else ``gpu_session/``) and a
@@ -51,13 +60,18 @@ import runpy
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Each step's limit in seconds (a kernels step's for each base).
-STEP_LIMITS = {"env": 30, "tests": 240, "targets": 300, "kernels": 150}
+STEP_LIMITS = {"env": 30, "tests": 240, "targets": 300, "kernels": 150, "profile": 180, "profile-report": 60}
+
+#: Where ``--profile``'s Nsight Compute report goes on the GPU machine (not
+#: under ``OUT``, whose files come back: the logs hold what is read of it).
+PROFILE_REPORT = Path(tempfile.gettempdir()) / "npattn-profile"
 
 #: pytest-xdist's workers for the tests step, where it is installed (the GPU
 #: machines have it and 16 cores): most of the step is NVRTC compiling kernels.
@@ -95,9 +109,25 @@ def print_environment() -> int:
     return 0
 
 
-def steps(bases: list[str], fused_dq: bool = False) -> list[tuple[str, list[str], int]]:
+def profile_steps() -> list[tuple[str, list[str], int]]:
+    """``--profile``'s steps: the calls of ``profile_gpu.py`` under Nsight
+    Compute, then its report read back as every metric and as each section's text."""
+    ncu, python = shutil.which("ncu") or "ncu", sys.executable
+    report = f"{PROFILE_REPORT}.ncu-rep"
+    collect = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--set", "full"]
+    collect += ["--kernel-name", "regex:npattn_", "-f", "-o", str(PROFILE_REPORT)]
+    collect += [python, str(ROOT / "benchmarks" / "profile_gpu.py")]
+    return [
+        ("profile", collect, STEP_LIMITS["profile"]),
+        ("profile-metrics", [ncu, "--import", report, "--page", "raw", "--csv"], STEP_LIMITS["profile-report"]),
+        ("profile-details", [ncu, "--import", report, "--page", "details"], STEP_LIMITS["profile-report"]),
+    ]
+
+
+def steps(bases: list[str], fused_dq: bool = False, profile: bool = False) -> list[tuple[str, list[str], int]]:
     """``(name, command, limit)`` of each step, in order; with ``fused_dq``,
-    the timings' with ``bench_gpu.py --fused-dq``."""
+    the timings' with ``bench_gpu.py --fused-dq``; with ``profile``,
+    :func:`profile_steps` after the first kernels step."""
     python, bench = sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py")
     bench_gpu = [python, bench, *(["--fused-dq"] if fused_dq else [])]
     pytest = [python, "-m", "pytest", "-m", "gpu", "-x", "-q", "-p", "no:cacheprovider"]
@@ -108,6 +138,7 @@ def steps(bases: list[str], fused_dq: bool = False) -> list[tuple[str, list[str]
         ("env", [python, str(Path(__file__).resolve()), "--env"], STEP_LIMITS["env"]),
         ("tests", pytest, STEP_LIMITS["tests"]),
         *((name, command, STEP_LIMITS["kernels"]) for name, command in kernels[:1]),
+        *(profile_steps() if profile else []),
         ("targets", [*bench_gpu, "--targets"], STEP_LIMITS["targets"]),
         *((name, command, STEP_LIMITS["kernels"]) for name, command in kernels[1:]),
     ]
@@ -133,6 +164,9 @@ def run_steps(plan: list[tuple[str, list[str], int]], out: Path, budget: float) 
                 ).returncode
             except subprocess.TimeoutExpired:
                 status = 124
+            except OSError as error:  # the command is not there (ncu on a machine without it)
+                print(f"{command[0]}: {error}", file=sink)
+                status = 127
         failures += status != 0
         print(f"{name:<24} exit {status:<4} {time.monotonic() - began:6.1f} s  {log}", flush=True)
     return int(failures > 0)
@@ -167,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fused-dq", action="store_true", help="time with float64's dQ summed in dK/dV (bench_gpu.py --fused-dq)"
     )
+    parser.add_argument(
+        "--profile", action="store_true", help="Nsight Compute's metrics of profile_gpu.py's calls, after the kernels"
+    )
     args = parser.parse_args(argv)
     if args.env:
         return print_environment()
@@ -177,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [base for base in args.bases if not (Path(base) / "npattn").is_dir()]
     if missing:
         parser.error(f"no npattn/ package in {', '.join(missing)} (write them with --prepare)")
-    plan = steps([str(Path(base).resolve()) for base in args.bases], args.fused_dq)
+    plan = steps([str(Path(base).resolve()) for base in args.bases], args.fused_dq, args.profile)
     if args.dry_run:
         for name, command, limit in plan:
             print(f"{name:<24} {limit:4d} s  {' '.join(command)}")

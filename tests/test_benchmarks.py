@@ -214,6 +214,32 @@ def test_sass_counts_run_or_say_why_not(capsys):
     assert "--head-dim must be a multiple of 16" in capsys.readouterr().err
 
 
+def test_sass_bounds_count_what_a_warps_tile_takes_of_each_resource():
+    """``count_sass.py``'s static bounds of a loop: shared memory's passes by
+    each instruction's width (128 bytes a pass, no bank taken twice), its
+    instructions over the 4 schedulers, and DMMA_CYCLES a DMMA (none
+    without DMMA), read off a listing's longest backward branch."""
+    sass = runpy.run_path(str(BENCHMARKS / "count_sass.py"))
+    ops = ["LDS", "LDS.64", "LDS.U.128", "STS.128", "LDSM.16.M88.4", "LDSM.16.MT88.2", "LDSM.16.M88"]
+    ops += ["LDGSTS.E.BYPASS.LTC128B.128", "LDGSTS.E.64", "DMMA.16", "LDG.E.128"]
+    assert [sass["shared_wavefronts"](op) for op in ops] == [1, 2, 4, 4, 4, 2, 1, 4, 2, 0, 0]
+    listing = """
+        Function : kernel
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDS.128 R4, [R2] ;
+        /*0020*/                   DMMA.16x8x8 R8, R4, R12, R8 ;
+        /*0030*/                   @!UPT UIADD3 URZ, URZ, URZ, URZ ;
+        /*0040*/                   STL.64 [R1], R6 ;
+        /*0050*/                   LDS.64 R6, [R2+0x8] ;
+        /*0060*/               @P0 BRA 0x10 ;
+        /*0070*/                   EXIT ;
+    """
+    loop = sass["tile_loops"](listing)["kernel"]
+    assert loop == (6, 1, 1, 6, 1)  # instructions, MMA, spills, wavefronts, DMMA
+    assert loop.bounds() == (1.5, 6, sass["DMMA_CYCLES"])
+    assert loop._replace(mma=0, dmma=0).bounds()[2] is None
+
+
 def test_gpu_benchmark_counts_the_fused_paths_memory_without_a_gpu(capsys):
     """``bench_gpu.py --count-memory`` runs the fused path's Python side on
     the CPU (kernels not run) and prints a row per dtype."""
@@ -569,3 +595,65 @@ def test_gpu_session_prepares_bases_and_plans_a_kernels_step_each(tmp_path, caps
     assert all("bench_gpu.py --fused-dq --" in line for line in fused[2:])
     assert _run_script("gpu_session.py", [str(tmp_path)]) == 2  # no npattn/ there
     assert "no npattn/ package in" in capsys.readouterr().err
+
+
+def test_gpu_session_profile_steps_follow_the_kernels_and_read_the_report(tmp_path, capsys):
+    """``--profile`` puts ``profile_gpu.py`` under Nsight Compute (from its
+    own start, clocks left alone, the npattn kernels) after the first
+    kernels step, then reads the report back as CSV and as text; a step
+    whose program is missing (no ``ncu``) fails with 127, saying so in
+    its log, and the steps after it still run."""
+    session = _gpu_session()
+    plan = session["steps"]([str(tmp_path / "base")], profile=True)
+    names = [name for name, _, _ in plan]
+    assert names == ["env", "tests", "kernels-base", "profile", "profile-metrics", "profile-details", "targets"]
+    collect, metrics, details = (command for name, command, _ in plan if name.startswith("profile"))
+    report = f"{session['PROFILE_REPORT']}.ncu-rep"
+    assert collect[-1].endswith("profile_gpu.py") and collect[collect.index("-o") + 1] == str(session["PROFILE_REPORT"])
+    assert {"--profile-from-start", "off", "--clock-control", "none", "regex:npattn_"} <= set(collect)
+    assert metrics[1:] == ["--import", report, "--page", "raw", "--csv"]
+    assert details[1:] == ["--import", report, "--page", "details"]
+    python = sys.executable
+    missing = [("no-ncu", [str(tmp_path / "ncu")], 30), ("after", [python, "-c", "print('ran')"], 30)]
+    assert session["run_steps"](missing, tmp_path, 60.0) == 1
+    assert [line.split()[:3] for line in capsys.readouterr().out.splitlines()] == [
+        ["no-ncu", "exit", "127"],
+        ["after", "exit", "0"],
+    ]
+    assert str(tmp_path / "ncu") in (tmp_path / "01-no-ncu.log").read_text()
+
+
+def test_profiled_calls_run_once_each_between_start_and_stop(capsys, monkeypatch):
+    """``profile_gpu.py``'s own code on NumPy in CuPy's place, kernels not
+    run: each workload's call is made once to warm up, then once between
+    the profiler's start and stop (float64 with the dQ kernel, then with dQ
+    summed by dK/dV, then float16), and ``TENSOR_FUSED_DQ`` is as it was
+    after."""
+    import numpy as np
+
+    from npattn import fast_cupy
+
+    launched: list[str] = []
+    bench_gpu, _ = _fake_gpu_bench(monkeypatch)
+
+    class Recorded(bench_gpu._NoKernels):
+        def launch(self, module, name, grid, threads, args, shared_bytes=0):
+            launched.append(name)
+
+    bench_gpu, cp = _fake_gpu_bench(monkeypatch, Recorded())
+    profile_gpu = runpy.run_path(str(BENCHMARKS / "profile_gpu.py"))
+    before = fast_cupy.TENSOR_FUSED_DQ
+    with np.errstate(all="ignore"):  # the arrays the kernels would fill hold whatever was in memory
+        status = profile_gpu["profile"](
+            cp, lambda: launched.append("start"), lambda: launched.append("stop"), (1, 2, 64, 16)
+        )
+    assert status == 0 and fast_cupy.TENSOR_FUSED_DQ is before
+    profiled = " ".join(launched).split("start ")[1:]
+    assert [call.split(" stop")[0].split() for call in profiled] == [
+        ["npattn_forward_tc", "npattn_backward_d", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"],
+        ["npattn_forward_tc", "npattn_backward_d", "npattn_backward_dkdv_tc"],
+        ["npattn_forward_tc", "npattn_backward_d", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"],
+    ]
+    assert launched.count("npattn_forward_tc") == 6  # a warm-up call before each profiled one
+    labels = [line.removeprefix("profiled: ") for line in capsys.readouterr().out.splitlines()]
+    assert labels == [label for label, _, _ in profile_gpu["WORKLOADS"]]

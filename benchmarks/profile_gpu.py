@@ -1,0 +1,106 @@
+"""The calls Nsight Compute profiles in a GPU session (``gpu_session.py --profile``).
+
+    ncu --profile-from-start off --clock-control none --set full --kernel-name regex:npattn_ \\
+        -f -o /tmp/npattn-profile python benchmarks/profile_gpu.py
+    ncu --import /tmp/npattn-profile.ncu-rep --page raw --csv   # every metric, a row a kernel
+    ncu --import /tmp/npattn-profile.ncu-rep --page details     # each section's figures and advice
+
+One forward+backward call of each workload of :data:`WORKLOADS` (B=1, N=8,
+H=64, T=S=4096, full; ``impl="chunked"``, the fused kernels): float64 with
+its dQ kernel, float64 with dQ summed by the dK/dV kernel
+(``npattn.fast_cupy.TENSOR_FUSED_DQ``, not yet shipped), and float16. Each
+runs once to compile its kernels and warm up, then once between
+``cudaProfilerStart`` and ``cudaProfilerStop``, so that a profiler started
+with ``--profile-from-start off`` sees that call's kernels alone; the script
+prints the workloads in the order their calls were profiled (the report
+lists the kernels in launch order: forward, ``D``, dQ where it runs, dK/dV).
+
+What it is for: ``count_sass.py``'s static bounds (a warp's tile in
+multiprocessor cycles of issue, of shared memory and, in float64, of the
+tensor cores) put every tensor-core kernel's loop at about half the time
+the H100 measured (docs/gpu_performance.rst); the profile's pipe
+utilizations, shared-memory wavefronts and bank conflicts, issue activity
+and warp stall reasons say where the rest goes. Without CuPy or a CUDA
+device it prints ``skipped: ...`` and exits with 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from unittest import mock
+
+import numpy as np
+
+try:
+    import npattn
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import npattn
+from npattn import fast_cupy
+from npattn.options import SpecMemo
+
+#: ``(label, dtype, dQ summed by the dK/dV kernel)`` of each profiled call,
+#: at B=1, N=8, H=64, T=S=4096, full.
+WORKLOADS = (
+    ("float64 T=S=4096 full fwd+bwd, dQ kernel", "float64", False),
+    ("float64 T=S=4096 full fwd+bwd, dQ fused", "float64", True),
+    ("float16 T=S=4096 full fwd+bwd", "float16", False),
+)
+
+#: The workloads' shape: (B, N, T, H), T = S.
+SHAPE = (1, 8, 4096, 64)
+
+
+def _fused_dq(on: bool) -> contextlib.ExitStack:
+    """For the duration: ``fast_cupy.TENSOR_FUSED_DQ`` holding float64
+    (``on``) or nothing, and the launch plans made anew for each call (a
+    recurring spec's plans, kept by spec, would keep the other setting's)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(fast_cupy, "TENSOR_FUSED_DQ", frozenset({"f64"} if on else ())))
+    stack.enter_context(mock.patch.object(fast_cupy, "RECURRING_SPECS", SpecMemo()))
+    return stack
+
+
+def _forward_backward(q, k, v, dout) -> None:
+    """One call on the fused kernels (``impl="chunked"`` on CuPy), forward and backward."""
+    _, res = npattn.attention_forward(q, k, v, impl="chunked")
+    assert res.kernel == "cupy", res.kernel  # the fused kernels, not the generic path
+    npattn.attention_backward(dout, res)
+
+
+def profile(cp, start: Callable[[], None], stop: Callable[[], None], shape: tuple[int, ...] = SHAPE) -> int:
+    """Run each workload's call once, then once more between ``start()`` and
+    ``stop()``, the device synchronized around it; print each label as its
+    call is profiled."""
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal(shape, dtype=np.float32) for _ in range(4)]  # q, k, v, dout
+    for label, dtype, fused in WORKLOADS:
+        arrays = [cp.asarray(a).astype(getattr(cp, dtype)) for a in host]
+        with _fused_dq(fused):
+            _forward_backward(*arrays)  # compiles the kernels
+            cp.cuda.runtime.deviceSynchronize()
+            start()
+            _forward_backward(*arrays)
+            cp.cuda.runtime.deviceSynchronize()
+            stop()
+        print(f"profiled: {label}", flush=True)
+    return 0
+
+
+def main() -> int:
+    try:
+        cp = importlib.import_module("cupy")
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no CUDA device is visible")
+    except Exception as error:  # ImportError, CUDARuntimeError, ...
+        print(f"skipped: CuPy with a CUDA device is not available ({type(error).__name__}: {error})")
+        return 0
+    return profile(cp, cp.cuda.runtime.profilerStart, cp.cuda.runtime.profilerStop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
