@@ -1207,8 +1207,9 @@ class _Plan(NamedTuple):
     the bytes of the ranges' outputs before their merge (:func:`_scratch`),
     with several ranges; ``shared_bytes``, the dynamic shared memory of the
     tensor-core backward's dQ and dK/dV blocks (:func:`tensor_kept_operands`);
-    ``dq_flags``, the tensor-core dK/dV kernel's flags where it sums dQ
-    (:func:`tensor_fused_dq`: one a tile of stacked rows of a kv head, and
+    ``dq_flags``, the int32 entries the tensor-core dK/dV kernel orders its
+    blocks by where it sums dQ (:func:`tensor_fused_dq`: for each kv head
+    its blocks' ticket counter, then a flag a tile of its stacked rows; and
     no dQ kernel launched), 0 where it does not, None for the CUDA cores'
     (which take no dQ)."""
 
@@ -1300,7 +1301,7 @@ def _backward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: 
         dkdv_bytes = _fused_bytes(spec, precision, fused) if fused else _kept_bytes(spec, precision, kept[1])
         shared_bytes = (_kept_bytes(spec, precision, kept[0]), dkdv_bytes)
         tiles = -(-spec.group_size * spec.q_len // tensor_tile(spec, precision, backward=True))
-        dq_flags = B * K * tiles if fused else 0
+        dq_flags = B * K * (1 + tiles) if fused else 0  # a kv head's ticket counter, then its tiles' flags
         threads, suffix, block_rows = 32 * warps, "_tc", TENSOR_WARP_ROWS * warps
         row_blocks, key_blocks = -(-spec.group_size * spec.q_len // block_rows), -(-spec.kv_len // block_rows)
     rows = B * spec.num_heads * spec.q_len

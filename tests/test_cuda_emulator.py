@@ -342,6 +342,33 @@ def test_grid_and_block_indices(tmp_path, grid, block):
     np.testing.assert_array_equal(coords, np.stack([tx, ty, tz, bx, by, bz], axis=1))
 
 
+BLOCK_ORDER = r"""
+extern "C" __global__ void block_order(int* started, int* next) {
+    const int bid = blockIdx.x + blockIdx.y * gridDim.x + blockIdx.z * gridDim.x * gridDim.y;
+    if (threadIdx.x == 0) started[bid] = (*next)++;  // the blocks run one at a time
+}
+"""
+BLOCK_ORDER_WRAPPER = r"""
+extern "C" void run_block_order(int* started, int* next) {
+    cuda_emulator::launch(dim3(3, 2, 2), dim3(32), [&] { block_order(started, next); });
+}
+"""
+
+
+@pytest.mark.parametrize("order", [None, "reversed"])
+def test_blocks_run_in_index_order_or_its_reverse(tmp_path, monkeypatch, order):
+    """A launch runs its blocks x fastest, then y, then z, or, where
+    ``CUDA_EMULATOR_BLOCK_ORDER`` is ``reversed`` (read at each launch), the
+    last first: a kernel that needs blocks to start in index order fails
+    its tests then, as it could on a GPU, which promises no order."""
+    if order:
+        monkeypatch.setenv("CUDA_EMULATOR_BLOCK_ORDER", order)
+    lib = _build(tmp_path, BLOCK_ORDER, BLOCK_ORDER_WRAPPER, "block_order")
+    started, next_ = np.full(12, -1, np.int32), np.zeros(1, np.int32)
+    lib.run_block_order(_ptr(started), _ptr(next_))
+    np.testing.assert_array_equal(started, np.arange(12)[::-1] if order else np.arange(12))
+
+
 DEVICE_HELPERS = r"""
 extern "C" __global__ void helpers(const float* x, float* out, int n) {
     extern __shared__ __align__(16) float tile[];  // dynamic shared memory: launch's 4th argument

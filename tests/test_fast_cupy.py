@@ -492,17 +492,24 @@ FUSED_DQ_MATRIX = [(case, kept) for case, dtype, _ in TENSOR_MATRIX if dtype == 
 
 
 @emulated
+@pytest.mark.parametrize("order", ["blockIdx", "reversed"])
 @pytest.mark.parametrize("case, kept", FUSED_DQ_MATRIX)
-def test_emulated_dkdv_kernel_sums_dq_in_order(monkeypatch, case, kept):
+def test_emulated_dkdv_kernel_sums_dq_in_order(monkeypatch, case, kept, order):
     """float64's dK/dV kernel summing dQ (``TC_FUSED_DQ``, forced: not yet
     shipped), through _tensor_paths as test_emulated_tensor_cores_match_float64:
     no dQ kernel for a call with plain scores (the others keep it), the
     plan's dynamic shared memory the keys' and dR's tiles, the kept shares
     and V's fragments where kept; each key block found the block before's
     flags released where it waited (the emulator's wait_for_flag aborts
-    otherwise), and, with a causal mask or none, each tile's flag ends at
-    1 + the last key block that added into it (fused_tiles, mirrored by
+    otherwise), with the emulator's blocks run in blockIdx order and in the
+    reverse (the last block first: the blocks take their places in the
+    grid by the order they start in, so that no order of starting them
+    leaves a block waiting for one that has not started); every block took
+    a ticket, and, with a causal mask or none, each tile's flag ends at 1 +
+    the last key block that added into it (fused_tiles, mirrored by
     _last_key_blocks)."""
+    if order == "reversed":
+        monkeypatch.setenv("CUDA_EMULATOR_BLOCK_ORDER", "reversed")
     fused_dq = fast_cupy.tensor_fused_dq
     monkeypatch.setattr(fast_cupy, "TENSOR_FUSED_DQ", frozenset({"f64"}))
     monkeypatch.setattr(fast_cupy, "tensor_fused_dq", lambda *arguments: fused_dq(*arguments) and kept)
@@ -521,6 +528,10 @@ def test_emulated_dkdv_kernel_sums_dq_in_order(monkeypatch, case, kept):
     assert np.shares_memory(dq, fused[2]) and flags.dtype == np.int32
     plan = fast_cupy._backward_plan(runtime, spec, None, "f64")
     assert plan.dq_flags == flags.size and plan.shared_bytes == (0, fast_cupy._fused_bytes(spec, "f64", kept))
+    key_blocks, kv_heads, batch = runtime.launches[index][1]
+    by_head = flags.reshape(batch, kv_heads, -1)  # each kv head's ticket counter, then its tiles' flags
+    assert (by_head[..., 0] == key_blocks).all()  # a ticket each block
+    flags = by_head[..., 1:]
     if set(options) <= {"causal", "align", "scale"}:  # no window or lengths: _last_key_blocks' mirror
         tile = fast_cupy.tensor_tile(spec, "f64", backward=True)
         expected = _last_key_blocks(spec, options, tile) + 1
@@ -1549,7 +1560,7 @@ RACECHECKED_TESTS = (
     " or test_emulated_forward_with_one_key_and_one_value_tile or test_decoding_splits_the_keys"
     " or test_merge_kernel_merges or test_emulated_cuda_cores_read_float16"
     " or (test_kv_views_are_read_where_they_lie and True])"
-    " or (test_emulated_dkdv_kernel_sums_dq_in_order and 2])"
+    " or (test_emulated_dkdv_kernel_sums_dq_in_order and 2-blockIdx])"
 )
 
 

@@ -140,8 +140,8 @@ __device__ __forceinline__ void async_wait() {
 // value (ld.acquire, gpu scope) and the block's barrier then passes that
 // order on to its other threads; after a barrier that follows the block's
 // writes, one thread releases the flag (fence.acq_rel, then the store). A
-// block waits only for blocks of a lower blockIdx, which a GPU starts
-// first, so that every block waited for runs or has run.
+// block waits only for blocks that took a lower ticket (take_ticket), which
+// have started, so that every block waited for runs or has run.
 __device__ __forceinline__ void wait_for_flag(const int* flag, int value) {
   int seen;
   do {
@@ -152,6 +152,13 @@ __device__ __forceinline__ void wait_for_flag(const int* flag, int value) {
 __device__ __forceinline__ void release_flag(int* flag, int value) {
   asm volatile("fence.acq_rel.gpu;\n\tst.relaxed.gpu.global.b32 [%0], %1;" ::"l"(flag), "r"(value) : "memory");
 }
+
+// The next ticket of a counter (zero before the launch): the order in
+// which the blocks that take one started, for the flags above to follow
+// rather than blockIdx, since CUDA promises no order in which a grid's
+// blocks start (a block waiting for a block that has not started could
+// hold the multiprocessor that one needs).
+__device__ __forceinline__ int take_ticket(int* counter) { return atomicAdd(counter, 1); }
 
 // *at += x in global memory (red.add: performed in L2, nothing read back),
 // in the order the flags above keep.

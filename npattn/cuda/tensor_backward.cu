@@ -30,7 +30,9 @@
 // before the launch) in the order of the key blocks, 0 first, which flags
 // of their own keep (ptx.cuh's wait_for_flag and release_flag, one a tile,
 // zeros before the launch: tile tau's holds 1 + the last key block that
-// added into it): a fixed order of every sum, and so the same bits each
+// added into it; a block takes its keys by the order the kv head's blocks
+// started in, take_ticket, so that it waits only for a block that has
+// started): a fixed order of every sum, and so the same bits each
 // run, without the dq kernel's second S = Q K^T and dP = dO V^T. Each
 // block keeps its keys as a tile in dynamic shared memory (the A operand
 // of K Q^T and the B of dR K), writes dR^T's tile there for its warps'
@@ -314,7 +316,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                             tile_t* __restrict__ dk,         // (B, KH, S, H)
                             tile_t* __restrict__ dv,         // (B, KH, S, Hv)
                             tile_t* dq,                      // (B, N, T, H), zeros: with TC_FUSED_DQ, dQ
-                            int* dq_flags,                   // (B, KH, tiles of G T rows), zeros: TC_FUSED_DQ's
+                            int* dq_flags,  // (B, KH, 1 + tiles of G T rows), zeros: TC_FUSED_DQ's tickets, flags
                             const Config config) {
   __shared__ __align__(16) tile_t query_tile[TC_STAGES][TC_KEYS * tile_stride<HEAD_DIM>];
   __shared__ __align__(16) tile_t dout_tile[TC_STAGES][TC_KEYS * tile_stride<VALUE_DIM>];
@@ -325,19 +327,34 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   load_exp2_table();  // fast_exp2's, in float64
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
   const int h = blockIdx.y, b = blockIdx.z;
+#if TC_FUSED_DQ
+  // This block's keys by the order the kv head's blocks started in, not by
+  // blockIdx.x: a ticket of the head's counter, the first of its entries in
+  // dq_flags (its tiles' flags follow). The block before its keys, whose
+  // flags it waits for, took a lower ticket, so it has started, whatever
+  // order the GPU started the blocks in.
+  int* head_flags = dq_flags + ((long long)b * pb.KH + h) * (1 + (pb.G * (long long)pb.T + TC_KEYS - 1) / TC_KEYS);
+  __shared__ int ticket;
+  if (threadIdx.x == 0) ticket = take_ticket(head_flags);
+  __syncthreads();
+  // read where used (as blockIdx.x is), so that no register holds it
+  auto key_block = [&] { return *static_cast<volatile int*>(&ticket); };
+#else
+  auto key_block = [] { return (int)blockIdx.x; };
+#endif
+  // this thread's key g + 8 i of its warp's 16
+  auto key = [&](int i) { return (long long)key_block() * TC_ROWS + warp * 16 + g + 8 * i; };
 
-  long long key[2];  // this thread's keys: g and g + 8 of its warp's 16
   const tile_t *k_rows[2], *v_rows[2];
   const bool plain = pb.softcap == 0 && !pb.slopes;
   const scalar_t scale_log2 = pb.scale * LOG2_E;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    key[i] = (long long)blockIdx.x * TC_ROWS + warp * 16 + g + 8 * i;
-    const long long index = kv_head_row(pb, b, h) + key[i];
-    k_rows[i] = key[i] < pb.S ? k + index * HEAD_DIM : nullptr;
-    v_rows[i] = key[i] < pb.S ? v + index * VALUE_DIM : nullptr;
+    const long long index = kv_head_row(pb, b, h) + key(i);
+    k_rows[i] = key(i) < pb.S ? k + index * HEAD_DIM : nullptr;
+    v_rows[i] = key(i) < pb.S ? v + index * VALUE_DIM : nullptr;
   }
-  const long long key_first = (long long)blockIdx.x * TC_ROWS;
+  const long long key_first = (long long)key_block() * TC_ROWS;
   const long long key_last = min(key_first + TC_ROWS, (long long)pb.S) - 1;
   extern __shared__ __align__(16) Piece kept_pieces[];  // TC_KEPT_DKDV operands' fragments
 #if TC_FUSED_DQ
@@ -367,8 +384,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 #if TC_FUSED_DQ
   long long tile_lo, tile_hi, before_lo = 0, before_hi = 0;  // this block's tiles, and the block before's
   fused_tiles(pb, b, key_first, tile_lo, tile_hi);
-  if (blockIdx.x > 0) fused_tiles(pb, b, key_first - TC_ROWS, before_lo, before_hi);
-  int* flags = dq_flags + ((long long)b * pb.KH + h) * ((pb.G * (long long)pb.T + TC_KEYS - 1) / TC_KEYS);
+  if (key_block() > 0) fused_tiles(pb, b, key_first - TC_ROWS, before_lo, before_hi);
+  int* flags = head_flags + 1;
   const long long loop_first = end > first ? tile_lo * TC_KEYS : stacked_end;
   // tile it's first stacked row: the last tile first
   auto tile_of = [&](int it) { return (tile_hi - 1 - it) * TC_KEYS; };
@@ -377,12 +394,12 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   // while the adds land, and let the block after add next.
   auto add_kept_share = [&](long long tile, auto meanwhile) {
     const long long tau = tile / TC_KEYS;
-    if (tile >= 0 && threadIdx.x == 0 && before_lo <= tau && tau < before_hi) wait_for_flag(flags + tau, blockIdx.x);
+    if (tile >= 0 && threadIdx.x == 0 && before_lo <= tau && tau < before_hi) wait_for_flag(flags + tau, key_block());
     __syncthreads();  // the block before's adds done (and this tile's dR written)
     if (tile >= 0) add_share(dq, kept_rows, kept_share, pb.scale, warp, lane);
     meanwhile();
     __syncthreads();  // every warp's adds made, and the kept share and rows read
-    if (tile >= 0 && threadIdx.x == 0) release_flag(flags + tau, blockIdx.x + 1);
+    if (tile >= 0 && threadIdx.x == 0) release_flag(flags + tau, key_block() + 1);
   };
 #else
   const long long loop_first = first * pb.G;
@@ -414,7 +431,6 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     }
     async_commit();
   };
-  const long long warp_first = key_first + warp * 16, warp_last = warp_first + 15;  // this warp's keys
   auto use = [&](int it) {
     const int stage = it % TC_STAGES;
     const tile_t *queries = query_tile[stage], *douts = dout_tile[stage];
@@ -425,6 +441,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     v_operand.with_fragments([&](const FragA(&v_frag)[VALUE_DIM / KSTEP]) {
       products_with_rows<VALUE_DIM>(dp, v_frag, douts, lane);
     });
+    const long long my_key = key(0), warp_first = my_key - g, warp_last = warp_first + 15;  // this warp's keys
     const bool seen = rows_see_keys(tile_rows[stage], warp_first, warp_last, lane);  // every thread: it shuffles
     // The common tile: dR = P (dP - D), and P for dV.
     if (plain && !pb.dropout && !pb.kv_segments && seen && warp_last < pb.S) {
@@ -444,8 +461,9 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
           const int i = e / 2, c = nb * 8 + 2 * t + e % 2;
           const Row& row = tile_rows[stage][c];
           scalar_t dropped = (scalar_t)0, dr = (scalar_t)0;
-          if (key[i] < pb.S && visible(pb, row, b, key[i]))
-            dr = tensor_entry_backward(pb, plain, row, key[i], s[nb][e], dp[nb][e], tile_lse[stage][c],
+          const long long key_i = my_key + 8 * i;  // key(i)
+          if (key_i < pb.S && visible(pb, row, b, key_i))
+            dr = tensor_entry_backward(pb, plain, row, key_i, s[nb][e], dp[nb][e], tile_lse[stage][c],
                                        tile_D[stage][c], dropped, unused_slope_grad);
           s[nb][e] = dr;
           dp[nb][e] = dropped;
@@ -471,8 +489,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    if (key[i] >= pb.S) continue;
-    const long long index = (long long)((unsigned)b * pb.KH + h) * pb.S + key[i];
+    if (key(i) >= pb.S) continue;
+    const long long index = (long long)((unsigned)b * pb.KH + h) * pb.S + key(i);
     store_row<HEAD_DIM>(dk + index * HEAD_DIM, dk_acc, i, t, pb.scale);
     store_row<VALUE_DIM>(dv + index * VALUE_DIM, dv_acc, i, t, (scalar_t)1);
   }

@@ -5,7 +5,9 @@
 //
 // The kernel source is compiled as ordinary C++ after this header. The CUDA
 // keywords become harmless (`__shared__` becomes `static`), and a launch runs
-// the blocks of the grid one at a time, x fastest, then y, then z. Within a
+// the blocks of the grid one at a time, x fastest, then y, then z (or in the
+// reverse order, the last block first, where the environment variable
+// CUDA_EMULATOR_BLOCK_ORDER is `reversed`: CUDA promises no order). Within a
 // block every CUDA thread is a cooperative fiber (ucontext) with its own
 // stack, scheduled round-robin in the calling OS thread, so a run is
 // deterministic. `__syncthreads()` switches to the next fiber; the block goes
@@ -318,15 +320,18 @@ inline void run_launch(dim3 grid, dim3 block, std::size_t shared_bytes, void (*c
   runtime.launch = &L;
   gridDim = grid;
   blockDim = block;
-  for (unsigned z = 0; z < grid.z; ++z)
-    for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) {
-        blockIdx = uint3{x, y, z};
-        std::memset(runtime.shared, 0xFF, shared_bytes);
-        CUDA_EMULATOR_RACECHECK_CALL(block_started(runtime.shared, shared_bytes));
-        run_block(L);
-        CUDA_EMULATOR_RACECHECK_CALL(block_ended());
-      }
+  const char* order = std::getenv("CUDA_EMULATOR_BLOCK_ORDER");
+  const bool reversed = order != nullptr && std::strcmp(order, "reversed") == 0;
+  const unsigned long long blocks = 1ull * grid.x * grid.y * grid.z;
+  for (unsigned long long i = 0; i < blocks; ++i) {
+    const unsigned long long linear = reversed ? blocks - 1 - i : i;  // x fastest, then y, then z
+    blockIdx = uint3{static_cast<unsigned>(linear % grid.x), static_cast<unsigned>(linear / grid.x % grid.y),
+                     static_cast<unsigned>(linear / grid.x / grid.y)};
+    std::memset(runtime.shared, 0xFF, shared_bytes);
+    CUDA_EMULATOR_RACECHECK_CALL(block_started(runtime.shared, shared_bytes));
+    run_block(L);
+    CUDA_EMULATOR_RACECHECK_CALL(block_ended());
+  }
   runtime.launch = nullptr;
 }
 

@@ -188,11 +188,13 @@ inline void async_wait() {
   ::cuda_emulator::detail::land_async_copies(PENDING);
 }
 
-// The flags between blocks (ptx.cuh's wait_for_flag and release_flag): the
-// emulator runs a grid's blocks one at a time in blockIdx order, so a block
-// finds every flag an earlier block released already set, and one that is
-// not would be waited for forever (on a GPU too, where only earlier blocks
-// set it): that aborts.
+// The flags between blocks (ptx.cuh's wait_for_flag, release_flag and
+// take_ticket): the emulator runs a grid's blocks one at a time (in
+// blockIdx order, or the reverse: emulator.h), so a block finds every flag
+// a block with a lower ticket released already set, and one that is not
+// would be waited for forever (on a GPU too, where only blocks started
+// before it set it): that aborts.
+inline int take_ticket(int* counter) { return (*counter)++; }
 inline void wait_for_flag(const int* flag, int value) {
   if (*flag < value)
     ::cuda_emulator::detail::fail("block (%u,%u,%u) waits for a flag to reach %d, at %d, which no earlier block sets",
