@@ -502,8 +502,8 @@ def test_emulated_dkdv_kernel_sums_dq_in_order(monkeypatch, case, kept, order):
     and V's fragments where kept; each key block found the block before's
     flags released where it waited (the emulator's wait_for_flag aborts
     otherwise), with the emulator's blocks run in blockIdx order and in the
-    reverse (the last block first: the blocks take their places in the
-    grid by the order they start in, so that no order of starting them
+    reverse (the last block first: each block takes its keys by the order
+    its kv head's blocks started in, so that no order of starting them
     leaves a block waiting for one that has not started); every block took
     a ticket, and, with a causal mask or none, each tile's flag ends at 1 +
     the last key block that added into it (fused_tiles, mirrored by
