@@ -764,13 +764,15 @@ def _fused_bytes(spec: AttentionSpec, precision: str, kept: int) -> int:
     """Dynamic shared memory of a dK/dV block that sums dQ too: its keys'
     tile (its rows, ``H`` entries each), dR's (a tile's query rows, an entry
     a key of the block), each thread's kept share of a tile's dQ (two
-    16-byte pieces for each of its warp's (16, 8) blocks of it), and, where
-    ``kept`` is 2, V's fragments as :func:`_kept_bytes` counts them."""
+    16-byte pieces for each of its warp's (16, 8) blocks of it, a half of
+    the warps summing each block over one half of the keys, the other half
+    over the other), and, where ``kept`` is 2, V's fragments as
+    :func:`_kept_bytes` counts them."""
     item = TENSOR_PRECISIONS[precision][1]
     warps = TENSOR_BACKWARD_WARPS[precision]
     keys, tile = TENSOR_WARP_ROWS * warps, tensor_tile(spec, precision, backward=True)
     tiles = keys * _tile_stride(spec.head_dim, precision) + tile * keys
-    share = 2 * -(-(tile // 16 * spec.head_dim // 8) // warps) * 32 * warps * 16
+    share = 2 * -(-(spec.head_dim // 8) // (warps // 2)) * 32 * warps * 16  # a tile of 16 rows: DQ_BLOCKS_A_WARP
     values = _kept_bytes(spec, precision, 2) - _kept_bytes(spec, precision, 1) if kept == 2 else 0
     return tiles * item + share + values
 

@@ -36,8 +36,9 @@
 // run, without the dq kernel's second S = Q K^T and dP = dO V^T. Each
 // block keeps its keys as a tile in dynamic shared memory (the A operand
 // of K Q^T and the B of dR K), writes dR^T's tile there for its warps'
-// dQ products (a (16 rows, 8 columns) block of each tile's dQ a warp), and
-// adds each tile's share as it goes over the next tile (ptx.cuh's
+// dQ products (each warp (16 rows, 8 columns) blocks of a tile's dQ over
+// half the block's keys, the halves summed in shared memory), and adds
+// each tile's share as it goes over the next tile (ptx.cuh's
 // add_to_global: red.add, performed in L2, nothing read back), the adds
 // landing while that tile's dQ products run. Its tiles are aligned on
 // multiples of TC_KEYS stacked rows (the same tiles in every key block)
@@ -198,10 +199,16 @@ __device__ __forceinline__ bool rows_see_keys(const Row* tile_rows, long long fi
 }
 
 #if TC_FUSED_DQ
-// (16 rows, 8 columns) blocks of a tile's dQ (TC_KEYS rows, HEAD_DIM
-// columns), and how many a warp takes (block warp + u TC_WARPS, u = 0, 1, ..).
-constexpr int DQ_BLOCKS = TC_KEYS / 16 * (HEAD_DIM / 8);
-constexpr int DQ_BLOCKS_A_WARP = (DQ_BLOCKS + TC_WARPS - 1) / TC_WARPS;
+static_assert(TC_KEYS == 16, "the fused dQ's tiles: one (16 rows) block of query rows");
+// A tile's dQ (16 rows, HEAD_DIM columns) in blocks of 8 columns, each
+// summed over the block's keys in DQ_KEY_PARTS parts of DQ_PART_KEYS keys:
+// warp w sums part w / DQ_PART_WARPS of its blocks dq_block(w, u), u = 0, 1, ..
+// (a part's warps reading dR's columns of its keys alone, each its
+// fragments once for all its blocks).
+constexpr int DQ_BLOCKS = HEAD_DIM / 8, DQ_KEY_PARTS = 2;
+constexpr int DQ_PART_KEYS = TC_ROWS / DQ_KEY_PARTS, DQ_PART_WARPS = TC_WARPS / DQ_KEY_PARTS;
+constexpr int DQ_BLOCKS_A_WARP = (DQ_BLOCKS + DQ_PART_WARPS - 1) / DQ_PART_WARPS;
+__device__ __forceinline__ int dq_block(int warp, int u) { return warp % DQ_PART_WARPS * DQ_BLOCKS_A_WARP + u; }
 
 // The tiles [lo, hi) of TC_KEYS stacked rows that the key block from
 // key_first goes over: those of its query rows [first, end) (query_range),
@@ -240,37 +247,41 @@ __device__ __forceinline__ void store_dr(tile_t* dr, const scalar_t (&s)[TC_KEYS
     }
 }
 
-// A tile's share of dQ, this warp's blocks of it: part[u] (16 rows q0..,
-// 8 columns n0..) = dR (rows q0.., the block's TC_ROWS keys) K (those keys,
-// columns n0..), dR from its tile (store_dr) and K from `keys` (TC_ROWS rows
-// of HEAD_DIM). Every warp runs the products (the emulator's mma is
-// block-wide): one past the last block repeats the last, and its part is
-// not added.
+// A tile's share of dQ, this warp's blocks of it over its part's keys:
+// part[u] (16 rows, 8 columns n0..) = dR (the tile's rows, the part's keys)
+// K (those keys, columns n0..), dR from its tile (store_dr) and K from
+// `keys` (TC_ROWS rows of HEAD_DIM). Every warp runs the products (the
+// emulator's mma is block-wide): a block past the last repeats the last,
+// and its part is not added.
 __device__ __forceinline__ void dq_products(scalar_t (&part)[DQ_BLOCKS_A_WARP][4], const tile_t* dr,
                                             const tile_t* keys, int warp, int lane) {
 #pragma unroll
-  for (int u = 0; u < DQ_BLOCKS_A_WARP; ++u) {
-    const int block = min(warp + u * TC_WARPS, DQ_BLOCKS - 1), row = block / (HEAD_DIM / 8) * 16 + lane / 4;
-    const TileColumns<HEAD_DIM> columns(keys, block % (HEAD_DIM / 8) * 8, lane);
+  for (int u = 0; u < DQ_BLOCKS_A_WARP; ++u)
 #pragma unroll
     for (int e = 0; e < 4; ++e) part[u][e] = (scalar_t)0;
+  // the part's keys: its columns of dR's tile (whole fragments) and its rows of the keys' tile
+  const int part_first = warp / DQ_PART_WARPS * DQ_PART_KEYS;
+  dr += dr_entry(0, part_first);
+  keys += part_first * tile_stride<HEAD_DIM>;
 #pragma unroll
-    for (int kk = 0; kk < TC_ROWS / KSTEP; ++kk) {  // (16, TC_ROWS) (TC_ROWS, 8)
-      FragA a;
+  for (int kk = 0; kk < DQ_PART_KEYS / KSTEP; ++kk) {  // k0 = kk KSTEP: (16, DQ_PART_KEYS) (DQ_PART_KEYS, 8) a block
+    FragA a;
 #pragma unroll
-      for (int half = 0; half < 2; ++half)  // keys k0 + 2t (rows g, g + 8), then k0 + 2t + 1
-        set_frag_piece(a, half, *reinterpret_cast<const Piece*>(dr + dr_entry(row, kk * KSTEP + 2 * (lane % 4) + half)));
-      mma(part[u], a, columns(kk * KSTEP));
-    }
+    for (int half = 0; half < 2; ++half)  // the part's keys k0 + 2t (rows g, g + 8), then k0 + 2t + 1
+      set_frag_piece(a, half,
+                     *reinterpret_cast<const Piece*>(dr + dr_entry(lane / 4, kk * KSTEP + 2 * (lane % 4) + half)));
+#pragma unroll
+    for (int u = 0; u < DQ_BLOCKS_A_WARP; ++u)
+      mma(part[u], a, TileColumns<HEAD_DIM>(keys, min(dq_block(warp, u), DQ_BLOCKS - 1) * 8, lane)(kk * KSTEP));
   }
 }
 
 // A tile's share of dQ kept while the block goes over the next tile: this
 // thread's part[u][e] in dynamic shared memory, 16-byte pieces a plane of
 // TC_THREADS apiece (`mine` points at this thread's piece of the first
-// plane; as RowOperand keeps fragments: a thread reads back only what it
-// wrote). The tile's rows, as indices into (B, N, T) arrays (-1 past the
-// block's rows), are the kernel's `kept_rows`.
+// plane; as RowOperand keeps fragments, but read back by add_share from the
+// threads of each part). The tile's rows, as indices into (B, N, T) arrays
+// (-1 past the block's rows), are the kernel's `kept_rows`.
 __device__ __forceinline__ void keep_share(Piece* mine, const scalar_t (&part)[DQ_BLOCKS_A_WARP][4]) {
 #pragma unroll
   for (int u = 0; u < DQ_BLOCKS_A_WARP; ++u)
@@ -278,28 +289,35 @@ __device__ __forceinline__ void keep_share(Piece* mine, const scalar_t (&part)[D
     for (int i = 0; i < 2; ++i) mine[(2 * u + i) * TC_THREADS] = Piece{part[u][2 * i], part[u][2 * i + 1]};
 }
 
-// Where this thread adds the kept share into dQ: the row of its block u's
-// row g + 8i (-1: none, or a block past the last) and its columns n0 + 2t,
-// n0 + 2t + 1.
-__device__ __forceinline__ tile_t* dq_entries(tile_t* dq, const long long* rows, int u, int i, int warp, int lane) {
-  const int block = warp + u * TC_WARPS;
-  const long long index = block < DQ_BLOCKS ? rows[block / (HEAD_DIM / 8) * 16 + lane / 4 + 8 * i] : -1;
-  return index < 0 ? nullptr : dq + index * HEAD_DIM + block % (HEAD_DIM / 8) * 8 + 2 * (lane % 4);
-}
-
-// dQ += scale share at those entries (add_to_global: in the flags' order).
+// dQ += scale (part 0 + part 1 + ..) of the kept share (add_to_global: in
+// the flags' order) at the blocks this warp adds: its slots u = part +
+// DQ_KEY_PARTS j (each block by a warp of its own), each part's pieces
+// from the thread of this lane in that part's warp of the same blocks.
+// This thread's entries: rows g + 8i, columns n0 + 2t and n0 + 2t + 1.
 __device__ __forceinline__ void add_share(tile_t* dq, const long long* rows, const Piece* mine, scalar_t scale,
                                           int warp, int lane) {
+  constexpr int adds = (DQ_BLOCKS_A_WARP + DQ_KEY_PARTS - 1) / DQ_KEY_PARTS, part_threads = DQ_PART_WARPS * 32;
+  const int part = warp / DQ_PART_WARPS;
 #pragma unroll
-  for (int u = 0; u < DQ_BLOCKS_A_WARP; ++u)
+  for (int j = 0; j < adds; ++j) {
+    const int u = part + DQ_KEY_PARTS * j, block = dq_block(warp, u);
+    if (u >= DQ_BLOCKS_A_WARP || block >= DQ_BLOCKS) continue;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      tile_t* at = dq_entries(dq, rows, u, i, warp, lane);
-      if (!at) continue;
-      const Piece share = mine[(2 * u + i) * TC_THREADS];
-      add_to_global(at, scale * share.x);
-      add_to_global(at + 1, scale * share.y);
+      const long long index = rows[lane / 4 + 8 * i];
+      if (index < 0) continue;
+      const Piece* pieces = mine + (2 * u + i) * TC_THREADS - part * part_threads;  // part 0's
+      Piece sum = pieces[0];
+#pragma unroll
+      for (int p = 1; p < DQ_KEY_PARTS; ++p) {
+        const Piece more = pieces[p * part_threads];
+        sum = Piece{sum.x + more.x, sum.y + more.y};
+      }
+      tile_t* at = dq + index * HEAD_DIM + block * 8 + 2 * (lane % 4);
+      add_to_global(at, scale * sum.x);
+      add_to_global(at + 1, scale * sum.y);
     }
+  }
 }
 #endif
 
