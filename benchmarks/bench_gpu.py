@@ -9,6 +9,7 @@
     python benchmarks/bench_gpu.py --tiles    # each tensor-core kernel at each tile size
     python benchmarks/bench_gpu.py --kept     # the backward with 0, 1 or 2 operands kept in shared memory
     python benchmarks/bench_gpu.py --fused-dq --kernels --base HEAD   # float64's dQ summed in dK/dV, against not
+    python benchmarks/bench_gpu.py --kept-q --kernels --base HEAD     # float64's forward keeping Q in shared memory
     python benchmarks/bench_gpu.py --auto     # the fused path against the dense one at small sizes
     python benchmarks/bench_gpu.py --cache    # a decode step on a preallocated KV cache's views
     python benchmarks/bench_gpu.py --host-time --base HEAD~1  # npattn's Python per decode call, no GPU
@@ -114,7 +115,10 @@ full and causal, B=1, N=8. These are the data to choose
 (``npattn.fast_cupy.TENSOR_FUSED_DQ`` set to float64 for the run; not yet
 shipped): against ``--base HEAD``, each kernel with and without the dQ
 kernel, and their sum (``--kernels --base`` prints every kernel's best
-summed too). These are the data to ship it from.
+summed too). These are the data to ship it from. ``--kept-q`` does the
+same with float64's tensor-core forward keeping Q's fragments in shared
+memory at 3 blocks a multiprocessor (``npattn.fast_cupy.TENSOR_KEPT_Q``;
+not yet shipped): against ``--base HEAD``, the forward kernel each way.
 
 ``--auto`` holds up ``impl="auto"``'s rule on CuPy (the fused kernels
 wherever they run the call, however small): the dense path and the fused
@@ -392,11 +396,20 @@ def main(argv: list[str] | None = None) -> int:
         help="float64's dK/dV kernel sums dQ (fast_cupy.TENSOR_FUSED_DQ, not yet shipped); "
         "with --kernels --base REV, against REV's dQ kernel",
     )
+    parser.add_argument(
+        "--kept-q",
+        action="store_true",
+        help="float64's forward keeps Q in shared memory, 3 blocks a multiprocessor "
+        "(fast_cupy.TENSOR_KEPT_Q, not yet shipped); with --kernels --base REV, against REV's",
+    )
     args = parser.parse_args(argv)
-    if args.fused_dq:
+    if args.fused_dq or args.kept_q:
         import npattn.fast_cupy
 
-        npattn.fast_cupy.TENSOR_FUSED_DQ = frozenset({"f64"})
+        if args.fused_dq:
+            npattn.fast_cupy.TENSOR_FUSED_DQ = frozenset({"f64"})
+        if args.kept_q:
+            npattn.fast_cupy.TENSOR_KEPT_Q = {"f64": 3}
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if not args.row_budget > 0:

@@ -8,8 +8,10 @@ Compiles ``npattn.fast_cupy``'s tensor-core kernels as CuPy would (NVRTC,
 and disassembles them (``cuobjdump -sass``), with the tiles ``fast_cupy``
 picks for T=S=4096 (and for a decode step's forward: T=1 at 32 query heads
 on 8 kv heads, in blocks of one warp; and float64's dK/dV kernel summing
-dQ, ``TC_FUSED_DQ``, not yet shipped, built for plain scores alone, its
-operands as ``fast_cupy.tensor_fused_dq`` keeps them on an H100), and prints per kernel: the registers
+dQ, ``TC_FUSED_DQ``, and its forward keeping Q in shared memory,
+``TC_KEPT_Q`` at 3 blocks a multiprocessor, neither shipped yet, built for
+plain scores alone, their operands as ``fast_cupy.tensor_fused_dq`` and
+``fast_cupy.tensor_kept_q`` keep them on an H100), and prints per kernel: the registers
 a thread takes and the bytes it spills (the shipped kernels: those built
 for plain scores, ``PLAIN_SCORES=1``, which plain calls run, and those
 built for every option, ``all``), and the
@@ -251,31 +253,36 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in (np.float16, np.float32, np.float64):
             x = np.zeros((1, 8, 4096, H), dtype)
             full, step = make_spec(x, x, x), make_spec(np.zeros((1, 32, 1, H), dtype), x, x)  # step: one-warp blocks
-            for spec, backward, fused in ((full, False, 0), (full, True, 0), (step, False, 0), (full, True, 1)):
+            variants = ((full, False, ""), (full, True, ""), (step, False, ""), (full, True, "fused dQ"))
+            for spec, backward, variant in (*variants, (full, False, "kept Q")):
                 precision = fast_cupy.tensor_precision(spec)
-                if precision is None or (fused and precision != "f64"):  # float64 above its widest; fused: f64
+                if precision is None or (variant and precision != "f64"):  # float64 above its widest; variants: f64
                     continue
                 source = fast_cupy.kernel_source("tensor_backward" if backward else "tensor_forward")
                 plain = source
                 for text, replacement in PLAIN_CALL:
                     plain = plain.replace(text, replacement)
                 kept = fast_cupy.tensor_kept_operands(spec, precision, H100_SHARED_MEMORY) if backward else (0, 0)
+                fused = variant == "fused dQ"
                 if fused:  # the dK/dV kernel summing dQ, its operands as tensor_fused_dq keeps them on an H100
                     with mock.patch.object(fast_cupy, "TENSOR_FUSED_DQ", frozenset({precision})):
                         kept = (0, fast_cupy.tensor_fused_dq(spec, precision, H100_SHARED_MEMORY))
-                defines = dict(fast_cupy._tensor_defines(spec, precision, backward, kept, bool(fused)))
+                if variant == "kept Q":  # the forward keeping Q in shared memory, 3 blocks a multiprocessor
+                    with mock.patch.object(fast_cupy, "TENSOR_KEPT_Q", {precision: 3}):
+                        kept = (fast_cupy.tensor_kept_q(spec, precision, H100_SHARED_MEMORY), 0)
+                defines = dict(fast_cupy._tensor_defines(spec, precision, backward, kept, fused))
                 options = ["--std=c++17", "-arch=compute_90"] + [f"-D{k}={v}" for k, v in defines.items()]
                 report, listing = tools.assemble(tools.ptx(source, options), folder)  # PLAIN_SCORES=1
                 shipped, shipped_loops = registers(report), tile_loops(listing)
                 every = [option.replace("-DPLAIN_SCORES=1", "-DPLAIN_SCORES=0") for option in options]
-                general = {} if fused else registers(tools.assemble(tools.ptx(source, every), folder)[0])
+                general = {} if variant else registers(tools.assemble(tools.ptx(source, every), folder)[0])
                 loops = tile_loops(tools.assemble(tools.ptx(plain, options), folder)[1])
                 names = ("npattn_backward_dq_tc", "npattn_backward_dkdv_tc") if backward else ("npattn_forward_tc",)
                 for name in names[1:] if fused else names:
                     loop = loops[name]
-                    label = name + (" (decode)" if spec is step else " (fused dQ)" if fused else "")
+                    label = name + (" (decode)" if spec is step else f" ({variant})" if variant else "")
                     regs, spilled = shipped[name]
-                    every_regs, every_spilled = general.get(name, ("-", "-"))  # fused: plain scores alone
+                    every_regs, every_spilled = general.get(name, ("-", "-"))  # variants: plain scores alone
                     figures = f"{regs:9d} {spilled:8d} {every_regs:>9} {every_spilled:>8} "
                     figures += f"{loop.instructions:11d} {loop.mma:5d} {loop.instructions / loop.mma:9.1f}"
                     figures += f" {loop.spills:12d} {shipped_loops[name].spills:13d}"

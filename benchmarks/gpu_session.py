@@ -4,6 +4,7 @@
     python benchmarks/gpu_session.py gpu_bases/*                # on the GPU machine: logs under $OUT
     python benchmarks/gpu_session.py --dry-run gpu_bases/*      # the steps and their limits, nothing run
     python benchmarks/gpu_session.py --fused-dq gpu_bases/REV   # the timings with float64's dQ fused, against REV
+    python benchmarks/gpu_session.py --kept-q gpu_bases/REV     # and with float64's forward keeping Q in shared memory
     python benchmarks/gpu_session.py --profile gpu_bases/REV    # and Nsight Compute's metrics of the kernels
 
 A GPU is lent to some sessions only, for minutes at a time (the project's
@@ -26,11 +27,14 @@ session must learn from it is prepared beforehand and asked in one call:
 With ``--fused-dq`` the timing steps run ``bench_gpu.py --fused-dq``
 (float64's dK/dV kernel summing dQ, not yet shipped): against a base of
 the same revision, the fused kernel against the dQ and dK/dV kernels.
+With ``--kept-q`` they run ``bench_gpu.py --kept-q`` (float64's forward
+keeping Q in shared memory, 3 blocks a multiprocessor, not yet shipped):
+against such a base, the forward kernel each way. The two go together.
 
 With ``--profile``, three steps follow the first kernels step: ``profile``
 runs ``profile_gpu.py`` under Nsight Compute (``ncu --set full``, the
 clocks left alone, the npattn kernels of one profiled call of each
-workload: float64 with its dQ kernel and with dQ fused, float16), its
+workload: float64 with its dQ kernel and with the kernels not yet shipped, float16), its
 report kept outside ``OUT``; ``profile-metrics`` prints the report's every
 metric as CSV (``--page raw``) and ``profile-details`` its sections'
 figures and advice (``--page details``), each into its log.
@@ -124,12 +128,15 @@ def profile_steps() -> list[tuple[str, list[str], int]]:
     ]
 
 
-def steps(bases: list[str], fused_dq: bool = False, profile: bool = False) -> list[tuple[str, list[str], int]]:
-    """``(name, command, limit)`` of each step, in order; with ``fused_dq``,
-    the timings' with ``bench_gpu.py --fused-dq``; with ``profile``,
-    :func:`profile_steps` after the first kernels step."""
+def steps(
+    bases: list[str], fused_dq: bool = False, profile: bool = False, kept_q: bool = False
+) -> list[tuple[str, list[str], int]]:
+    """``(name, command, limit)`` of each step, in order; with ``fused_dq``
+    and ``kept_q``, the timings' with ``bench_gpu.py --fused-dq`` and
+    ``--kept-q``; with ``profile``, :func:`profile_steps` after the first
+    kernels step."""
     python, bench = sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py")
-    bench_gpu = [python, bench, *(["--fused-dq"] if fused_dq else [])]
+    bench_gpu = [python, bench, *(["--fused-dq"] if fused_dq else []), *(["--kept-q"] if kept_q else [])]
     pytest = [python, "-m", "pytest", "-m", "gpu", "-x", "-q", "-p", "no:cacheprovider"]
     if importlib.util.find_spec("xdist") is not None:  # the kernels compile in TEST_WORKERS processes
         pytest += ["-n", str(TEST_WORKERS)]
@@ -202,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         "--fused-dq", action="store_true", help="time with float64's dQ summed in dK/dV (bench_gpu.py --fused-dq)"
     )
     parser.add_argument(
+        "--kept-q", action="store_true", help="time with float64's forward keeping Q in shared memory (bench_gpu.py)"
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="Nsight Compute's metrics of profile_gpu.py's calls, after the kernels"
     )
     args = parser.parse_args(argv)
@@ -214,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [base for base in args.bases if not (Path(base) / "npattn").is_dir()]
     if missing:
         parser.error(f"no npattn/ package in {', '.join(missing)} (write them with --prepare)")
-    plan = steps([str(Path(base).resolve()) for base in args.bases], args.fused_dq, args.profile)
+    plan = steps([str(Path(base).resolve()) for base in args.bases], args.fused_dq, args.profile, args.kept_q)
     if args.dry_run:
         for name, command, limit in plan:
             print(f"{name:<24} {limit:4d} s  {' '.join(command)}")

@@ -7,8 +7,10 @@
 
 One forward+backward call of each workload of :data:`WORKLOADS` (B=1, N=8,
 H=64, T=S=4096, full; ``impl="chunked"``, the fused kernels): float64 with
-its dQ kernel, float64 with dQ summed by the dK/dV kernel
-(``npattn.fast_cupy.TENSOR_FUSED_DQ``, not yet shipped), and float16. Each
+its dQ kernel, float64 with the kernels not yet shipped (dQ summed by the
+dK/dV kernel, ``npattn.fast_cupy.TENSOR_FUSED_DQ``, and the forward keeping
+Q in shared memory at 3 blocks a multiprocessor, ``TENSOR_KEPT_Q``), and
+float16. Each
 runs once to compile its kernels and warm up, then once between
 ``cudaProfilerStart`` and ``cudaProfilerStop``, so that a profiler started
 with ``--profile-from-start off`` sees that call's kernels alone; the script
@@ -43,11 +45,11 @@ except ImportError:  # run from a checkout without installing
 from npattn import fast_cupy
 from npattn.options import SpecMemo
 
-#: ``(label, dtype, dQ summed by the dK/dV kernel)`` of each profiled call,
+#: ``(label, dtype, the kernels not yet shipped)`` of each profiled call,
 #: at B=1, N=8, H=64, T=S=4096, full.
 WORKLOADS = (
     ("float64 T=S=4096 full fwd+bwd, dQ kernel", "float64", False),
-    ("float64 T=S=4096 full fwd+bwd, dQ fused", "float64", True),
+    ("float64 T=S=4096 full fwd+bwd, dQ fused, Q kept", "float64", True),
     ("float16 T=S=4096 full fwd+bwd", "float16", False),
 )
 
@@ -55,12 +57,14 @@ WORKLOADS = (
 SHAPE = (1, 8, 4096, 64)
 
 
-def _fused_dq(on: bool) -> contextlib.ExitStack:
-    """For the duration: ``fast_cupy.TENSOR_FUSED_DQ`` holding float64
-    (``on``) or nothing, and the launch plans made anew for each call (a
-    recurring spec's plans, kept by spec, would keep the other setting's)."""
+def _unshipped(on: bool) -> contextlib.ExitStack:
+    """For the duration: ``fast_cupy.TENSOR_FUSED_DQ`` holding float64 and
+    ``fast_cupy.TENSOR_KEPT_Q`` float64 at 3 blocks (``on``), or nothing,
+    and the launch plans made anew for each call (a recurring spec's plans,
+    kept by spec, would keep the other setting's)."""
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(fast_cupy, "TENSOR_FUSED_DQ", frozenset({"f64"} if on else ())))
+    stack.enter_context(mock.patch.object(fast_cupy, "TENSOR_KEPT_Q", {"f64": 3} if on else {}))
     stack.enter_context(mock.patch.object(fast_cupy, "RECURRING_SPECS", SpecMemo()))
     return stack
 
@@ -78,9 +82,9 @@ def profile(cp, start: Callable[[], None], stop: Callable[[], None], shape: tupl
     call is profiled."""
     rng = np.random.default_rng(0)
     host = [rng.standard_normal(shape, dtype=np.float32) for _ in range(4)]  # q, k, v, dout
-    for label, dtype, fused in WORKLOADS:
+    for label, dtype, unshipped in WORKLOADS:
         arrays = [cp.asarray(a).astype(getattr(cp, dtype)) for a in host]
-        with _fused_dq(fused):
+        with _unshipped(unshipped):
             _forward_backward(*arrays)  # compiles the kernels
             cp.cuda.runtime.deviceSynchronize()
             start()

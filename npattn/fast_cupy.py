@@ -574,7 +574,9 @@ def _tensor_module(
     (:func:`tensor_warps`), each with its own tiles (:func:`tensor_tile`),
     the backward with ``kept`` operands in shared memory
     (:func:`tensor_kept_operands`) and its dK/dV kernel summing dQ where
-    ``fused_dq`` (:func:`tensor_fused_dq`): looked up by these and
+    ``fused_dq`` (:func:`tensor_fused_dq`), the forward with Q kept there
+    where ``kept[0]``, its blocks a multiprocessor (:func:`tensor_kept_q`):
+    looked up by these and
     :func:`plain_scores` alone (1 µs; building its definitions takes 2.5
     more, 2-core EPYC)."""
     key = (runtime, precision, spec.head_dim, spec.value_dim, warps, backward, plain_scores(spec), kept, fused_dq)
@@ -594,8 +596,10 @@ def _tensor_defines(
 ) -> tuple[tuple[str, str], ...]:
     """The ``-D`` definitions of :func:`_tensor_module`, the backward's with
     ``kept`` operands in shared memory (:func:`tensor_kept_operands`) and
-    ``TC_FUSED_DQ`` where ``fused_dq`` (``benchmarks/count_sass.py``
-    compiles with them too)."""
+    ``TC_FUSED_DQ`` where ``fused_dq``, the forward's with ``TC_KEPT_Q``
+    and its registers capped to ``kept[0]`` blocks where that is not 0
+    (:func:`tensor_kept_q`; ``benchmarks/count_sass.py`` compiles with them
+    too)."""
     tile = tensor_tile(spec, precision, backward)
     defines = (
         ("scalar_t", "double" if precision == "f64" else "float"),
@@ -610,9 +614,11 @@ def _tensor_defines(
     if backward:
         kept_defines = (("TC_KEPT_DQ", str(kept[0])), ("TC_KEPT_DKDV", str(kept[1])))
         return defines + kept_defines + ((("TC_FUSED_DQ", "1"),) if fused_dq else ())
+    q_blocks = kept[0]  # with Q kept, the blocks a multiprocessor its registers are capped to fit
     return defines + (
-        ("TC_MIN_BLOCKS", str(tensor_min_blocks(spec, precision))),
+        ("TC_MIN_BLOCKS", str(q_blocks or tensor_min_blocks(spec, precision))),
         ("TC_SPLIT_STAGES", str(int(tensor_split_stages(spec, precision)))),
+        *((("TC_KEPT_Q", "1"),) if q_blocks else ()),
     )
 
 
@@ -649,6 +655,55 @@ def tensor_min_blocks(spec: AttentionSpec, precision: str) -> int:
         return 0
     narrow, wide = TENSOR_FORWARD_MIN_BLOCKS[precision]
     return narrow if max(spec.head_dim, spec.value_dim) <= 64 else wide
+
+
+#: Blocks of 4 warps a multiprocessor runs of the tensor-core forward that
+#: keeps Q's fragments in dynamic shared memory rather than registers
+#: (``TC_KEPT_Q``, :func:`tensor_kept_q`), its registers capped to fit that
+#: many, by precision (heads up to 64); a precision absent keeps Q in
+#: registers. None yet: not timed on a GPU (``benchmarks/bench_gpu.py
+#: --kept-q`` runs float64's at 3). float64's forward takes 255 registers
+#: with Q in them, so 2 blocks (8 warps, 2 a scheduler) run a
+#: multiprocessor; with Q kept, ``count_sass.py`` (sm_90, H=Hv=64, CUDA
+#: 13.5) counts 206 registers uncapped and 168 capped to 3 blocks, none
+#: spilled in a plain call's tile loop (1043 instructions against 1041),
+#: where capped to 3 with Q in registers it spills 52 loads and stores there.
+TENSOR_KEPT_Q: dict[str, int] = {}
+
+
+def _kept_q_bytes(spec: AttentionSpec, precision: str) -> int:
+    """Dynamic shared memory of a tensor-core forward block of 4 warps that
+    keeps Q's fragments there: each warp's 16 rows of ``H`` entries."""
+    return 4 * 16 * spec.head_dim * TENSOR_PRECISIONS[precision][1]
+
+
+def tensor_kept_q(spec: AttentionSpec, precision: str, shared_memory: int) -> int:
+    """Blocks a multiprocessor runs of the tensor-core forward that keeps
+    Q's fragments in dynamic shared memory (``TC_KEPT_Q``), its registers
+    capped to fit them: :data:`TENSOR_KEPT_Q`'s for the forward's 4-warp
+    blocks at heads up to 64, where that many blocks' static and dynamic
+    shared memory, with the 1 KiB CUDA reserves for each, fit the device's
+    ``shared_memory`` bytes a block (as in :func:`tensor_kept_operands`);
+    0 where Q stays in registers.
+
+    >>> import numpy as np
+    >>> from unittest import mock
+    >>> from npattn import fast_cupy
+    >>> from npattn.options import make_spec
+    >>> x = np.zeros((1, 8, 1024, 64))
+    >>> with mock.patch.object(fast_cupy, "TENSOR_KEPT_Q", {"f64": 3}):
+    ...     [tensor_kept_q(make_spec(x, x, x), "f64", kib * 1024) for kib in (227, 163)]
+    [3, 0]
+    >>> tensor_kept_q(make_spec(x, x, x), "f64", 227 * 1024)  # not in TENSOR_KEPT_Q
+    0
+    """
+    blocks = TENSOR_KEPT_Q.get(precision, 0)
+    if not blocks or tensor_warps(spec) < 4 or max(spec.head_dim, spec.value_dim) > 64:
+        return 0
+    stages = 1 if tensor_split_stages(spec, precision) else 2  # a key and a value tile each
+    static = _static_shared_bytes(spec, precision, tensor_tile(spec, precision), backward=False, stages=stages)
+    fits = blocks * (static + _kept_q_bytes(spec, precision) + 1024) <= shared_memory + 1024
+    return blocks if fits else 0
 
 
 #: Bytes of ``pipeline.cuh``'s ``Row`` at most (four int64, a scalar_t and
@@ -1208,7 +1263,8 @@ class _Plan(NamedTuple):
     (whose copies, and so addresses, are a call's own); and ``scratch``,
     the bytes of the ranges' outputs before their merge (:func:`_scratch`),
     with several ranges; ``shared_bytes``, the dynamic shared memory of the
-    tensor-core backward's dQ and dK/dV blocks (:func:`tensor_kept_operands`);
+    tensor-core backward's dQ and dK/dV blocks (:func:`tensor_kept_operands`),
+    or of the forward's blocks and none (:func:`tensor_kept_q`);
     ``dq_flags``, the int32 entries the tensor-core dK/dV kernel orders its
     blocks by where it sums dQ (:func:`tensor_fused_dq`: for each kv head
     its blocks' ticket counter, then a flag a tile of its stacked rows; and
@@ -1260,16 +1316,20 @@ def _plan(runtime: Runtime, spec: AttentionSpec, like: Any, backward: bool) -> _
 def _forward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: str | None) -> _Plan:
     """:func:`forward`'s launches on the tensor cores of ``precision``
     (None: the CUDA cores): the forward kernel's over (row blocks, kv heads,
-    batch times key ranges), and with several ranges the merge's, a block
-    per row."""
+    batch times key ranges), with the dynamic shared memory of Q's
+    fragments where it keeps them there (:func:`tensor_kept_q`), and with
+    several ranges the merge's, a block per row."""
+    shared_bytes = (0, 0)
     if precision is None:
         shape = launch_shape(spec)
         module, kernel, threads = _module(runtime, spec, shape), "npattn_forward", BLOCK_THREADS
         row_blocks = _grid_rows(spec, shape)
     else:
-        warps = tensor_warps(spec)
-        module, kernel, threads = _tensor_module(runtime, spec, precision, warps), "npattn_forward_tc", 32 * warps
+        warps, q_blocks = tensor_warps(spec), tensor_kept_q(spec, precision, runtime.shared_memory(like))
+        module = _tensor_module(runtime, spec, precision, warps, kept=(q_blocks, 0))
+        kernel, threads = "npattn_forward_tc", 32 * warps
         row_blocks = -(-spec.group_size * spec.q_len // (TENSOR_WARP_ROWS * warps))
+        shared_bytes = (_kept_q_bytes(spec, precision) if q_blocks else 0, 0)
     B = spec.num_batch
     splits = _splits(spec, row_blocks, runtime.multiprocessors(like))
     launches: tuple[_Launch, ...] = ((kernel, (row_blocks, spec.num_kv_heads, B * splits), threads),)
@@ -1279,7 +1339,7 @@ def _forward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: s
         launches += (("npattn_merge_splits", (rows, 1, 1), MERGE_THREADS),)
         item = np.dtype(spec.compute_dtype).itemsize
         scratch = (splits * rows * spec.value_dim * item, splits * rows * item)  # (splits, B, N, T, Hv), (.., T)
-    return _Plan(module, launches, splits, {}, scratch)
+    return _Plan(module, launches, splits, {}, scratch, shared_bytes)
 
 
 def _backward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: str | None) -> _Plan:
@@ -1335,12 +1395,12 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None
     outputs = ((B, N, T, Hv), dtype), ((B, N, T), dtype)
     if merge:  # each range's (O_r, lse_r): (splits, B, N, T, Hv) and (splits, B, N, T), merged into the outputs
         parts = _scratch(spec, plan.scratch)
-        runtime.launch(plan.module, *forward_launch, (qc, kc, vc, *parts, call.config))
+        runtime.launch(plan.module, *forward_launch, (qc, kc, vc, *parts, call.config), plan.shared_bytes[0])
         out, lse = _empties(spec, *outputs)
         runtime.launch(plan.module, *merge[0], (*parts, out, lse, call.config))
     else:
         out, lse = _empties(spec, *outputs)
-        runtime.launch(plan.module, *forward_launch, (qc, kc, vc, out, lse, call.config))
+        runtime.launch(plan.module, *forward_launch, (qc, kc, vc, out, lse, call.config), plan.shared_bytes[0])
     bs = spec.batch_shape
     return _shaped(xp, out, bs + (N, T, Hv)), _shaped(xp, lse, bs + (N, T))  # (..., N, T, Hv), (..., N, T)
 

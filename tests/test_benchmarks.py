@@ -208,7 +208,7 @@ def test_sass_counts_run_or_say_why_not(capsys):
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith(("f16 ", "tf32x3 ", "f64 "))]
     kernels = ["npattn_forward_tc", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc", "npattn_forward_tc"] * 3
-    kernels.append("npattn_backward_dkdv_tc")  # float64's summing dQ too (fused dQ)
+    kernels += ["npattn_backward_dkdv_tc", "npattn_forward_tc"]  # float64's summing dQ too, keeping Q in shared
     assert out.startswith("skipped: no ") or [row[1] for row in rows] == kernels
     assert _run_script("count_sass.py", ["--head-dim", "20"]) == 2
     assert "--head-dim must be a multiple of 16" in capsys.readouterr().err
@@ -578,8 +578,8 @@ def test_gpu_session_prepares_bases_and_plans_a_kernels_step_each(tmp_path, caps
     """``--prepare``'s copy of a revision's package is a folder ``--base``
     takes, and the plan (``--dry-run``) has the env and tests steps, the
     first base folder's kernels step, the targets, then a kernels step for
-    each further base; with ``--fused-dq``, the timing steps run
-    ``bench_gpu.py --fused-dq``."""
+    each further base; with ``--fused-dq`` and ``--kept-q``, the timing
+    steps run ``bench_gpu.py`` with them."""
     session = _gpu_session()
     assert session["prepare"](["HEAD"], tmp_path) == 0
     assert (tmp_path / "HEAD" / "npattn" / "fast_cupy.py").is_file()
@@ -593,6 +593,9 @@ def test_gpu_session_prepares_bases_and_plans_a_kernels_step_each(tmp_path, caps
     fused = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in fused] == ["env", "tests", "kernels-HEAD", "targets"]
     assert all("bench_gpu.py --fused-dq --" in line for line in fused[2:])
+    assert _run_script("gpu_session.py", ["--dry-run", "--kept-q", "--fused-dq", bases[0]]) == 0
+    both = capsys.readouterr().out.splitlines()
+    assert all("bench_gpu.py --fused-dq --kept-q --" in line for line in both[2:])
     assert _run_script("gpu_session.py", [str(tmp_path)]) == 2  # no npattn/ there
     assert "no npattn/ package in" in capsys.readouterr().err
 
@@ -627,27 +630,31 @@ def test_profiled_calls_run_once_each_between_start_and_stop(capsys, monkeypatch
     """``profile_gpu.py``'s own code on NumPy in CuPy's place, kernels not
     run: each workload's call is made once to warm up, then once between
     the profiler's start and stop (float64 with the dQ kernel, then with dQ
-    summed by dK/dV, then float16), and ``TENSOR_FUSED_DQ`` is as it was
-    after."""
+    summed by dK/dV and the forward keeping Q in shared memory, then
+    float16), and ``TENSOR_FUSED_DQ`` and ``TENSOR_KEPT_Q`` are as they
+    were after."""
     import numpy as np
 
     from npattn import fast_cupy
 
     launched: list[str] = []
+    forward_shared: list[int] = []  # the forward's dynamic shared memory, each call
     bench_gpu, _ = _fake_gpu_bench(monkeypatch)
 
     class Recorded(bench_gpu._NoKernels):
         def launch(self, module, name, grid, threads, args, shared_bytes=0):
             launched.append(name)
+            if name == "npattn_forward_tc":
+                forward_shared.append(shared_bytes)
 
     bench_gpu, cp = _fake_gpu_bench(monkeypatch, Recorded())
     profile_gpu = runpy.run_path(str(BENCHMARKS / "profile_gpu.py"))
-    before = fast_cupy.TENSOR_FUSED_DQ
+    before = fast_cupy.TENSOR_FUSED_DQ, fast_cupy.TENSOR_KEPT_Q
     with np.errstate(all="ignore"):  # the arrays the kernels would fill hold whatever was in memory
         status = profile_gpu["profile"](
             cp, lambda: launched.append("start"), lambda: launched.append("stop"), (1, 2, 64, 16)
         )
-    assert status == 0 and fast_cupy.TENSOR_FUSED_DQ is before
+    assert status == 0 and before == (fast_cupy.TENSOR_FUSED_DQ, fast_cupy.TENSOR_KEPT_Q)
     profiled = " ".join(launched).split("start ")[1:]
     assert [call.split(" stop")[0].split() for call in profiled] == [
         ["npattn_forward_tc", "npattn_backward_d", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"],
@@ -655,5 +662,7 @@ def test_profiled_calls_run_once_each_between_start_and_stop(capsys, monkeypatch
         ["npattn_forward_tc", "npattn_backward_d", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"],
     ]
     assert launched.count("npattn_forward_tc") == 6  # a warm-up call before each profiled one
+    q_bytes = 4 * 16 * 16 * 8  # Q kept: 4 warps' 16 rows of H=16 in float64
+    assert forward_shared == [0, 0, q_bytes, q_bytes, 0, 0]
     labels = [line.removeprefix("profiled: ") for line in capsys.readouterr().out.splitlines()]
     assert labels == [label for label, _, _ in profile_gpu["WORKLOADS"]]

@@ -39,7 +39,7 @@ from test_chunked import _chunked
 import npattn
 from npattn import fast_cupy
 from npattn.chunked import chunked_backward, chunked_forward
-from npattn.options import make_spec
+from npattn.options import SpecMemo, make_spec
 from npattn.scores.sinks import apply_sinks, sinks_grad
 
 # --- the emulated runtime ------------------------------------------------------------
@@ -552,6 +552,31 @@ def _last_key_blocks(spec, options, tile: int) -> np.ndarray:
         if first < T:
             last[:, :, first * G // tile : -(-T * G // tile)] = block
     return last
+
+
+@emulated
+@pytest.mark.parametrize("case, dtype, precision", TENSOR_MATRIX)
+def test_emulated_forward_keeps_q_in_shared_memory(monkeypatch, case, dtype, precision):
+    """The tensor-core forward with Q's fragments kept in dynamic shared
+    memory (``TC_KEPT_Q``, forced at 3 blocks a multiprocessor: not yet
+    shipped) writes the same bits of ``out`` and ``lse`` as with Q in
+    registers (the same products in the same order), its plan the dynamic
+    shared memory of 4 warps' 16 rows of Q each; a decode step's blocks of
+    fewer warps and heads over 64 keep Q in registers, and so does a GPU
+    on which 3 such blocks would not fit (16 KiB a block, here)."""
+    q, k, v, options = _problem(dtype=dtype, **TENSOR_CASES[case])
+    spec = _spec(q, k, v, options)
+    runtime = EmulatedRuntime()
+    in_registers = fast_cupy.forward(spec, q, k, v, runtime=runtime)
+    monkeypatch.setattr(fast_cupy, "TENSOR_KEPT_Q", {precision: 3})
+    plan = fast_cupy._forward_plan(runtime, spec, q, precision)
+    kept = fast_cupy.forward(spec, q, k, v, runtime=runtime)
+    for a, b in zip(kept, in_registers):
+        np.testing.assert_array_equal(a, b)
+    keeps = fast_cupy.tensor_warps(spec) == 4 and max(spec.head_dim, spec.value_dim) <= 64
+    q_bytes = 4 * 16 * spec.head_dim * fast_cupy.TENSOR_PRECISIONS[precision][1]
+    assert plan.shared_bytes == ((q_bytes if keeps else 0), 0)
+    assert fast_cupy._forward_plan(EmulatedRuntime(shared_memory=16 * 1024), spec, q, precision).shared_bytes[0] == 0
 
 
 @emulated
@@ -1331,7 +1356,7 @@ class _NoKernels:
     def module(self, source, defines):
         return defines
 
-    def launch(self, module, name, grid, threads, args):
+    def launch(self, module, name, grid, threads, args, shared_bytes=0):
         pass
 
     def multiprocessors(self, like):
@@ -1561,6 +1586,7 @@ RACECHECKED_TESTS = (
     " or test_merge_kernel_merges or test_emulated_cuda_cores_read_float16"
     " or (test_kv_views_are_read_where_they_lie and True])"
     " or (test_emulated_dkdv_kernel_sums_dq_in_order and 2-blockIdx])"
+    " or (test_emulated_forward_keeps_q_in_shared_memory and float64)"
 )
 
 
@@ -1821,6 +1847,28 @@ def test_gpu_dkdv_kernel_sums_dq_as_the_dq_kernel(backend, case, monkeypatch):
     GPU, its key blocks ordered by flags, against NumPy in float64."""
     monkeypatch.setattr(fast_cupy, "TENSOR_FUSED_DQ", frozenset({"f64"}))
     test_gpu_tensor_cores_match_float64(backend, case, np.float64, "f64")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cupy"], indirect=True)
+@pytest.mark.parametrize("case", [case for case, dtype, _ in TENSOR_MATRIX if dtype == np.float64])
+def test_gpu_forward_keeping_q_writes_the_same_bits(backend, case, monkeypatch):
+    """float64's tensor-core forward with Q's fragments kept in shared
+    memory (``TC_KEPT_Q``, forced at 3 blocks a multiprocessor) on the GPU:
+    the same bits of every output and gradient as with Q in registers (the
+    launch plans made anew, so that the second call does not find the
+    first's)."""
+    q, k, v, options = _problem(dtype=np.float64, **TENSOR_CASES[case])
+    dout = np.random.default_rng(1).standard_normal((*q.shape[:-1], v.shape[-1]))
+    args = [backend.asarray(x) for x in (q, k, v, dout)]
+    in_registers = _public(*args[:3], _on(backend, options), args[3])[1]
+    monkeypatch.setattr(fast_cupy, "TENSOR_KEPT_Q", {"f64": 3})
+    monkeypatch.setattr(fast_cupy, "RECURRING_SPECS", SpecMemo())
+    kept = _public(*args[:3], _on(backend, options), args[3])[1]
+    for a, b in zip(kept, in_registers):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert np.array_equal(backend.to_numpy(a), backend.to_numpy(b))
 
 
 @pytest.mark.gpu

@@ -77,7 +77,8 @@ def shipped_modules() -> dict[tuple[str, tuple[tuple[str, str], ...]], None]:
     KiB of shared memory (H100, A100, GeForce 8.6 and 8.9: its operands kept
     there, ``TC_KEPT_DQ`` and ``TC_KEPT_DKDV``, as many as fit), and the
     tensor cases' backward with one and with both kept in each kernel, as
-    ``KEPT_MATRIX``'s emulated tests force them."""
+    ``KEPT_MATRIX``'s emulated tests force them, float64's dK/dV summing
+    dQ, and the tensor cases' forward keeping Q in shared memory."""
     tensor_problems = [_problem(dtype=dtype, **TENSOR_CASES[case]) for case, dtype, _ in TENSOR_MATRIX]
     tensor_specs = [_spec(q, k, v, options) for q, k, v, options in tensor_problems]
     problems = [
@@ -106,6 +107,12 @@ def shipped_modules() -> dict[tuple[str, tuple[tuple[str, str], ...]], None]:
             for spec in tensor_specs + list(_targets_specs()):
                 if fast_cupy._precision(spec, "1") == "f64" and fast_cupy.plain_scores(spec):
                     fast_cupy._backward_plan(recorder, spec, None, "f64")
+    # the forwards keeping Q in shared memory (TC_KEPT_Q), as the emulated tests force them
+    for spec in tensor_specs + list(_targets_specs()):
+        precision = fast_cupy._precision(spec, "1")
+        if precision is not None:
+            with mock.patch.object(fast_cupy, "TENSOR_KEPT_Q", {precision: 3}):
+                fast_cupy._forward_plan(recorder, spec, None, precision)
     modules.update(recorder.modules)
     return modules
 
@@ -130,6 +137,8 @@ def test_kernels_compile_with_nvrtc_and_ptxas(tmp_path, arch):
     tools = COUNT_SASS["Tools"](NVRTC, PTXAS, None)
     modules = list(shipped_modules())
     assert len(modules) > 100  # both kinds of kernels, three precisions, forward and backward, both builds
+    assert any(("TC_KEPT_Q", "1") in defines for _, defines in modules)  # and the kernels not yet shipped
+    assert any(("TC_FUSED_DQ", "1") in defines for _, defines in modules)
     with ThreadPoolExecutor(os.cpu_count()) as pool:
         errors = pool.map(lambda n: _compile_error(tools, *modules[n], arch, tmp_path / str(n)), range(len(modules)))
         failures = [error for error in errors if error is not None]

@@ -17,9 +17,15 @@
 // exponentials are taken in base 2 (m and s in units of log 2). Splits of
 // the keys (flash-decoding) as in forward.cu.
 //
-// Compile-time constants: tensor_tiles.cuh's, and TC_MIN_BLOCKS: blocks per
+// Compile-time constants: tensor_tiles.cuh's, TC_MIN_BLOCKS: blocks per
 // multiprocessor the registers are capped to fit (npattn.fast_cupy.
-// tensor_min_blocks; 0: the compiler's choice).
+// tensor_min_blocks; 0: the compiler's choice), and TC_KEPT_Q: Q's
+// fragments, read once, kept in dynamic shared memory (operands.cuh's
+// RowOperand, TC_THREADS * H / KSTEP fragments) rather than registers, so
+// that more blocks fit a multiprocessor (npattn.fast_cupy.tensor_kept_q).
+#ifndef TC_KEPT_Q
+#define TC_KEPT_Q 0
+#endif
 
 #if TC_MIN_BLOCKS > 0
 #define TC_FORWARD_BOUNDS __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS)
@@ -60,8 +66,8 @@ extern "C" __global__ void TC_FORWARD_BOUNDS
     row_index[i] = r < stacked ? index : -1;
     q_rows[i] = q + index * HEAD_DIM;
   }
-  FragA q_frag[HEAD_DIM / KSTEP];
-  a_from_rows<HEAD_DIM>(q_frag, q_rows[0], q_rows[1], t);
+  extern __shared__ __align__(16) Piece kept_pieces[];  // Q's fragments where TC_KEPT_Q
+  const RowOperand<HEAD_DIM, TC_KEPT_Q != 0, TC_THREADS> q_operand(q_rows[0], q_rows[1], t, kept_pieces);
   scalar_t acc[VALUE_DIM / 8][4] = {}, m[2] = {minus_inf, minus_inf}, l[2] = {(scalar_t)0, (scalar_t)0};  // l: this lane's share
 
   long long first, end;
@@ -79,7 +85,9 @@ extern "C" __global__ void TC_FORWARD_BOUNDS
     for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nb][e] = 0;
-    products_with_rows<HEAD_DIM>(s, q_frag, key_tile[it % stages], lane);
+    q_operand.with_fragments([&](const FragA(&q_frag)[HEAD_DIM / KSTEP]) {
+      products_with_rows<HEAD_DIM>(s, q_frag, key_tile[it % stages], lane);
+    });
     const KeyRange range = key_range(pb, rows, tile, end);
     scalar_t tile_max[2] = {minus_inf, minus_inf};
     scalar_t to_log2 = 1;  // s * to_log2: the score in units of log 2
