@@ -11,8 +11,8 @@ on 8 kv heads, in blocks of one warp; and float64's dK/dV kernel summing
 dQ, ``TC_FUSED_DQ``, and its forward keeping Q in shared memory,
 ``TC_KEPT_Q`` at 3 blocks a multiprocessor, neither shipped yet, built for
 plain scores alone, their operands as ``fast_cupy.tensor_fused_dq`` and
-``fast_cupy.tensor_kept_q`` keep them on an H100), and prints per kernel: the registers
-a thread takes and the bytes it spills (the shipped kernels: those built
+``fast_cupy.tensor_kept_q`` keep them on an H100), and prints per kernel:
+the registers a thread takes and the bytes it spills (the shipped kernels: those built
 for plain scores, ``PLAIN_SCORES=1``, which plain calls run, and those
 built for every option, ``all``), and the
 instructions of the loop over tiles on a plain call's path: the kernels

@@ -34,10 +34,11 @@ against such a base, the forward kernel each way. The two go together.
 With ``--profile``, three steps follow the first kernels step: ``profile``
 runs ``profile_gpu.py`` under Nsight Compute (``ncu --set full``, the
 clocks left alone, the npattn kernels of one profiled call of each
-workload: float64 with its dQ kernel and with the kernels not yet shipped, float16), its
-report kept outside ``OUT``; ``profile-metrics`` prints the report's every
-metric as CSV (``--page raw``) and ``profile-details`` its sections'
-figures and advice (``--page details``), each into its log.
+workload: float64 with its dQ kernel and with the kernels not yet
+shipped, float16), its report kept outside ``OUT``; ``profile-metrics``
+prints the report's every metric as CSV (``--page raw``) and
+``profile-details`` its sections' figures and advice (``--page
+details``), each into its log.
 
 Each step's output goes to ``OUT/NN-step.log`` (``OUT``: ``--out``, else
 ``$OUT``, which the device tool brings back, else ``gpu_session/``) and a

@@ -10,8 +10,7 @@ H=64, T=S=4096, full; ``impl="chunked"``, the fused kernels): float64 with
 its dQ kernel, float64 with the kernels not yet shipped (dQ summed by the
 dK/dV kernel, ``npattn.fast_cupy.TENSOR_FUSED_DQ``, and the forward keeping
 Q in shared memory at 3 blocks a multiprocessor, ``TENSOR_KEPT_Q``), and
-float16. Each
-runs once to compile its kernels and warm up, then once between
+float16. Each runs once to compile its kernels and warm up, then once between
 ``cudaProfilerStart`` and ``cudaProfilerStop``, so that a profiler started
 with ``--profile-from-start off`` sees that call's kernels alone; the script
 prints the workloads in the order their calls were profiled (the report

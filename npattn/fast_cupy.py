@@ -665,9 +665,10 @@ def tensor_min_blocks(spec: AttentionSpec, precision: str) -> int:
 #: --kept-q`` runs float64's at 3). float64's forward takes 255 registers
 #: with Q in them, so 2 blocks (8 warps, 2 a scheduler) run a
 #: multiprocessor; with Q kept, ``count_sass.py`` (sm_90, H=Hv=64, CUDA
-#: 13.5) counts 206 registers uncapped and 168 capped to 3 blocks, none
-#: spilled in a plain call's tile loop (1043 instructions against 1041),
-#: where capped to 3 with Q in registers it spills 52 loads and stores there.
+#: 13.5) counts 206 registers uncapped and 168 capped to 3 blocks, no spill
+#: in the loop a plain call's whole tile runs (1043 instructions against
+#: 1041; 9 spill loads and stores in the shipped loop), where capped to 3
+#: with Q in registers it spills 52 loads and stores there.
 TENSOR_KEPT_Q: dict[str, int] = {}
 
 
