@@ -672,10 +672,25 @@ def tensor_min_blocks(spec: AttentionSpec, precision: str) -> int:
 TENSOR_KEPT_Q: dict[str, int] = {}
 
 
+def _row_operand_bytes(warps: int, widths: tuple[int, ...], precision: str) -> int:
+    """Dynamic shared memory of a tensor-core block of ``warps`` warps that
+    keeps A operands there (``RowOperand``, ``operands.cuh``): each warp's 16
+    rows of each operand, ``widths`` entries a row, of the precision's size."""
+    return warps * 16 * sum(widths) * TENSOR_PRECISIONS[precision][1]
+
+
+def _blocks_fit(blocks: int, static: int, dynamic: int, shared_memory: int) -> bool:
+    """Whether ``blocks`` blocks, each of ``static`` and ``dynamic`` bytes of
+    shared memory and the 1 KiB CUDA reserves for it, fit a multiprocessor
+    whose blocks may take ``shared_memory`` bytes (CUDA's opt-in maximum:
+    the multiprocessor's shared memory less that 1 KiB)."""
+    return blocks * (static + dynamic + 1024) <= shared_memory + 1024
+
+
 def _kept_q_bytes(spec: AttentionSpec, precision: str) -> int:
-    """Dynamic shared memory of a tensor-core forward block of 4 warps that
-    keeps Q's fragments there: each warp's 16 rows of ``H`` entries."""
-    return 4 * 16 * spec.head_dim * TENSOR_PRECISIONS[precision][1]
+    """Dynamic shared memory of a tensor-core forward block that keeps Q's
+    fragments there."""
+    return _row_operand_bytes(tensor_warps(spec), (spec.head_dim,), precision)
 
 
 def tensor_kept_q(spec: AttentionSpec, precision: str, shared_memory: int) -> int:
@@ -703,8 +718,7 @@ def tensor_kept_q(spec: AttentionSpec, precision: str, shared_memory: int) -> in
         return 0
     stages = 1 if tensor_split_stages(spec, precision) else 2  # a key and a value tile each
     static = _static_shared_bytes(spec, precision, tensor_tile(spec, precision), backward=False, stages=stages)
-    fits = blocks * (static + _kept_q_bytes(spec, precision) + 1024) <= shared_memory + 1024
-    return blocks if fits else 0
+    return blocks if _blocks_fit(blocks, static, _kept_q_bytes(spec, precision), shared_memory) else 0
 
 
 #: Bytes of ``pipeline.cuh``'s ``Row`` at most (four int64, a scalar_t and
@@ -764,11 +778,8 @@ TENSOR_BACKWARD_BLOCKS = {"f16": (3, 2), "tf32x3": (2, 2), "f64": (1, 1)}
 def _kept_bytes(spec: AttentionSpec, precision: str, kept: int) -> int:
     """Dynamic shared memory of a tensor-core backward block whose first
     ``kept`` A operands (of ``H``, then ``Hv`` entries a row) are kept there:
-    each warp's 16 rows of an operand, entries of the precision's size,
-    spread over its 32 lanes."""
-    item = TENSOR_PRECISIONS[precision][1]
-    threads = 32 * TENSOR_BACKWARD_WARPS[precision]
-    return threads * sum((spec.head_dim, spec.value_dim)[:kept]) * 16 * item // 32
+    each warp's 16 rows of an operand (:func:`_row_operand_bytes`)."""
+    return _row_operand_bytes(TENSOR_BACKWARD_WARPS[precision], (spec.head_dim, spec.value_dim)[:kept], precision)
 
 
 def tensor_kept_operands(spec: AttentionSpec, precision: str, shared_memory: int) -> tuple[int, int]:
@@ -797,7 +808,7 @@ def tensor_kept_operands(spec: AttentionSpec, precision: str, shared_memory: int
     narrow, wide = TENSOR_KEPT_OPERANDS[precision]
 
     def fitting(kept: int, static: int, blocks: int) -> int:
-        while kept and blocks * (static + _kept_bytes(spec, precision, kept) + 1024) > shared_memory + 1024:
+        while kept and not _blocks_fit(blocks, static, _kept_bytes(spec, precision, kept), shared_memory):
             kept -= 1
         return kept
 
@@ -860,7 +871,7 @@ def tensor_fused_dq(spec: AttentionSpec, precision: str, shared_memory: int) -> 
     static = _static_shared_bytes(spec, precision, tensor_tile(spec, precision, backward=True), backward=True)
     blocks = TENSOR_BACKWARD_BLOCKS[precision][1]
     kept = 2 if tensor_kept_operands(spec, precision, shared_memory)[1] == 2 else 1
-    while kept and blocks * (static + _fused_bytes(spec, precision, kept) + 1024) > shared_memory + 1024:
+    while kept and not _blocks_fit(blocks, static, _fused_bytes(spec, precision, kept), shared_memory):
         kept -= 1
     return kept
 
