@@ -10,6 +10,7 @@
     python benchmarks/bench_gpu.py --kept     # the backward with 0, 1 or 2 operands kept in shared memory
     python benchmarks/bench_gpu.py --fused-dq --kernels --base HEAD   # float64's dQ summed in dK/dV, against not
     python benchmarks/bench_gpu.py --kept-q --kernels --base HEAD     # float64's forward keeping Q in shared memory
+    python benchmarks/bench_gpu.py --wgmma --kernels --base HEAD      # float16's kernels on sm_90a's wgmma
     python benchmarks/bench_gpu.py --auto     # the fused path against the dense one at small sizes
     python benchmarks/bench_gpu.py --cache    # a decode step on a preallocated KV cache's views
     python benchmarks/bench_gpu.py --host-time --base HEAD~1  # npattn's Python per decode call, no GPU
@@ -119,6 +120,10 @@ summed too). These are the data to ship it from. ``--kept-q`` does the
 same with float64's tensor-core forward keeping Q's fragments in shared
 memory at 3 blocks a multiprocessor (``npattn.fast_cupy.TENSOR_KEPT_Q``;
 not yet shipped): against ``--base HEAD``, the forward kernel each way.
+``--wgmma`` does the same with float16's tensor-core kernels on sm_90a's
+warpgroup tensor cores (``npattn.fast_cupy.TENSOR_WGMMA``, forward and
+backward; not yet shipped; H=Hv=64 on an H100 or H200): against ``--base
+HEAD``, each kernel each way, and with ``--targets`` the float16 rows.
 
 ``--auto`` holds up ``impl="auto"``'s rule on CuPy (the fused kernels
 wherever they run the call, however small): the dense path and the fused
@@ -402,14 +407,22 @@ def main(argv: list[str] | None = None) -> int:
         help="float64's forward keeps Q in shared memory, 3 blocks a multiprocessor "
         "(fast_cupy.TENSOR_KEPT_Q, not yet shipped); with --kernels --base REV, against REV's",
     )
+    parser.add_argument(
+        "--wgmma",
+        action="store_true",
+        help="float16's kernels on sm_90a's wgmma (fast_cupy.TENSOR_WGMMA, not yet shipped); "
+        "with --kernels --base REV, against REV's",
+    )
     args = parser.parse_args(argv)
-    if args.fused_dq or args.kept_q:
+    if args.fused_dq or args.kept_q or args.wgmma:
         import npattn.fast_cupy
 
         if args.fused_dq:
             npattn.fast_cupy.TENSOR_FUSED_DQ = frozenset({"f64"})
         if args.kept_q:
             npattn.fast_cupy.TENSOR_KEPT_Q = {"f64": 3}
+        if args.wgmma:
+            npattn.fast_cupy.TENSOR_WGMMA = {"f16": (True, True)}
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if not args.row_budget > 0:

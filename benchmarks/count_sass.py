@@ -9,9 +9,11 @@ and disassembles them (``cuobjdump -sass``), with the tiles ``fast_cupy``
 picks for T=S=4096 (and for a decode step's forward: T=1 at 32 query heads
 on 8 kv heads, in blocks of one warp; and float64's dK/dV kernel summing
 dQ, ``TC_FUSED_DQ``, and its forward keeping Q in shared memory,
-``TC_KEPT_Q`` at 3 blocks a multiprocessor, neither shipped yet, built for
-plain scores alone, their operands as ``fast_cupy.tensor_fused_dq`` and
-``fast_cupy.tensor_kept_q`` keep them on an H100), and prints per kernel:
+``TC_KEPT_Q`` at 3 blocks a multiprocessor, and float16's kernels on
+sm_90a's wgmma, ``TC_WGMMA``, compiled for sm_90a, none of them shipped
+yet, built for plain scores alone, their operands as
+``fast_cupy.tensor_fused_dq`` and ``fast_cupy.tensor_kept_q`` keep them on
+an H100), and prints per kernel:
 the registers a thread takes and the bytes it spills (the shipped kernels: those built
 for plain scores, ``PLAIN_SCORES=1``, which plain calls run, and those
 built for every option, ``all``), and the
@@ -22,7 +24,7 @@ every row of a tile copied; one query head per kv head, as in the
 targets' B=1, N=8, K=8), so that the
 compiler drops the other branches and the loop holds what a whole tile of a
 plain call executes, with its tensor-core instructions (HMMA; DMMA in
-float64) and its spill loads and stores (LDL, STL: spilled bytes outside
+float64; HGMMA on wgmma) and its spill loads and stores (LDL, STL: spilled bytes outside
 the loop cost once a block) counted apart; and the spill loads and stores
 in the tile loop of the kernel shipped for plain scores ("shipped loop"),
 whose registers are allocated for every branch left in it (masks,
@@ -32,8 +34,8 @@ Nsight Compute counted 3.5 million spill requests in one call at T=S=4096
 on an H100, before the kernels were built apart for plain scores). The
 last three columns bound a warp's pass through the plain loop from below,
 in the multiprocessor's cycles of each resource its warps share
-(:meth:`Loop.bounds`): issue, shared memory and, in float64, the tensor
-cores; the largest bounds the kernel (docs/gpu_performance.rst's "Static
+(:meth:`Loop.bounds`): issue, shared memory and, in float64 and on wgmma,
+the tensor cores; the largest bounds the kernel (docs/gpu_performance.rst's "Static
 bounds of the tile loops"). Whether a change makes the kernels faster is
 for ``bench_gpu.py --targets`` on a GPU to say.
 
@@ -124,13 +126,13 @@ class Tools:
         lib.nvrtcGetPTX(program, ptx)
         return ptx.value.decode()
 
-    def assemble(self, ptx: str, folder: str) -> tuple[str, str]:
+    def assemble(self, ptx: str, folder: str, arch: str = "sm_90") -> tuple[str, str]:
         """``(ptxas -v's report, cuobjdump -sass's listing)``."""
         ptx_path, cubin = os.path.join(folder, "kernels.ptx"), os.path.join(folder, "kernels.cubin")
         with open(ptx_path, "w") as f:
             f.write(ptx)
         report = subprocess.run(
-            [self.ptxas, "-arch=sm_90", "-v", ptx_path, "-o", cubin], capture_output=True, text=True
+            [self.ptxas, f"-arch={arch}", "-v", ptx_path, "-o", cubin], capture_output=True, text=True
         )
         if report.returncode:
             raise RuntimeError(f"ptxas failed:\n{report.stderr}")
@@ -157,6 +159,19 @@ def registers(report: str) -> dict[str, tuple[int, int]]:
 #: the 4 sub-partitions' tensor cores, 32 of its scheduler's cycles).
 DMMA_CYCLES = 8
 
+#: Multiprocessor cycles of the float16 tensor cores a warp's
+#: HGMMA.64x64x16 (wgmma: its quarter of the warpgroup's 64 x 64 x 16
+#: product, 16384 multiply-adds) takes at an H100 SXM's dense float16 peak:
+#: 989.4 TFLOP/s at 1.83 GHz on 132 multiprocessors is 4096 flops a cycle
+#: each, so 32768 / 4096 = 8.
+HGMMA_CYCLES = 8
+
+#: Shared memory's passes (128 bytes each) a warp's HGMMA.64x64x16 takes: its
+#: quarter of B's 16 x 64 float16 (2048 bytes), which the tensor cores read
+#: once for the warpgroup (at shared memory's 128 bytes a cycle: an
+#: assumption, NVIDIA publishes no rate for it).
+HGMMA_WAVEFRONTS = 4
+
 #: Schedulers of a multiprocessor, each issuing one instruction a cycle.
 SCHEDULERS = 4
 
@@ -179,19 +194,21 @@ class Loop(NamedTuple):
     """What a warp's pass through a kernel's tile loop issues."""
 
     instructions: int
-    mma: int  # HMMA or DMMA
+    mma: int  # HMMA, DMMA or HGMMA
     spills: int  # spill loads and stores (LDL, STL)
-    wavefronts: int  # shared memory's passes at the fewest (shared_wavefronts)
+    wavefronts: int  # shared memory's passes at the fewest (shared_wavefronts, HGMMA_WAVEFRONTS)
     dmma: int
+    hgmma: int = 0
 
     def bounds(self) -> tuple[float, int, int | None]:
         """The multiprocessor cycles a warp's tile takes at the least of
         each resource it shares with the other warps there: issue (its
         instructions over the 4 schedulers), shared memory (its wavefronts)
-        and, in float64, the tensor cores (DMMA_CYCLES a DMMA; None
-        otherwise: the H100's rate for ``mma.sync`` in float16 and
-        TensorFloat-32 is not published)."""
-        return self.instructions / SCHEDULERS, self.wavefronts, self.dmma * DMMA_CYCLES if self.dmma else None
+        and, in float64 and on wgmma, the tensor cores (DMMA_CYCLES a DMMA,
+        HGMMA_CYCLES a HGMMA; None otherwise: the H100's rate for
+        ``mma.sync`` in float16 and TensorFloat-32 is not published)."""
+        tensor = self.dmma * DMMA_CYCLES + self.hgmma * HGMMA_CYCLES
+        return self.instructions / SCHEDULERS, self.wavefronts, tensor or None
 
 
 def tile_loops(listing: str) -> dict[str, Loop]:
@@ -209,14 +226,23 @@ def tile_loops(listing: str) -> dict[str, Loop]:
         if spans:
             first, last = max(spans, key=lambda s: s[1] - s[0])
             body = [op for a, op in code if first <= a <= last]
+            hgmma = sum(op.startswith("HGMMA") for op in body)
             loops[name] = Loop(
                 instructions=len(body),
-                mma=sum(op.startswith(("HMMA", "DMMA")) for op in body),
+                mma=sum(op.startswith(("HMMA", "DMMA", "HGMMA")) for op in body),
                 spills=sum(op.startswith(("LDL", "STL")) for op in body),
-                wavefronts=sum(shared_wavefronts(op) for op in body),
+                wavefronts=sum(shared_wavefronts(op) for op in body) + hgmma * HGMMA_WAVEFRONTS,
                 dmma=sum(op.startswith("DMMA") for op in body),
+                hgmma=hgmma,
             )
     return loops
+
+
+def _wgmma_takes(spec, backward: bool) -> bool:
+    """Whether ``fast_cupy.tensor_wgmma`` would run ``spec``'s float16
+    forward (or backward) on wgmma, were it shipped."""
+    with mock.patch.object(fast_cupy, "TENSOR_WGMMA", {"f16": (True, True)}):
+        return fast_cupy.tensor_wgmma(spec, "f16", None, backward)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,15 +274,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     header = f"{'precision':<10} {'kernel':<34} {'registers':>9} {'spilled':>8} {'all: regs':>9} {'spilled':>8}"
     header += f" {'loop instr':>11} {'MMA':>5} {'per MMA':>9} {'loop spills':>12} {'shipped loop':>13}"
-    print(f"{header} {'issue':>7} {'shared':>7} {'DMMA':>7}")
+    print(f"{header} {'issue':>7} {'shared':>7} {'tensor':>7}")
     with tempfile.TemporaryDirectory() as folder:
         for dtype in (np.float16, np.float32, np.float64):
             x = np.zeros((1, 8, 4096, H), dtype)
             full, step = make_spec(x, x, x), make_spec(np.zeros((1, 32, 1, H), dtype), x, x)  # step: one-warp blocks
             variants = ((full, False, ""), (full, True, ""), (step, False, ""), (full, True, "fused dQ"))
-            for spec, backward, variant in (*variants, (full, False, "kept Q")):
+            wgmma = ((full, False, "wgmma"), (full, True, "wgmma"))
+            for spec, backward, variant in (*variants, (full, False, "kept Q"), *wgmma):
                 precision = fast_cupy.tensor_precision(spec)
-                if precision is None or (variant and precision != "f64"):  # float64 above its widest; variants: f64
+                if precision is None or (variant and precision != ("f16" if variant == "wgmma" else "f64")):
+                    continue  # float64 above its widest; wgmma: float16 alone, the other variants float64
+                if variant == "wgmma" and not _wgmma_takes(spec, backward):
                     continue
                 source = fast_cupy.kernel_source("tensor_backward" if backward else "tensor_forward")
                 plain = source
@@ -270,13 +299,15 @@ def main(argv: list[str] | None = None) -> int:
                 if variant == "kept Q":  # the forward keeping Q in shared memory, 3 blocks a multiprocessor
                     with mock.patch.object(fast_cupy, "TENSOR_KEPT_Q", {precision: 3}):
                         kept = (fast_cupy.tensor_kept_q(spec, precision, H100_SHARED_MEMORY), 0)
-                defines = dict(fast_cupy._tensor_defines(spec, precision, backward, kept, fused))
-                options = ["--std=c++17", "-arch=compute_90"] + [f"-D{k}={v}" for k, v in defines.items()]
-                report, listing = tools.assemble(tools.ptx(source, options), folder)  # PLAIN_SCORES=1
+                on_wgmma = variant == "wgmma"
+                defines = dict(fast_cupy._tensor_defines(spec, precision, backward, kept, fused, on_wgmma))
+                arch = "sm_90a" if on_wgmma else "sm_90"  # wgmma: sm_90a's alone
+                options = ["--std=c++17", f"-arch=compute_{arch[3:]}"] + [f"-D{k}={v}" for k, v in defines.items()]
+                report, listing = tools.assemble(tools.ptx(source, options), folder, arch)  # PLAIN_SCORES=1
                 shipped, shipped_loops = registers(report), tile_loops(listing)
                 every = [option.replace("-DPLAIN_SCORES=1", "-DPLAIN_SCORES=0") for option in options]
-                general = {} if variant else registers(tools.assemble(tools.ptx(source, every), folder)[0])
-                loops = tile_loops(tools.assemble(tools.ptx(plain, options), folder)[1])
+                general = {} if variant else registers(tools.assemble(tools.ptx(source, every), folder, arch)[0])
+                loops = tile_loops(tools.assemble(tools.ptx(plain, options), folder, arch)[1])
                 names = ("npattn_backward_dq_tc", "npattn_backward_dkdv_tc") if backward else ("npattn_forward_tc",)
                 for name in names[1:] if fused else names:
                     loop = loops[name]

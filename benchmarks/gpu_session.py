@@ -5,6 +5,7 @@
     python benchmarks/gpu_session.py --dry-run gpu_bases/*      # the steps and their limits, nothing run
     python benchmarks/gpu_session.py --fused-dq gpu_bases/REV   # the timings with float64's dQ fused, against REV
     python benchmarks/gpu_session.py --kept-q gpu_bases/REV     # and with float64's forward keeping Q in shared memory
+    python benchmarks/gpu_session.py --wgmma gpu_bases/REV      # and with float16's kernels on sm_90a's wgmma
     python benchmarks/gpu_session.py --profile gpu_bases/REV    # and Nsight Compute's metrics of the kernels
 
 A GPU is lent to some sessions only, for minutes at a time (the project's
@@ -29,7 +30,10 @@ With ``--fused-dq`` the timing steps run ``bench_gpu.py --fused-dq``
 the same revision, the fused kernel against the dQ and dK/dV kernels.
 With ``--kept-q`` they run ``bench_gpu.py --kept-q`` (float64's forward
 keeping Q in shared memory, 3 blocks a multiprocessor, not yet shipped):
-against such a base, the forward kernel each way. The two go together.
+against such a base, the forward kernel each way. With ``--wgmma`` they
+run ``bench_gpu.py --wgmma`` (float16's kernels on sm_90a's warpgroup
+tensor cores, not yet shipped): against such a base, each float16 kernel
+each way. The three go together.
 
 With ``--profile``, three steps follow the first kernels step: ``profile``
 runs ``profile_gpu.py`` under Nsight Compute (``ncu --set full``, the
@@ -130,14 +134,15 @@ def profile_steps() -> list[tuple[str, list[str], int]]:
 
 
 def steps(
-    bases: list[str], fused_dq: bool = False, profile: bool = False, kept_q: bool = False
+    bases: list[str], fused_dq: bool = False, profile: bool = False, kept_q: bool = False, wgmma: bool = False
 ) -> list[tuple[str, list[str], int]]:
-    """``(name, command, limit)`` of each step, in order; with ``fused_dq``
-    and ``kept_q``, the timings' with ``bench_gpu.py --fused-dq`` and
-    ``--kept-q``; with ``profile``, :func:`profile_steps` after the first
-    kernels step."""
+    """``(name, command, limit)`` of each step, in order; with ``fused_dq``,
+    ``kept_q`` and ``wgmma``, the timings' with ``bench_gpu.py
+    --fused-dq``, ``--kept-q`` and ``--wgmma``; with ``profile``,
+    :func:`profile_steps` after the first kernels step."""
     python, bench = sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py")
-    bench_gpu = [python, bench, *(["--fused-dq"] if fused_dq else []), *(["--kept-q"] if kept_q else [])]
+    unshipped = [flag for flag, on in (("--fused-dq", fused_dq), ("--kept-q", kept_q), ("--wgmma", wgmma)) if on]
+    bench_gpu = [python, bench, *unshipped]
     pytest = [python, "-m", "pytest", "-m", "gpu", "-x", "-q", "-p", "no:cacheprovider"]
     if importlib.util.find_spec("xdist") is not None:  # the kernels compile in TEST_WORKERS processes
         pytest += ["-n", str(TEST_WORKERS)]
@@ -213,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         "--kept-q", action="store_true", help="time with float64's forward keeping Q in shared memory (bench_gpu.py)"
     )
     parser.add_argument(
+        "--wgmma", action="store_true", help="time with float16's kernels on sm_90a's wgmma (bench_gpu.py --wgmma)"
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="Nsight Compute's metrics of profile_gpu.py's calls, after the kernels"
     )
     args = parser.parse_args(argv)
@@ -225,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = [base for base in args.bases if not (Path(base) / "npattn").is_dir()]
     if missing:
         parser.error(f"no npattn/ package in {', '.join(missing)} (write them with --prepare)")
-    plan = steps([str(Path(base).resolve()) for base in args.bases], args.fused_dq, args.profile, args.kept_q)
+    bases = [str(Path(base).resolve()) for base in args.bases]
+    plan = steps(bases, args.fused_dq, args.profile, args.kept_q, args.wgmma)
     if args.dry_run:
         for name, command, limit in plan:
             print(f"{name:<24} {limit:4d} s  {' '.join(command)}")

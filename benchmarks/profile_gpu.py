@@ -9,8 +9,9 @@ One forward+backward call of each workload of :data:`WORKLOADS` (B=1, N=8,
 H=64, T=S=4096, full; ``impl="chunked"``, the fused kernels): float64 with
 its dQ kernel, float64 with the kernels not yet shipped (dQ summed by the
 dK/dV kernel, ``npattn.fast_cupy.TENSOR_FUSED_DQ``, and the forward keeping
-Q in shared memory at 3 blocks a multiprocessor, ``TENSOR_KEPT_Q``), and
-float16. Each runs once to compile its kernels and warm up, then once between
+Q in shared memory at 3 blocks a multiprocessor, ``TENSOR_KEPT_Q``),
+float16, and float16 on sm_90a's wgmma (``TENSOR_WGMMA``, not yet
+shipped). Each runs once to compile its kernels and warm up, then once between
 ``cudaProfilerStart`` and ``cudaProfilerStop``, so that a profiler started
 with ``--profile-from-start off`` sees that call's kernels alone; the script
 prints the workloads in the order their calls were profiled (the report
@@ -50,6 +51,7 @@ WORKLOADS = (
     ("float64 T=S=4096 full fwd+bwd, dQ kernel", "float64", False),
     ("float64 T=S=4096 full fwd+bwd, dQ fused, Q kept", "float64", True),
     ("float16 T=S=4096 full fwd+bwd", "float16", False),
+    ("float16 T=S=4096 full fwd+bwd, wgmma", "float16", True),
 )
 
 #: The workloads' shape: (B, N, T, H), T = S.
@@ -57,13 +59,15 @@ SHAPE = (1, 8, 4096, 64)
 
 
 def _unshipped(on: bool) -> contextlib.ExitStack:
-    """For the duration: ``fast_cupy.TENSOR_FUSED_DQ`` holding float64 and
-    ``fast_cupy.TENSOR_KEPT_Q`` float64 at 3 blocks (``on``), or nothing,
-    and the launch plans made anew for each call (a recurring spec's plans,
+    """For the duration: ``fast_cupy.TENSOR_FUSED_DQ`` holding float64,
+    ``fast_cupy.TENSOR_KEPT_Q`` float64 at 3 blocks and
+    ``fast_cupy.TENSOR_WGMMA`` float16's kernels (``on``), or nothing, and
+    the launch plans made anew for each call (a recurring spec's plans,
     kept by spec, would keep the other setting's)."""
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(fast_cupy, "TENSOR_FUSED_DQ", frozenset({"f64"} if on else ())))
     stack.enter_context(mock.patch.object(fast_cupy, "TENSOR_KEPT_Q", {"f64": 3} if on else {}))
+    stack.enter_context(mock.patch.object(fast_cupy, "TENSOR_WGMMA", {"f16": (True, True)} if on else {}))
     stack.enter_context(mock.patch.object(fast_cupy, "RECURRING_SPECS", SpecMemo()))
     return stack
 

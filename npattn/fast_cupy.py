@@ -264,6 +264,8 @@ class CupyRuntime:
         import cupy  # the optional GPU extra: only reached with CuPy arrays
 
         options = ("--std=c++17",) + tuple(f"-D{name}={value}" for name, value in defines)
+        if ("TC_WGMMA", "1") in defines:  # sm_90a's wgmma: NVRTC takes this beside CuPy's own -arch=sm_90
+            options += ("-arch=sm_90a",)
         return cupy.RawModule(code=source, options=options)
 
     def launch(
@@ -568,6 +570,7 @@ def _tensor_module(
     backward: bool = False,
     kept: tuple[int, int] = (0, 0),
     fused_dq: bool = False,
+    wgmma: bool = False,
 ) -> Any:
     """The tensor-core forward (with the merge of key ranges) or backward
     (with ``D``) for ``spec``'s dims, ``precision`` and ``warps``
@@ -575,30 +578,47 @@ def _tensor_module(
     the backward with ``kept`` operands in shared memory
     (:func:`tensor_kept_operands`) and its dK/dV kernel summing dQ where
     ``fused_dq`` (:func:`tensor_fused_dq`), the forward with Q kept there
-    where ``kept[0]``, its blocks a multiprocessor (:func:`tensor_kept_q`):
-    looked up by these and
-    :func:`plain_scores` alone (1 µs; building its definitions takes 2.5
+    where ``kept[0]``, its blocks a multiprocessor (:func:`tensor_kept_q`),
+    and its products on ``wgmma`` (:func:`tensor_wgmma`): looked up by these
+    and :func:`plain_scores` alone (1 µs; building its definitions takes 2.5
     more, 2-core EPYC)."""
-    key = (runtime, precision, spec.head_dim, spec.value_dim, warps, backward, plain_scores(spec), kept, fused_dq)
+    key = (
+        runtime,
+        precision,
+        spec.head_dim,
+        spec.value_dim,
+        warps,
+        backward,
+        plain_scores(spec),
+        kept,
+        fused_dq,
+        wgmma,
+    )
     module = _TENSOR_MODULES.get(key)
     if module is None:
         kind = "tensor_backward" if backward else "tensor_forward"
-        defines = _tensor_defines(spec, precision, backward, kept, fused_dq)
+        defines = _tensor_defines(spec, precision, backward, kept, fused_dq, wgmma)
         module = _TENSOR_MODULES[key] = _compiled(runtime, kind, defines)
     return module
 
 
-_TENSOR_MODULES: dict[tuple[Runtime, str, int, int, int, bool, bool, tuple[int, int], bool], Any] = {}
+_TENSOR_MODULES: dict[tuple[Runtime, str, int, int, int, bool, bool, tuple[int, int], bool, bool], Any] = {}
 
 
 def _tensor_defines(
-    spec: AttentionSpec, precision: str, backward: bool, kept: tuple[int, int] = (0, 0), fused_dq: bool = False
+    spec: AttentionSpec,
+    precision: str,
+    backward: bool,
+    kept: tuple[int, int] = (0, 0),
+    fused_dq: bool = False,
+    wgmma: bool = False,
 ) -> tuple[tuple[str, str], ...]:
     """The ``-D`` definitions of :func:`_tensor_module`, the backward's with
     ``kept`` operands in shared memory (:func:`tensor_kept_operands`) and
     ``TC_FUSED_DQ`` where ``fused_dq``, the forward's with ``TC_KEPT_Q``
     and its registers capped to ``kept[0]`` blocks where that is not 0
-    (:func:`tensor_kept_q`; ``benchmarks/count_sass.py`` compiles with them
+    (:func:`tensor_kept_q`) and ``TC_WGMMA`` where ``wgmma``
+    (:func:`tensor_wgmma`; ``benchmarks/count_sass.py`` compiles with them
     too)."""
     tile = tensor_tile(spec, precision, backward)
     defines = (
@@ -611,14 +631,16 @@ def _tensor_defines(
         ("TC_KEYS", str(tile)),
         ("TC_WARPS", str(tensor_warps(spec, backward))),
     )
+    wgmma_define = (("TC_WGMMA", "1"),) if wgmma else ()
     if backward:
         kept_defines = (("TC_KEPT_DQ", str(kept[0])), ("TC_KEPT_DKDV", str(kept[1])))
-        return defines + kept_defines + ((("TC_FUSED_DQ", "1"),) if fused_dq else ())
+        return defines + kept_defines + ((("TC_FUSED_DQ", "1"),) if fused_dq else ()) + wgmma_define
     q_blocks = kept[0]  # with Q kept, the blocks a multiprocessor its registers are capped to fit
     return defines + (
         ("TC_MIN_BLOCKS", str(q_blocks or tensor_min_blocks(spec, precision))),
         ("TC_SPLIT_STAGES", str(int(tensor_split_stages(spec, precision)))),
         *((("TC_KEPT_Q", "1"),) if q_blocks else ()),
+        *wgmma_define,
     )
 
 
@@ -719,6 +741,57 @@ def tensor_kept_q(spec: AttentionSpec, precision: str, shared_memory: int) -> in
     stages = 1 if tensor_split_stages(spec, precision) else 2  # a key and a value tile each
     static = _static_shared_bytes(spec, precision, tensor_tile(spec, precision), backward=False, stages=stages)
     return blocks if _blocks_fit(blocks, static, _kept_q_bytes(spec, precision), shared_memory) else 0
+
+
+#: Precisions whose tensor-core kernels run their products on sm_90a's
+#: warpgroup tensor cores (``TC_WGMMA``: ``wgmma`` in ``ptx.cuh``, as
+#: FlashAttention-3 does, where the other kernels take ``mma.sync``;
+#: :func:`tensor_wgmma`), ``(forward, backward)``: the block's 4 warps
+#: multiply together, the tensor cores reading the tiles of keys and values
+#: (of queries and dO in dK/dV) from shared memory once for them all, where
+#: each warp's ``ldmatrix`` read them for its own 16 rows (128 of the
+#: float16 forward's 163 cycles of shared memory a warp's tile,
+#: ``count_sass.py``), at the rate NVIDIA publishes for the H100 (989
+#: TFLOP/s in float16), which ``mma.sync`` does not reach. float16 alone
+#: (the instruction takes float16, bfloat16, TensorFloat-32 and 8-bit
+#: floats, no float64). None yet: not timed on a GPU
+#: (``benchmarks/bench_gpu.py --wgmma``).
+TENSOR_WGMMA: dict[str, tuple[bool, bool]] = {}
+
+#: The compute capability whose GPUs run sm_90a's ``wgmma`` (the H100, H200,
+#: H20; CuPy's ``Device.compute_capability``): a cubin built for sm_90a runs
+#: on no other.
+WGMMA_CAPABILITY = "90"
+
+
+def tensor_wgmma(spec: AttentionSpec, precision: str, device: Any, backward: bool = False) -> bool:
+    """Whether the tensor-core forward (or backward) runs on ``wgmma``
+    (``TC_WGMMA``): where :data:`TENSOR_WGMMA` says so for ``precision``,
+    for blocks of 4 warps (a warpgroup: :func:`tensor_warps`), ``H = Hv =
+    64`` (a row of the tiles 128 bytes, the width of the swizzle the tensor
+    cores read) and tiles of 64 rows (:func:`tensor_tile`), on a GPU of
+    :data:`WGMMA_CAPABILITY` (or the tests' emulator, whose device has none).
+
+    >>> import numpy as np
+    >>> from unittest import mock
+    >>> from npattn import fast_cupy
+    >>> from npattn.options import make_spec
+    >>> x, wide = np.zeros((1, 8, 1024, 64), np.float16), np.zeros((1, 8, 1024, 128), np.float16)
+    >>> with mock.patch.object(fast_cupy, "TENSOR_WGMMA", {"f16": (True, False)}):
+    ...     [tensor_wgmma(make_spec(a, a, a), "f16", "cpu", backward) for a in (x, wide) for backward in (False, True)]
+    [True, False, False, False]
+    >>> tensor_wgmma(make_spec(x, x, x), "f16", "cpu")  # not in TENSOR_WGMMA
+    False
+    """
+    if precision != "f16" or not TENSOR_WGMMA.get(precision, (False, False))[backward]:
+        return False
+    capability = getattr(device, "compute_capability", None)
+    return (
+        (capability is None or str(capability) == WGMMA_CAPABILITY)
+        and tensor_warps(spec, backward) == 4
+        and spec.head_dim == spec.value_dim == 64
+        and tensor_tile(spec, precision, backward) == 64
+    )
 
 
 #: Bytes of ``pipeline.cuh``'s ``Row`` at most (four int64, a scalar_t and
@@ -1338,7 +1411,8 @@ def _forward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: s
         row_blocks = _grid_rows(spec, shape)
     else:
         warps, q_blocks = tensor_warps(spec), tensor_kept_q(spec, precision, runtime.shared_memory(like))
-        module = _tensor_module(runtime, spec, precision, warps, kept=(q_blocks, 0))
+        wgmma = tensor_wgmma(spec, precision, spec.device)
+        module = _tensor_module(runtime, spec, precision, warps, kept=(q_blocks, 0), wgmma=wgmma)
         kernel, threads = "npattn_forward_tc", 32 * warps
         row_blocks = -(-spec.group_size * spec.q_len // (TENSOR_WARP_ROWS * warps))
         shared_bytes = (_kept_q_bytes(spec, precision) if q_blocks else 0, 0)
@@ -1371,7 +1445,8 @@ def _backward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: 
         shared = runtime.shared_memory(like)
         fused = tensor_fused_dq(spec, precision, shared)
         kept = (0, fused) if fused else tensor_kept_operands(spec, precision, shared)
-        module = _tensor_module(runtime, spec, precision, warps, backward=True, kept=kept, fused_dq=bool(fused))
+        wgmma = tensor_wgmma(spec, precision, spec.device, backward=True)
+        module = _tensor_module(runtime, spec, precision, warps, True, kept, bool(fused), wgmma)
         dkdv_bytes = _fused_bytes(spec, precision, fused) if fused else _kept_bytes(spec, precision, kept[1])
         shared_bytes = (_kept_bytes(spec, precision, kept[0]), dkdv_bytes)
         tiles = -(-spec.group_size * spec.q_len // tensor_tile(spec, precision, backward=True))

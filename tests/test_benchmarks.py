@@ -218,7 +218,8 @@ def test_sass_bounds_count_what_a_warps_tile_takes_of_each_resource():
     """``count_sass.py``'s static bounds of a loop: shared memory's passes by
     each instruction's width (128 bytes a pass, no bank taken twice), its
     instructions over the 4 schedulers, and DMMA_CYCLES a DMMA (none
-    without DMMA), read off a listing's longest backward branch."""
+    without DMMA), read off a listing's longest backward branch; a HGMMA
+    (wgmma) HGMMA_CYCLES of the tensor cores and HGMMA_WAVEFRONTS passes."""
     sass = runpy.run_path(str(BENCHMARKS / "count_sass.py"))
     ops = ["LDS", "LDS.64", "LDS.U.128", "STS.128", "LDSM.16.M88.4", "LDSM.16.MT88.2", "LDSM.16.M88"]
     ops += ["LDGSTS.E.BYPASS.LTC128B.128", "LDGSTS.E.64", "DMMA.16", "LDG.E.128"]
@@ -235,9 +236,13 @@ def test_sass_bounds_count_what_a_warps_tile_takes_of_each_resource():
         /*0070*/                   EXIT ;
     """
     loop = sass["tile_loops"](listing)["kernel"]
-    assert loop == (6, 1, 1, 6, 1)  # instructions, MMA, spills, wavefronts, DMMA
+    assert loop == (6, 1, 1, 6, 1, 0)  # instructions, MMA, spills, wavefronts, DMMA, HGMMA
     assert loop.bounds() == (1.5, 6, sass["DMMA_CYCLES"])
     assert loop._replace(mma=0, dmma=0).bounds()[2] is None
+    on_wgmma = listing.replace("DMMA.16x8x8 R8, R4, R12, R8", "HGMMA.64x64x16.F32 R24, R100, gdesc[UR20], R24")
+    loop = sass["tile_loops"](on_wgmma)["kernel"]
+    assert loop == (6, 1, 1, 6 + sass["HGMMA_WAVEFRONTS"], 0, 1)
+    assert loop.bounds() == (1.5, 6 + sass["HGMMA_WAVEFRONTS"], sass["HGMMA_CYCLES"])
 
 
 def test_gpu_benchmark_counts_the_fused_paths_memory_without_a_gpu(capsys):
@@ -579,7 +584,7 @@ def test_gpu_session_prepares_bases_and_plans_a_kernels_step_each(tmp_path, caps
     takes, and the plan (``--dry-run``) has the env and tests steps, the
     first base folder's kernels step, the targets, then a kernels step for
     each further base; with ``--fused-dq`` and ``--kept-q``, the timing
-    steps run ``bench_gpu.py`` with them."""
+    steps run ``bench_gpu.py`` with them (and with ``--wgmma``)."""
     session = _gpu_session()
     assert session["prepare"](["HEAD"], tmp_path) == 0
     assert (tmp_path / "HEAD" / "npattn" / "fast_cupy.py").is_file()
@@ -593,9 +598,9 @@ def test_gpu_session_prepares_bases_and_plans_a_kernels_step_each(tmp_path, caps
     fused = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in fused] == ["env", "tests", "kernels-HEAD", "targets"]
     assert all("bench_gpu.py --fused-dq --" in line for line in fused[2:])
-    assert _run_script("gpu_session.py", ["--dry-run", "--kept-q", "--fused-dq", bases[0]]) == 0
-    both = capsys.readouterr().out.splitlines()
-    assert all("bench_gpu.py --fused-dq --kept-q --" in line for line in both[2:])
+    assert _run_script("gpu_session.py", ["--dry-run", "--kept-q", "--fused-dq", "--wgmma", bases[0]]) == 0
+    every = capsys.readouterr().out.splitlines()
+    assert all("bench_gpu.py --fused-dq --kept-q --wgmma --" in line for line in every[2:])
     assert _run_script("gpu_session.py", [str(tmp_path)]) == 2  # no npattn/ there
     assert "no npattn/ package in" in capsys.readouterr().err
 
@@ -631,38 +636,44 @@ def test_profiled_calls_run_once_each_between_start_and_stop(capsys, monkeypatch
     run: each workload's call is made once to warm up, then once between
     the profiler's start and stop (float64 with the dQ kernel, then with dQ
     summed by dK/dV and the forward keeping Q in shared memory, then
-    float16), and ``TENSOR_FUSED_DQ`` and ``TENSOR_KEPT_Q`` are as they
-    were after."""
+    float16, then float16 on wgmma, its kernels built with ``TC_WGMMA``),
+    and ``TENSOR_FUSED_DQ``, ``TENSOR_KEPT_Q`` and ``TENSOR_WGMMA`` are as
+    they were after."""
     import numpy as np
 
     from npattn import fast_cupy
 
     launched: list[str] = []
     forward_shared: list[int] = []  # the forward's dynamic shared memory, each call
+    on_wgmma: list[bool] = []  # each tensor-core kernel's, launch by launch
     bench_gpu, _ = _fake_gpu_bench(monkeypatch)
 
     class Recorded(bench_gpu._NoKernels):
         def launch(self, module, name, grid, threads, args, shared_bytes=0):
-            launched.append(name)
+            launched.append(name)  # module: its -D definitions (_NoKernels.module's stand-in)
+            on_wgmma.extend([("TC_WGMMA", "1") in module] if name.endswith("_tc") else [])
             if name == "npattn_forward_tc":
                 forward_shared.append(shared_bytes)
 
     bench_gpu, cp = _fake_gpu_bench(monkeypatch, Recorded())
     profile_gpu = runpy.run_path(str(BENCHMARKS / "profile_gpu.py"))
-    before = fast_cupy.TENSOR_FUSED_DQ, fast_cupy.TENSOR_KEPT_Q
+    before = fast_cupy.TENSOR_FUSED_DQ, fast_cupy.TENSOR_KEPT_Q, fast_cupy.TENSOR_WGMMA
     with np.errstate(all="ignore"):  # the arrays the kernels would fill hold whatever was in memory
         status = profile_gpu["profile"](
-            cp, lambda: launched.append("start"), lambda: launched.append("stop"), (1, 2, 64, 16)
+            cp, lambda: launched.append("start"), lambda: launched.append("stop"), (1, 2, 64, 64)
         )
-    assert status == 0 and before == (fast_cupy.TENSOR_FUSED_DQ, fast_cupy.TENSOR_KEPT_Q)
+    assert status == 0 and before == (fast_cupy.TENSOR_FUSED_DQ, fast_cupy.TENSOR_KEPT_Q, fast_cupy.TENSOR_WGMMA)
     profiled = " ".join(launched).split("start ")[1:]
+    every = ["npattn_forward_tc", "npattn_backward_d", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"]
     assert [call.split(" stop")[0].split() for call in profiled] == [
-        ["npattn_forward_tc", "npattn_backward_d", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"],
+        every,
         ["npattn_forward_tc", "npattn_backward_d", "npattn_backward_dkdv_tc"],
-        ["npattn_forward_tc", "npattn_backward_d", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"],
+        every,
+        every,
     ]
-    assert launched.count("npattn_forward_tc") == 6  # a warm-up call before each profiled one
-    q_bytes = 4 * 16 * 16 * 8  # Q kept: 4 warps' 16 rows of H=16 in float64
-    assert forward_shared == [0, 0, q_bytes, q_bytes, 0, 0]
+    assert launched.count("npattn_forward_tc") == 8  # a warm-up call before each profiled one
+    q_bytes = 4 * 16 * 64 * 8  # Q kept: 4 warps' 16 rows of H=64 in float64
+    assert forward_shared == [0, 0, q_bytes, q_bytes, 0, 0, 0, 0]
+    assert on_wgmma == [False] * 16 + [True] * 6  # float16 on wgmma: the last two calls, warm-up and profiled
     labels = [line.removeprefix("profiled: ") for line in capsys.readouterr().out.splitlines()]
     assert labels == [label for label, _, _ in profile_gpu["WORKLOADS"]]

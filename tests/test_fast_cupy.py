@@ -114,8 +114,10 @@ class EmulatedRuntime:
         self.count, self.shared_bytes = multiprocessors, shared_memory  # an H100's opt-in shared memory a block
         self.launches: list[tuple[str, tuple[int, int, int], int]] = []  # name, grid, threads
         self.arguments: list[tuple] = []  # each launch's arguments, as given
+        self.compiled: list[dict[str, str]] = []  # each module's definitions, as compiled
 
     def module(self, source: str, defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
+        self.compiled.append(dict(defines))
         folder = resources.files("npattn") / "cuda"
         kinds = [kind for kind in fast_cupy.SOURCES if source == fast_cupy.kernel_source(kind)]
         assert len(kinds) == 1, "the emulator compiles the package's own files"
@@ -577,6 +579,43 @@ def test_emulated_forward_keeps_q_in_shared_memory(monkeypatch, case, dtype, pre
     q_bytes = 4 * 16 * spec.head_dim * fast_cupy.TENSOR_PRECISIONS[precision][1]
     assert plan.shared_bytes == ((q_bytes if keeps else 0), 0)
     assert fast_cupy._forward_plan(EmulatedRuntime(shared_memory=16 * 1024), spec, q, precision).shared_bytes[0] == 0
+
+
+#: The tensor-core cases at H = Hv = 64, the heads the float16 forward on
+#: wgmma takes (a decode step's blocks of fewer warps do not).
+WGMMA_CASES = [case for case in TENSOR_CASES if case not in ("widest heads", "odd eighths", "wide heads")]
+
+
+@emulated
+@pytest.mark.parametrize("case", WGMMA_CASES)
+def test_emulated_kernels_on_wgmma_write_the_same_bits(monkeypatch, case):
+    """The float16 kernels on sm_90a's warpgroup tensor cores (``TC_WGMMA``,
+    forced: not yet shipped), which read their tiles in the 128-byte swizzle
+    through descriptors (the emulator reads each entry where the canonical
+    layout and the swizzle of its address put it), write the same bits of
+    ``out``, ``lse`` and the gradients as on ``mma.sync`` (the same
+    products, each 16-term sum in the same order), at H = Hv = 64 in every
+    case with blocks of 4 warps; a decode step's forward, in blocks of fewer
+    warps, and a GPU other than compute capability 9.0, keep ``mma.sync``."""
+    q, k, v, options = _problem(dtype=np.float16, **{**TENSOR_CASES[case], "H": 64, "Hv": 64})
+    spec = _spec(q, k, v, options)
+    dout = np.random.default_rng(1).standard_normal(q.shape).astype(np.float16)
+
+    def both(runtime):
+        out, lse = fast_cupy.forward(spec, q, k, v, runtime=runtime)
+        return out, lse, *fast_cupy.backward(spec, q, k, v, out, lse, dout, None, runtime=runtime)[:3]
+
+    runtime = EmulatedRuntime()
+    on_mma = both(runtime)
+    monkeypatch.setattr(fast_cupy, "TENSOR_WGMMA", {"f16": (True, True)})
+    on_wgmma = both(runtime)
+    for a, b in zip(on_wgmma, on_mma):
+        np.testing.assert_array_equal(a, b)
+    forward = fast_cupy.tensor_warps(spec) == 4
+    assert [fast_cupy.tensor_wgmma(spec, "f16", spec.device, backward) for backward in (False, True)] == [forward, True]
+    assert [defines.get("TC_WGMMA") for defines in runtime.compiled] == [None, None] + ["1"] * (1 + forward)
+    hopper, ampere = (type("Device", (), {"compute_capability": c})() for c in ("90", "80"))
+    assert fast_cupy.tensor_wgmma(spec, "f16", hopper, True) and not fast_cupy.tensor_wgmma(spec, "f16", ampere, True)
 
 
 @emulated
@@ -1587,6 +1626,7 @@ RACECHECKED_TESTS = (
     " or (test_kv_views_are_read_where_they_lie and True])"
     " or (test_emulated_dkdv_kernel_sums_dq_in_order and 2-blockIdx])"
     " or (test_emulated_forward_keeps_q_in_shared_memory and float64)"
+    " or (test_emulated_kernels_on_wgmma_write_the_same_bits and (plain] or segments] or dropout]))"
 )
 
 
@@ -1873,11 +1913,41 @@ def test_gpu_forward_keeping_q_writes_the_same_bits(backend, case, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cupy"], indirect=True)
-@pytest.mark.parametrize("dtype, fused_dq", [(np.float32, False), (np.float64, False), (np.float64, True)])
-def test_gpu_fused_is_deterministic(backend, dtype, fused_dq, monkeypatch):
+@pytest.mark.parametrize("case", WGMMA_CASES)
+def test_gpu_kernels_on_wgmma_match_those_on_mma(backend, case, monkeypatch):
+    """float16's kernels on sm_90a's warpgroup tensor cores (``TC_WGMMA``,
+    forced; on an H100 or H200, where ``tensor_wgmma`` takes them): every
+    output and gradient within float16's tolerance of the kernels on
+    ``mma.sync`` (the hardware may sum a product's 16 terms in another
+    order, and P and dS round to float16 from there), at H = Hv = 64."""
+    q, k, v, options = _problem(dtype=np.float16, **{**TENSOR_CASES[case], "H": 64, "Hv": 64})
+    dout = np.random.default_rng(1).standard_normal(q.shape).astype(np.float16)
+    args = [backend.asarray(x) for x in (q, k, v, dout)]
+    on_mma = _public(*args[:3], _on(backend, options), args[3])[1]
+    monkeypatch.setattr(fast_cupy, "TENSOR_WGMMA", {"f16": (True, True)})
+    monkeypatch.setattr(fast_cupy, "RECURRING_SPECS", SpecMemo())
+    spec = _spec(*args[:3], _on(backend, options))
+    if not fast_cupy.tensor_wgmma(spec, "f16", spec.device, backward=True):
+        pytest.skip(f"no wgmma on compute capability {spec.device.compute_capability}")
+    on_wgmma = _public(*args[:3], _on(backend, options), args[3])[1]
+    _assert_within(
+        [backend.to_numpy(a) if a is not None else None for a in on_wgmma[:5]],
+        [backend.to_numpy(a).astype(np.float64) if a is not None else None for a in on_mma[:5]],
+        TENSOR_TOLERANCE["f16"],
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cupy"], indirect=True)
+@pytest.mark.parametrize(
+    "dtype, unshipped", [(np.float32, False), (np.float64, False), (np.float64, True), (np.float16, True)]
+)
+def test_gpu_fused_is_deterministic(backend, dtype, unshipped, monkeypatch):
     """Two runs give the same bits, float64's with its dK/dV kernel summing
-    dQ too (its key blocks' adds in a fixed order) and without."""
-    monkeypatch.setattr(fast_cupy, "TENSOR_FUSED_DQ", frozenset({"f64"} if fused_dq else ()))
+    dQ too (its key blocks' adds in a fixed order) and without, float16's
+    on wgmma (on an H100 or H200)."""
+    monkeypatch.setattr(fast_cupy, "TENSOR_FUSED_DQ", frozenset({"f64"} if unshipped else ()))
+    monkeypatch.setattr(fast_cupy, "TENSOR_WGMMA", {"f16": (True, True)} if unshipped else {})
     q, k, v, options = _problem(N=8, K=2, T=500, S=700, H=64, Hv=64, causal=True, align="bottom_right")
     dout = np.random.default_rng(1).standard_normal((*q.shape[:-1], 64))
     args = [backend.asarray(x.astype(dtype)) for x in (q, k, v, dout)]

@@ -26,7 +26,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from test_fast_cupy import CASES, TENSOR_CASES, TENSOR_MATRIX, _problem, _spec
+from test_fast_cupy import CASES, TENSOR_CASES, TENSOR_MATRIX, WGMMA_CASES, _problem, _spec
 
 from npattn import fast_cupy
 
@@ -143,3 +143,62 @@ def test_kernels_compile_with_nvrtc_and_ptxas(tmp_path, arch):
         errors = pool.map(lambda n: _compile_error(tools, *modules[n], arch, tmp_path / str(n)), range(len(modules)))
         failures = [error for error in errors if error is not None]
     assert not failures, f"{len(failures)} of {len(modules)} modules:\n" + "\n".join(failures[:5])
+
+
+def wgmma_modules() -> dict[tuple[str, tuple[tuple[str, str], ...]], None]:
+    """The float16 modules on sm_90a's wgmma (``TC_WGMMA``, not yet
+    shipped), forward and backward, as the emulated tests force them (the
+    tensor cases at H = Hv = 64) and for issue 18's float16 shapes."""
+    problems = [_problem(dtype=np.float16, **{**TENSOR_CASES[case], "H": 64, "Hv": 64}) for case in WGMMA_CASES]
+    specs = [_spec(q, k, v, options) for q, k, v, options in problems] + list(_targets_specs())
+    recorder = _Recorder(227 * 1024)
+    with mock.patch.object(fast_cupy, "TENSOR_WGMMA", {"f16": (True, True)}):
+        for spec in specs:
+            if fast_cupy._precision(spec, "1") == "f16":
+                fast_cupy._forward_plan(recorder, spec, None, "f16")
+                fast_cupy._backward_plan(recorder, spec, None, "f16")
+    return {module: None for module in recorder.modules if ("TC_WGMMA", "1") in module[1]}
+
+
+@pytest.mark.skipif(NVRTC is None or PTXAS is None, reason="no NVRTC and ptxas (NVIDIA's compiler wheels)")
+def test_wgmma_kernels_compile_for_sm_90a(tmp_path):
+    """The wgmma modules compile with the options CuPy's RawModule gives
+    them (``fast_cupy.CupyRuntime.module``'s ``-arch=sm_90a``, then CuPy's
+    own ``-arch``: NVRTC builds for sm_90a), and ptxas assembles them for
+    sm_90a without serializing a wgmma (its warning where a register a wgmma
+    in flight holds is touched), each kernel's loop holding HGMMA."""
+    tools = COUNT_SASS["Tools"](NVRTC, PTXAS, COUNT_SASS["_find"]("cuobjdump"), COUNT_SASS["_find"]("nvdisasm"))
+    modules = list(wgmma_modules())
+    assert len(modules) >= 4  # forward and backward, plain scores and every option
+
+    def problems(n: int) -> str | None:
+        source, defines = modules[n]
+        options = ["--std=c++17"] + [f"-D{name}={value}" for name, value in defines] + ["-arch=sm_90a", "-arch=sm_90"]
+        try:
+            ptx = tools.ptx(source, options)
+        except RuntimeError as error:
+            return f"{dict(defines)}: {error}"
+        if ".target sm_90a" not in ptx:
+            return f"{dict(defines)}: NVRTC built for another target"
+        (tmp_path / str(n)).mkdir()
+        (tmp_path / str(n) / "kernels.ptx").write_text(ptx)
+        command = [PTXAS, "-arch=sm_90a", "-v", str(tmp_path / str(n) / "kernels.ptx")]
+        assembled = subprocess.run(
+            command + ["-o", str(tmp_path / str(n) / "kernels.cubin")], capture_output=True, text=True
+        )
+        if assembled.returncode or "serialized" in assembled.stderr:
+            return f"{dict(defines)}: ptxas: {assembled.stderr.strip()}"
+        return None
+
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        failures = [error for error in pool.map(problems, range(len(modules))) if error is not None]
+    assert not failures, f"{len(failures)} of {len(modules)} modules:\n" + "\n".join(failures[:5])
+    if tools.cuobjdump:
+        listing = subprocess.run(
+            [tools.cuobjdump, "-sass", str(tmp_path / "0" / "kernels.cubin")],
+            capture_output=True,
+            text=True,
+            env=tools.environment,
+        ).stdout
+        loops = COUNT_SASS["tile_loops"](listing)
+        assert all(loops[name].hgmma > 0 for name in loops if name.endswith("_tc")), loops

@@ -62,15 +62,25 @@ struct FragB {
 //
 // The cp.async copies (Pieces) move 16-byte pieces, which the XOR (a
 // multiple of 4 entries) keeps whole.
+//
+// Under TC_WGMMA (float16, WIDTH 64: the tiles wgmma reads, ptx.cuh), rows of
+// 128 bytes unpadded, row r's 16-byte pieces permuted by an XOR of the
+// column with tile_swizzle(r) = 8 (r % 8): the 128-byte swizzle the tensor
+// cores read (tiles 1024-byte aligned).
 template <int WIDTH>
-constexpr bool swizzled_tile = PRECISION == PRECISION_F64 && WIDTH % 16 == 0;
+constexpr bool wgmma_tile = TC_WGMMA && PRECISION == PRECISION_F16 && WIDTH == 64;
+
+template <int WIDTH>
+constexpr bool swizzled_tile = (PRECISION == PRECISION_F64 && WIDTH % 16 == 0) || wgmma_tile<WIDTH>;
 
 template <int WIDTH>
 constexpr int tile_stride = swizzled_tile<WIDTH> ? WIDTH : WIDTH + 16 / (int)sizeof(tile_t);
 
 template <int WIDTH>
 __device__ __forceinline__ int tile_swizzle(int row) {
-  if constexpr (swizzled_tile<WIDTH>)
+  if constexpr (wgmma_tile<WIDTH>)
+    return (row & 7) << 3;
+  else if constexpr (swizzled_tile<WIDTH>)
     return ((row & 6) << 1) ^ ((row & 1) << 3);
   else
     return 0;
@@ -264,6 +274,7 @@ __device__ __forceinline__ void b_pair_from_rows(FragB (&b)[2], const tile_t* ti
     b[m].r[1] = pair.y;
   }
 #else
+  static_assert(!wgmma_tile<WIDTH>, "wgmma's swizzled tiles are read by the tensor cores (tensor_tiles.cuh)");
   const int entry = (n0 + lane / 16 * 8 + lane % 8) * tile_stride<WIDTH> + k0 + lane / 8 % 2 * (KSTEP / 2);
   unsigned bits[4];
   load_matrices(bits, shared_address(tile) + entry * (int)sizeof(tile_t));
@@ -365,6 +376,7 @@ struct TileColumns {
 template <int WIDTH>
 __device__ __forceinline__ void b_pair_from_columns(FragB (&b)[2], const tile_t* tile, int k0, int n0, int lane) {
 #if PRECISION == PRECISION_F16
+  static_assert(!wgmma_tile<WIDTH>, "wgmma's swizzled tiles are read by the tensor cores (tensor_tiles.cuh)");
   const int entry = (k0 + lane % 16) * tile_stride<WIDTH> + n0 + lane / 16 * 8;
   unsigned bits[4];
   load_matrices_trans(bits, shared_address(tile) + entry * (int)sizeof(tile_t));

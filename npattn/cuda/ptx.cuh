@@ -166,6 +166,82 @@ __device__ __forceinline__ void add_to_global(double* at, double x) {
   asm volatile("red.relaxed.gpu.global.add.f64 [%0], %1;" ::"l"(at), "d"(x) : "memory");
 }
 
+// wgmma (sm_90a alone: TC_WGMMA, npattn.fast_cupy.tensor_wgmma): a
+// warpgroup (4 warps, 128 threads, all of them at each instruction) computes
+//
+//     D (64 x 64, float32)  (+)=  A (64 x 16, float16)  B (16 x 64, float16)
+//
+// asynchronously: warp w of the group holds rows 16w .. 16w + 15 of A in
+// mma.sync's A layout above (a[0..3]) and of D in its C layout, block by
+// block of 8 columns (d[nb][0..3], columns 8nb + 2t, 8nb + 2t + 1), while
+// the tensor cores read B from shared memory themselves, once for the whole
+// group, through a descriptor (PTX's "Matrix Descriptor Format"): the start
+// address, the leading and stride byte offsets (LBO, SBO) and the swizzle.
+// Here every B is a tile of 128-byte rows (64 float16) in the 128-byte
+// swizzle (CUTLASS's Swizzle<3,4,3>, its GMMA Layout_*_SW128_Atom): the
+// 16-byte piece p of a row r lies at piece p ^ (r % 8) of the row, from a
+// tile start 1024-byte aligned (operands.cuh's tile_swizzle), since the
+// tensor cores swizzle the bits of the address itself. The same tile is
+//
+// - K-major (TRANS_B = 0: B[k][n] = tile[n][k0 + k], K^T in Q K^T): rows n
+//   128 bytes apart, 8-row groups SBO = 1024 apart, LBO unused; columns
+//   k0 .. k0 + 15 start 2 k0 bytes into the rows;
+// - MN-major (TRANS_B = 1: B[k][n] = tile[k0 + k][n], V in P V): rows k
+//   128 bytes apart, 8-row groups SBO = 1024 apart (a 16-row k-step starts
+//   2048 k0 / 16 bytes on), LBO the bytes between 64-column blocks (none
+//   with 64 columns).
+//
+// wgmma_fence orders the registers' earlier writes before the next wgmma
+// reads them, wgmma_commit closes a group of wgmma and wgmma_wait_all waits
+// for every group: until then a wgmma's A and D registers are the tensor
+// cores' (fence_operand keeps the compiler from moving D's other uses
+// across; ptxas holds A's registers itself), and its tile must stay as it
+// is. Shared memory written by this thread's generic stores or cp.async
+// reaches the tensor cores' async proxy only after fence_proxy_async (then
+// a barrier for the other threads').
+#ifndef TC_WGMMA
+#define TC_WGMMA 0
+#endif
+#if TC_WGMMA
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "TC_WGMMA needs sm_90a's wgmma (NVRTC's -arch=sm_90a)"
+#endif
+typedef unsigned long long wgmma_descriptor_t;
+
+__device__ __forceinline__ wgmma_descriptor_t wgmma_descriptor(shared_address_t start, int leading_bytes,
+                                                               int stride_bytes) {
+  return (wgmma_descriptor_t)((start & 0x3FFFF) >> 4) | ((wgmma_descriptor_t)(leading_bytes >> 4) << 16) |
+         ((wgmma_descriptor_t)(stride_bytes >> 4) << 32) | (1ull << 62);  // 1 << 62: the 128-byte swizzle
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+
+// D (+)= A B: `accumulate` 0 overwrites D.
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_f16(float (&d)[8][4], const unsigned (&a)[4], wgmma_descriptor_t b,
+                                          int accumulate) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %37, 0;\n\t"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(TRANS_B));
+}
+#endif
+
 // 2^x (ex2.approx: about 2 ulp; the softmax's exponentials in base 2); in
 // float64, exp2.cuh's.
 __device__ __forceinline__ float fast_exp2(float x) {

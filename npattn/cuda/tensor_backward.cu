@@ -13,7 +13,9 @@
 // and dQ, dK scaled by the softmax scale at the end, each gradient written
 // once as tile_t (float16 in PRECISION_F16: no float32 copy of it is made).
 // P, dP and dR stay in registers between the products; tiles are copied as
-// in tensor_forward.cu.
+// in tensor_forward.cu, and with TC_WGMMA (float16 at H = Hv = 64:
+// npattn.fast_cupy.tensor_wgmma) every product runs on sm_90a's warpgroup
+// tensor cores, as there.
 //
 // Each warp's A operands (Q and dO in dq, K and V in dkdv) are read once;
 // the first TC_KEPT_DQ (or TC_KEPT_DKDV) of the two (0, 1 or 2) are kept in
@@ -98,8 +100,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                           tile_t* __restrict__ dq,         // (B, N, T, H)
                           scalar_t* __restrict__ slope_rows,  // (B, N, T): -sum_j dS_ij |p_i - j|, with ALiBi
                           const Config config) {
-  __shared__ __align__(16) tile_t key_tile[TC_STAGES][TC_KEYS * tile_stride<HEAD_DIM>];
-  __shared__ __align__(16) tile_t value_tile[TC_STAGES][TC_KEYS * tile_stride<VALUE_DIM>];
+  __shared__ __align__(TC_WGMMA ? 1024 : 16) tile_t key_tile[TC_STAGES][TC_KEYS * tile_stride<HEAD_DIM>];
+  __shared__ __align__(TC_WGMMA ? 1024 : 16) tile_t value_tile[TC_STAGES][TC_KEYS * tile_stride<VALUE_DIM>];
   __shared__ long long scratch[2 * TC_WARPS];
   const Problem pb = read_problem(config);
   load_exp2_table();  // fast_exp2's, in float64
@@ -336,8 +338,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                             tile_t* dq,                      // (B, N, T, H), zeros: with TC_FUSED_DQ, dQ
                             int* dq_flags,  // (B, KH, 1 + tiles of G T rows), zeros: TC_FUSED_DQ's tickets, flags
                             const Config config) {
-  __shared__ __align__(16) tile_t query_tile[TC_STAGES][TC_KEYS * tile_stride<HEAD_DIM>];
-  __shared__ __align__(16) tile_t dout_tile[TC_STAGES][TC_KEYS * tile_stride<VALUE_DIM>];
+  __shared__ __align__(TC_WGMMA ? 1024 : 16) tile_t query_tile[TC_STAGES][TC_KEYS * tile_stride<HEAD_DIM>];
+  __shared__ __align__(TC_WGMMA ? 1024 : 16) tile_t dout_tile[TC_STAGES][TC_KEYS * tile_stride<VALUE_DIM>];
   __shared__ Row tile_rows[TC_STAGES][TC_KEYS];
   __shared__ long long tile_index[TC_STAGES][TC_KEYS];  // each row's index into (B, N, T) arrays
   __shared__ scalar_t tile_lse[TC_STAGES][TC_KEYS], tile_D[TC_STAGES][TC_KEYS];

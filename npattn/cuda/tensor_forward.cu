@@ -22,7 +22,11 @@
 // tensor_min_blocks; 0: the compiler's choice), and TC_KEPT_Q: Q's
 // fragments, read once, kept in dynamic shared memory (operands.cuh's
 // RowOperand, TC_THREADS * H / KSTEP fragments) rather than registers, so
-// that more blocks fit a multiprocessor (npattn.fast_cupy.tensor_kept_q).
+// that more blocks fit a multiprocessor (npattn.fast_cupy.tensor_kept_q),
+// and TC_WGMMA: both products on sm_90a's warpgroup tensor cores (ptx.cuh's
+// wgmma, float16 at H = Hv = 64, 4 warps, 64 keys a tile: wgmma reads the
+// key and value tiles in shared memory once for the block, where each warp
+// reads them for its own mma.sync; npattn.fast_cupy.tensor_wgmma).
 #ifndef TC_KEPT_Q
 #define TC_KEPT_Q 0
 #endif
@@ -41,8 +45,9 @@ extern "C" __global__ void TC_FORWARD_BOUNDS
                       scalar_t* __restrict__ lse,       // (splits, B, N, T)
                       const Config config) {
   constexpr int stages = TC_SPLIT_STAGES ? 1 : TC_STAGES;
-  __shared__ __align__(16) tile_t key_tile[stages][TC_KEYS * tile_stride<HEAD_DIM>];
-  __shared__ __align__(16) tile_t value_tile[stages][TC_KEYS * tile_stride<VALUE_DIM>];
+  // 1024-byte aligned for wgmma's swizzle (ptx.cuh), whose tiles take TC_KEYS * 128 bytes each
+  __shared__ __align__(TC_WGMMA ? 1024 : 16) tile_t key_tile[stages][TC_KEYS * tile_stride<HEAD_DIM>];
+  __shared__ __align__(TC_WGMMA ? 1024 : 16) tile_t value_tile[stages][TC_KEYS * tile_stride<VALUE_DIM>];
   __shared__ long long scratch[2 * TC_WARPS];
   const Problem pb = read_problem(config);
   load_exp2_table();  // fast_exp2's, in float64

@@ -68,6 +68,9 @@ __device__ __forceinline__ void pipelined_tiles(long long first, long long end, 
     } else {
       async_wait<0>();
     }
+#if TC_WGMMA
+    fence_proxy_async();  // this thread's copies, to the tensor cores' reads
+#endif
     __syncthreads();
     use(it);
     __syncthreads();
@@ -136,44 +139,93 @@ __device__ __forceinline__ bool sees(const KeyRange& range, const Problem& pb, c
   return offset < range.count && (range.all[i] || visible(pb, rows[i], b, range.first + offset));
 }
 
+#if TC_WGMMA
+// The products below on the whole block's tensor cores (ptx.cuh's wgmma:
+// the 4 warps' 16 rows each of A, B read from the swizzled tile once for
+// them all): c (+)= A B over WIDTH / KSTEP steps of k, B the tile's
+// K-major (TRANS_B = 0: its rows as B's columns) or MN-major (1) 16 rows
+// of k a step, each step's sums in order, as the loops below take them.
+template <int TRANS_B, int STEPS>
+__device__ __forceinline__ void wgmma_products(scalar_t (&c)[8][4], const FragA (&a)[STEPS], const tile_t* tile) {
+  static_assert(PRECISION == PRECISION_F16 && TC_WARPS == 4, "wgmma: float16, a warpgroup a block");
+  constexpr int step_bytes = TRANS_B ? KSTEP * 64 * (int)sizeof(tile_t) : KSTEP * (int)sizeof(tile_t);
+  constexpr int group_bytes = 8 * 64 * (int)sizeof(tile_t);  // 8 rows of 128 bytes: SBO
+  // LBO: unused in both (K-major: 16, as CUTLASS sets it; MN-major: a second 64-column block's offset)
+  constexpr int leading_bytes = TRANS_B ? TC_KEYS * 64 * (int)sizeof(tile_t) : 16;
+  const shared_address_t start = shared_address(tile);
+#pragma unroll
+  for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) fence_operand(c[nb][e]);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < STEPS; ++ks)
+    wgmma_f16<TRANS_B>(c, a[ks].r, wgmma_descriptor(start + ks * step_bytes, leading_bytes, group_bytes), 1);
+  wgmma_commit();
+  wgmma_wait_all();
+#pragma unroll
+  for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) fence_operand(c[nb][e]);
+}
+#endif
+
 // c += A tile^T: A (16, WIDTH) in fragments, the tile's TC_KEYS rows of WIDTH
 // entries as B's columns (S = Q K^T, dP = dO V^T, and their transposes),
-// two blocks of 8 keys per load of B.
+// two blocks of 8 keys per load of B (on wgmma_tile<WIDTH>, wgmma_products).
 template <int WIDTH>
 __device__ __forceinline__ void products_with_rows(scalar_t (&c)[TC_KEYS / 8][4], const FragA (&a)[WIDTH / KSTEP],
                                                    const tile_t* tile, int lane) {
+#if TC_WGMMA
+  if constexpr (wgmma_tile<WIDTH>) {
+    static_assert(TC_KEYS == 64, "wgmma: 64 keys a tile");
+    wgmma_products<0>(c, a, tile);
+  } else
+#endif
+  {
 #pragma unroll
-  for (int nb = 0; nb < TC_KEYS / 8; nb += 2)
+    for (int nb = 0; nb < TC_KEYS / 8; nb += 2)
 #pragma unroll
-    for (int ks = 0; ks < WIDTH / KSTEP; ++ks) {
-      FragB b[2];
-      b_pair_from_rows<WIDTH>(b, tile, nb * 8, ks * KSTEP, lane);
-      mma(c[nb], a[ks], b[0]);
-      mma(c[nb + 1], a[ks], b[1]);
-    }
+      for (int ks = 0; ks < WIDTH / KSTEP; ++ks) {
+        FragB b[2];
+        b_pair_from_rows<WIDTH>(b, tile, nb * 8, ks * KSTEP, lane);
+        mma(c[nb], a[ks], b[0]);
+        mma(c[nb + 1], a[ks], b[1]);
+      }
+  }
 }
 
 // acc += A tile: A = `scores` (16, TC_KEYS) as the C fragments hold them,
 // the tile (TC_KEYS, WIDTH) (P V, dR K, (P drop)^T dO, dR^T Q), two blocks
 // of 8 columns per load of B (and the last alone where WIDTH / 8 is odd, in
-// float32 and float64).
+// float32 and float64; on wgmma_tile<WIDTH>, wgmma_products).
 template <int WIDTH>
 __device__ __forceinline__ void products_with_columns(scalar_t (&acc)[WIDTH / 8][4], const scalar_t (&scores)[TC_KEYS / 8][4],
                                                       const tile_t* tile, int lane) {
+#if TC_WGMMA
+  if constexpr (wgmma_tile<WIDTH>) {
+    FragA a[TC_KEYS / KSTEP];
 #pragma unroll
-  for (int kk = 0; kk < TC_KEYS / KSTEP; ++kk) {
-    const FragA a = a_from_scores(scores + kk * (KSTEP / 8));
-#pragma unroll
-    for (int nd = 0; nd + 1 < WIDTH / 8; nd += 2) {
-      FragB b[2];
-      b_pair_from_columns<WIDTH>(b, tile, kk * KSTEP, nd * 8, lane);
-      mma(acc[nd], a, b[0]);
-      mma(acc[nd + 1], a, b[1]);
-    }
-#if PRECISION != PRECISION_F16
-    if constexpr (WIDTH / 8 % 2 == 1)
-      mma(acc[WIDTH / 8 - 1], a, b_from_columns<WIDTH>(tile, kk * KSTEP, WIDTH - 8, lane));
+    for (int kk = 0; kk < TC_KEYS / KSTEP; ++kk) a[kk] = a_from_scores(scores + kk * (KSTEP / 8));
+    wgmma_products<1>(acc, a, tile);
+  } else
 #endif
+  {
+#pragma unroll
+    for (int kk = 0; kk < TC_KEYS / KSTEP; ++kk) {
+      const FragA a = a_from_scores(scores + kk * (KSTEP / 8));
+#pragma unroll
+      for (int nd = 0; nd + 1 < WIDTH / 8; nd += 2) {
+        FragB b[2];
+        b_pair_from_columns<WIDTH>(b, tile, kk * KSTEP, nd * 8, lane);
+        mma(acc[nd], a, b[0]);
+        mma(acc[nd + 1], a, b[1]);
+      }
+#if PRECISION != PRECISION_F16
+      if constexpr (WIDTH / 8 % 2 == 1)
+        mma(acc[WIDTH / 8 - 1], a, b_from_columns<WIDTH>(tile, kk * KSTEP, WIDTH - 8, lane));
+#endif
+    }
   }
 }
 

@@ -364,19 +364,21 @@ inline T shfl_xor(Site site, unsigned mask, T value, int lane_mask, int width) {
   return result;
 }
 
-// Every lane's `mine`, in lane order, into `all` (32 entries): what a warp-wide
-// instruction such as the tensor cores' mma.sync sees of its operands. Like
-// __shfl_xor_sync, a block-wide exchange: every thread of the block calls it,
-// and the block's warps must all be whole.
-template <class T>
+// Every lane's `mine`, in lane order, into `all` (GatherLanes entries: 32, a warp's,
+// or 128, a warpgroup's): what a warp-wide instruction such as the tensor
+// cores' mma.sync (or sm_90's warpgroup-wide wgmma) sees of its operands.
+// Like __shfl_xor_sync, a block-wide exchange: every thread of the block calls
+// it, and the block's warps (warpgroups) must all be whole.
+template <unsigned GatherLanes = 32, class T>
 inline void warp_gather(Site site, const T& mine, T* all) {
   static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= gather_slot_bytes);
   Launch& L = current_launch("warp_gather()");
   std::memcpy(&L.wide_stage[L.current * gather_slot_bytes], &mine, sizeof(T));
   barrier(site, Kind::gather_write);
-  const unsigned base = L.current - L.current % 32;
-  if (base + 32 > L.nthreads) fail("warp_gather at %s:%d: the warp of thread %u is not whole", site.file, site.line, L.current);
-  for (unsigned i = 0; i < 32; ++i) std::memcpy(&all[i], &L.wide_stage[(base + i) * gather_slot_bytes], sizeof(T));
+  const unsigned base = L.current - L.current % GatherLanes;
+  if (base + GatherLanes > L.nthreads)
+    fail("warp_gather at %s:%d: the %u lanes of thread %u are not whole", site.file, site.line, GatherLanes, L.current);
+  for (unsigned i = 0; i < GatherLanes; ++i) std::memcpy(&all[i], &L.wide_stage[(base + i) * gather_slot_bytes], sizeof(T));
   barrier(site, Kind::gather_read);
 }
 

@@ -106,6 +106,61 @@ inline void load_matrices_at(detail::Site site, unsigned (&r)[4], const void* ro
   }
 }
 
+// wgmma (sm_90a, ptx.cuh's TC_WGMMA): the descriptor keeps the tile's
+// address whole (the GPU's 14 bits of it are a shared-window offset), and
+// each entry of B is read where the tensor cores read it: the canonical
+// layout's address (ptx.cuh: K-major rows n, or MN-major rows k, 128 bytes
+// apart, 8-row groups `stride_bytes` apart, 64-column blocks
+// `leading_bytes` apart), its 16-byte piece then swizzled by the address's
+// own bits (bits 4-6 ^= bits 7-9, as the GPU does: a tile not 1024-byte
+// aligned reads other pieces there and here alike). A gathered from the
+// warpgroup's 128 threads, D's entries each summed as mma_f16's are.
+struct wgmma_descriptor_t {
+  const unsigned char* start;
+  int leading_bytes, stride_bytes;
+};
+inline wgmma_descriptor_t wgmma_descriptor(const unsigned char* start, int leading_bytes, int stride_bytes) {
+  return {start, leading_bytes, stride_bytes};
+}
+
+inline float wgmma_b_entry(const wgmma_descriptor_t& b, bool trans_b, int k, int n) {
+  const int row = trans_b ? k : n, column = trans_b ? n % 64 : k;
+  const std::uintptr_t logical = reinterpret_cast<std::uintptr_t>(b.start) + (row % 8) * 128 +
+                                 (row / 8) * b.stride_bytes + (trans_b ? (n / 64) * b.leading_bytes : 0) +
+                                 column * 2;
+  const std::uintptr_t swizzled = logical ^ (((logical >> 7) & 7) << 4);
+  unsigned short bits;
+  std::memcpy(&bits, reinterpret_cast<const void*>(swizzled), 2);
+  return half_value(bits);
+}
+
+template <int TRANS_B>
+inline void wgmma_f16_at(detail::Site site, float (&d)[8][4], const unsigned (&a)[4], wgmma_descriptor_t b,
+                         int accumulate) {
+  detail::check_aligned(site, "wgmma", "a descriptor's shared", b.start, 16);
+  if ((reinterpret_cast<std::uintptr_t>(b.start) >> 7) % 8 != 0)  // the descriptors' base offset is 0
+    detail::fail("wgmma at %s:%d: a descriptor's start %p lies in the swizzle's row %d, not in a 1024-byte-aligned "
+                 "pattern's first",
+                 site.file, site.line, static_cast<const void*>(b.start),
+                 (int)((reinterpret_cast<std::uintptr_t>(b.start) >> 7) % 8));
+  struct Lane {
+    unsigned a[4];
+  } mine{}, all[128];
+  std::memcpy(mine.a, a, sizeof mine.a);
+  detail::warp_gather<128>(site, mine, all);
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32, g = lane / 4, t = lane % 4;
+  for (int nb = 0; nb < 8; ++nb)
+    for (int e = 0; e < 4; ++e) {
+      const int r = g + 8 * (e / 2), n = nb * 8 + 2 * t + e % 2;  // row r of this warp's 16
+      double sum = 0;
+      for (int k = 0; k < 16; ++k) {
+        const Lane& holder = all[warp * 32 + (r % 8) * 4 + (k % 8) / 2];  // mma_f16's A layout, warp by warp
+        sum += (double)half_of(holder.a[(r / 8) + 2 * (k / 8)], k % 2) * (double)wgmma_b_entry(b, TRANS_B, k, n);
+      }
+      d[nb][e] = accumulate ? (float)((double)d[nb][e] + sum) : (float)sum;
+    }
+}
+
 }  // namespace cuda_emulator
 
 // A shared-memory address: the emulator's shared memory is host memory, so an
@@ -212,3 +267,26 @@ inline float fast_exp2(float x) { return std::exp2(x); }
 #define mma_f16(c, a, b) ::cuda_emulator::mma_f16_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, c, a, b)
 #define mma_tf32(c, a, b) ::cuda_emulator::mma_tf32_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, c, a, b)
 #define mma_f64(c, a, b) ::cuda_emulator::mma_f64_at(::cuda_emulator::detail::Site{__FILE__, __LINE__}, c, a, b)
+#define wgmma_f16 ::cuda_emulator::wgmma_f16_site{::cuda_emulator::detail::Site{__FILE__, __LINE__}}.run
+namespace cuda_emulator {
+// wgmma_f16<TRANS_B>(d, a, b, accumulate) at its call site (a macro cannot take the template argument).
+struct wgmma_f16_site {
+  detail::Site site;
+  template <int TRANS_B>
+  void run(float (&d)[8][4], const unsigned (&a)[4], wgmma_descriptor_t b, int accumulate) const {
+    wgmma_f16_at<TRANS_B>(site, d, a, b, accumulate);
+  }
+};
+}  // namespace cuda_emulator
+using ::cuda_emulator::wgmma_descriptor;
+using ::cuda_emulator::wgmma_descriptor_t;
+#ifndef TC_WGMMA
+#define TC_WGMMA 0
+#endif
+// The rest of ptx.cuh's wgmma: the emulator's wgmma runs at once, and its
+// memory is the threads' own (no proxy, no registers in flight).
+inline void wgmma_fence() {}
+inline void wgmma_commit() {}
+inline void wgmma_wait_all() {}
+inline void fence_proxy_async() {}
+inline void fence_operand(float&) {}
