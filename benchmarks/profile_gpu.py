@@ -11,11 +11,12 @@ its dQ kernel, float64 with the kernels not yet shipped (dQ summed by the
 dK/dV kernel, ``npattn.fast_cupy.TENSOR_FUSED_DQ``, and the forward keeping
 Q in shared memory at 3 blocks a multiprocessor, ``TENSOR_KEPT_Q``),
 float16, and float16 on sm_90a's wgmma (``TENSOR_WGMMA``, not yet
-shipped). Each runs once to compile its kernels and warm up, then once between
-``cudaProfilerStart`` and ``cudaProfilerStop``, so that a profiler started
-with ``--profile-from-start off`` sees that call's kernels alone; the script
-prints the workloads in the order their calls were profiled (the report
-lists the kernels in launch order: forward, ``D``, dQ where it runs, dK/dV).
+shipped). Each runs once to compile its kernels and warm up, then once
+between ``cudaProfilerStart`` and ``cudaProfilerStop``, so that a profiler
+started with ``--profile-from-start off`` sees that call's kernels alone;
+the script prints the workloads in the order their calls were profiled
+(the report lists the kernels in launch order: forward, ``D``, dQ where it
+runs, dK/dV).
 
 What it is for: ``count_sass.py``'s static bounds (a warp's tile in
 multiprocessor cycles of issue, of shared memory and, in float64, of the

@@ -581,8 +581,9 @@ def test_emulated_forward_keeps_q_in_shared_memory(monkeypatch, case, dtype, pre
     assert fast_cupy._forward_plan(EmulatedRuntime(shared_memory=16 * 1024), spec, q, precision).shared_bytes[0] == 0
 
 
-#: The tensor-core cases at H = Hv = 64, the heads the float16 forward on
-#: wgmma takes (a decode step's blocks of fewer warps do not).
+#: The tensor-core cases but those about head sizes, each run at H = Hv =
+#: 64, the heads the float16 kernels on wgmma take (a decode step's forward,
+#: in blocks of fewer warps, does not).
 WGMMA_CASES = [case for case in TENSOR_CASES if case not in ("widest heads", "odd eighths", "wide heads")]
 
 
