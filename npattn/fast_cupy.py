@@ -1446,7 +1446,9 @@ def _backward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: 
         fused = tensor_fused_dq(spec, precision, shared)
         kept = (0, fused) if fused else tensor_kept_operands(spec, precision, shared)
         wgmma = tensor_wgmma(spec, precision, spec.device, backward=True)
-        module = _tensor_module(runtime, spec, precision, warps, True, kept, bool(fused), wgmma)
+        module = _tensor_module(
+            runtime, spec, precision, warps, backward=True, kept=kept, fused_dq=bool(fused), wgmma=wgmma
+        )
         dkdv_bytes = _fused_bytes(spec, precision, fused) if fused else _kept_bytes(spec, precision, kept[1])
         shared_bytes = (_kept_bytes(spec, precision, kept[0]), dkdv_bytes)
         tiles = -(-spec.group_size * spec.q_len // tensor_tile(spec, precision, backward=True))

@@ -194,7 +194,7 @@ __device__ __forceinline__ void add_to_global(double* at, double x) {
 // wgmma_fence orders the registers' earlier writes before the next wgmma
 // reads them, wgmma_commit closes a group of wgmma and wgmma_wait_all waits
 // for every group: until then a wgmma's A and D registers are the tensor
-// cores' (fence_operand keeps the compiler from moving D's other uses
+// cores' (fence_operands keeps the compiler from moving D's other uses
 // across; ptxas holds A's registers itself), and its tile must stay as it
 // is. Shared memory written by this thread's generic stores or cp.async
 // reaches the tensor cores' async proxy only after fence_proxy_async (then
@@ -218,7 +218,12 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-__device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+__device__ __forceinline__ void fence_operands(float (&d)[8][4]) {
+#pragma unroll
+  for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[nb][e])::"memory");
+}
 
 // D (+)= A B: `accumulate` 0 overwrites D.
 template <int TRANS_B>

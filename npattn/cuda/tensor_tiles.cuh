@@ -153,20 +153,14 @@ __device__ __forceinline__ void wgmma_products(scalar_t (&c)[8][4], const FragA 
   // LBO: unused in both (K-major: 16, as CUTLASS sets it; MN-major: a second 64-column block's offset)
   constexpr int leading_bytes = TRANS_B ? TC_KEYS * 64 * (int)sizeof(tile_t) : 16;
   const shared_address_t start = shared_address(tile);
-#pragma unroll
-  for (int nb = 0; nb < 8; ++nb)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) fence_operand(c[nb][e]);
+  fence_operands(c);
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < STEPS; ++ks)
     wgmma_f16<TRANS_B>(c, a[ks].r, wgmma_descriptor(start + ks * step_bytes, leading_bytes, group_bytes), 1);
   wgmma_commit();
   wgmma_wait_all();
-#pragma unroll
-  for (int nb = 0; nb < 8; ++nb)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) fence_operand(c[nb][e]);
+  fence_operands(c);
 }
 #endif
 

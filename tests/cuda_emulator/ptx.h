@@ -289,4 +289,4 @@ inline void wgmma_fence() {}
 inline void wgmma_commit() {}
 inline void wgmma_wait_all() {}
 inline void fence_proxy_async() {}
-inline void fence_operand(float&) {}
+inline void fence_operands(float (&)[8][4]) {}
