@@ -13,7 +13,7 @@
     python benchmarks/bench_gpu.py --wgmma --kernels --base HEAD      # float16's kernels on sm_90a's wgmma
     python benchmarks/bench_gpu.py --auto     # the fused path against the dense one at small sizes
     python benchmarks/bench_gpu.py --cache    # a decode step on a preallocated KV cache's views
-    python benchmarks/bench_gpu.py --host-time --base HEAD~1  # npattn's Python per decode call, no GPU
+    python benchmarks/bench_gpu.py --host-time --base HEAD~1  # npattn's Python per call (decode, training), no GPU
 
 ``--targets`` prints, for each workload of the fused path's targets, torch
 SDPA, the fused CuPy kernels (``npattn.fast_cupy``, what ``impl="chunked"``
@@ -145,12 +145,15 @@ calls each, the three in turn, twice.
 ``--host-time`` needs no GPU either: the Python npattn runs per call on the
 fused path, which a decode step's kernels (tens of microseconds) wait on, with
 ``--count-memory``'s stand-ins (NumPy arrays in CuPy's place, kernels that do
-nothing) and outputs from a pool of zeros: ``attention_forward``'s time per
-call, best of ``--repeats`` rounds of ``HOST_CALLS`` calls, for the decode
-step of ``--targets`` (``impl="chunked"``), the same step with
+nothing), outputs from a pool of zeros and casts that take one from it
+(as CuPy's ``astype`` is an allocation and a kernel): ``attention_forward``'s
+time per call, best of ``--repeats`` rounds of ``HOST_CALLS`` calls, for
+the decode step of ``--targets`` (``impl="chunked"``), the same step with
 ``causal=True, align="bottom_right"`` (a KV cache's), the same step with
 the keys growing by one a call (a decoding loop's, each call a spec not
-seen before), and of each the time
+seen before), and a float16 training call's forward and backward (B=1,
+N=8, T=S=4096, H=64, whose forward kernel runs about 0.19 ms on an H100
+while the host issues the rest), and of each the time
 before the call's first kernel launch, which a synchronized step waits
 through before its kernels start (the rest of the call overlaps the
 kernels). With ``--base REV`` that git revision of npattn (or a
@@ -177,6 +180,7 @@ import time
 import tracemalloc
 from unittest import mock
 
+import array_api_compat.numpy
 import numpy as np
 
 try:
@@ -391,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kept", action="store_true", help="the backward by operands kept in shared memory")
     parser.add_argument("--auto", action="store_true", help="the fused path against the dense one at small sizes")
     parser.add_argument("--cache", action="store_true", help="a decode step on a preallocated KV cache's views")
-    parser.add_argument("--host-time", action="store_true", help="npattn's Python per decode call, on the CPU")
+    parser.add_argument(
+        "--host-time", action="store_true", help="npattn's Python per decode and training call, on the CPU"
+    )
     parser.add_argument(
         "--base", help="with --host-time or --kernels: a git revision (or folder, or 'worktree') of npattn beside"
     )
@@ -636,7 +642,7 @@ def count_memory(lengths: list[int]) -> int:
     return 0
 
 
-# --- npattn's Python per decode call, on the CPU ------------------------------------
+# --- npattn's Python per call, on the CPU -------------------------------------------
 
 #: Calls per round of each ``--host-time`` row.
 HOST_CALLS = 500
@@ -645,9 +651,10 @@ HOST_CALLS = 500
 @contextlib.contextmanager
 def _zeros_pool(fast_cupy):
     """``fast_cupy``'s allocations patched (``_empties`` and ``_scratch``;
-    ``_empty`` in revisions before 2026-11-27's fourth session): one array
-    of zeros per shape and dtype (or scratch size), handed out again (an
-    allocation's cost is CuPy's, not timed here)."""
+    ``_empty`` in revisions before 2026-11-27's fourth session), and the
+    namespace's ``astype`` where it casts: one array of zeros per shape and
+    dtype (or scratch size), handed out again (an allocation's cost, and a
+    cast's kernel, are CuPy's, not timed here)."""
     pool: dict = {}
 
     def empty(shape, dtype):
@@ -655,6 +662,9 @@ def _zeros_pool(fast_cupy):
         if key not in pool:
             pool[key] = np.zeros(shape, dtype)
         return pool[key]
+
+    def astype(x, dtype, /, *, copy=True, device=None):
+        return x if x.dtype == dtype and not copy else empty(x.shape, dtype)
 
     with contextlib.ExitStack() as stack:
         if hasattr(fast_cupy, "_empties"):
@@ -665,19 +675,22 @@ def _zeros_pool(fast_cupy):
         if hasattr(fast_cupy, "_scratch"):
             scratch = lambda spec, sizes: [empty((size,), np.uint8) for size in sizes]  # noqa: E731
             stack.enter_context(mock.patch.object(fast_cupy, "_scratch", scratch))
+        stack.enter_context(mock.patch.object(array_api_compat.numpy, "astype", astype))
         yield
 
 
 def _host_rows(rng: np.random.Generator, calls: int):
     """``(label, calls)`` of ``--host-time``'s rows: ``calls(package)`` is
-    a step of that revision of npattn, a function of no argument. The last
+    a call of that revision of npattn, a function of no argument. The third
     row's keys grow by one a call, from views of preallocated buffers, as a
     decoding loop's do (through :class:`npattn.KVCache`), for up to
-    ``calls`` calls, each of a key count not seen before."""
+    ``calls`` calls, each of a key count not seen before; the last row is a
+    float16 training call, forward and backward."""
     q = rng.standard_normal((1, 32, 1, 128)).astype(np.float16)
     S = 32768
     k, v = (np.zeros((1, 8, S + calls, 128), np.float16) for _ in range(2))
     kc, vc = (rng.standard_normal((1, 8, S, 128)).astype(np.float16) for _ in range(2))
+    training = [np.zeros((1, 8, 4096, 64), np.float16) for _ in range(4)]  # q, k, v, dout
 
     def fixed(**options):
         return lambda package: functools.partial(package.attention_forward, q, kc, vc, **options)
@@ -691,10 +704,19 @@ def _host_rows(rng: np.random.Generator, calls: int):
 
         return step
 
+    def forward_backward(package):
+        def call():
+            out, res = package.attention_forward(*training[:3], impl="chunked")
+            package.attention_backward(training[3], res)
+            return out, res
+
+        return call
+
     return [
         ("decode T=1 S=32768 (--targets')", fixed(impl="chunked")),
         ("  causal, bottom_right (a KV cache's)", fixed(causal=True, align="bottom_right")),
         ("  the same, S growing a key a call", growing),
+        ("train T=S=4096 N=8 H=64, fwd+bwd", forward_backward),
     ]
 
 
@@ -731,12 +753,12 @@ def _workload_helpers() -> dict:
 
 
 def host_time(base: str | None, rounds: int) -> int:
-    """Print npattn's Python per decode call on the fused path (see the module's docstring)."""
+    """Print npattn's Python per call on the fused path (see the module's docstring)."""
     helpers = _workload_helpers()
     packages = {"now": npattn} | ({"base": helpers["load_base"](base)} if base else {})
     print(f"npattn's Python per call on the fused CuPy path, on the CPU ({helpers['cpu_model']()}; kernels not run)")
     print(
-        f"float16, N=32 on K=8, H=128; best of {rounds} rounds of {HOST_CALLS} calls"
+        f"float16, decode N=32 on K=8, H=128; best of {rounds} rounds of {HOST_CALLS} calls"
         + (f"; base: {base}" if base else "")
         + "; us a call, whole and (pre) before its first launch"
     )

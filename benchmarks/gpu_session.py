@@ -39,7 +39,8 @@ With ``--profile``, three steps follow the first kernels step: ``profile``
 runs ``profile_gpu.py`` under Nsight Compute (``ncu --set full``, the
 clocks left alone, the npattn kernels of one profiled call of each
 workload: float64 with its dQ kernel and with the kernels not yet
-shipped, float16), its report kept outside ``OUT``; ``profile-metrics``
+shipped, float16 on ``mma.sync`` and on ``wgmma``, and a float16 decode
+step's forward), its report kept outside ``OUT``; ``profile-metrics``
 prints the report's every metric as CSV (``--page raw``) and
 ``profile-details`` its sections' figures and advice (``--page
 details``), each into its log.

@@ -313,8 +313,8 @@ def attention_forward(
             others.update(sinks=sinks, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
             others.update(score_mods=score_mods, mask_mod=mask_mod, block_mask=block_mask, xp=xp)
             spec = make_spec(q, k, v, **scalars, **others)
-    out, residuals = forward_from_spec(spec, q, k, v)
-    return _in_dtype(spec.xp, out, spec.dtype), residuals
+    _, residuals, output = _forward_and_output(spec, q, k, v)
+    return output, residuals
 
 
 def _plain_dense_forward(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any, DenseResiduals]:
@@ -333,6 +333,17 @@ def forward_from_spec(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any,
     dtype. For callers that build or adjust the spec themselves (ring
     attention's shard pairs); :func:`attention_forward` is this after
     :func:`~npattn.options.make_spec`."""
+    out, residuals, _ = _forward_and_output(spec, q, k, v, output=False)
+    return out, residuals
+
+
+def _forward_and_output(
+    spec: AttentionSpec, q: Any, k: Any, v: Any, output: bool = True
+) -> tuple[Any, AttentionResiduals, Any]:
+    """:func:`forward_from_spec`'s ``(out, residuals)`` and, with ``output``,
+    the call's output: ``out`` in the inputs' dtype (else None), written by
+    the CuPy kernels themselves where no sinks rescale ``out`` after them
+    (:func:`npattn.fast_cupy.forward_and_output`), else cast."""
     kernel = "dense" if spec.impl == "dense" else chunked_kernel(spec)
     if spec.impl == "auto":
         spec = _resolved(spec, kernel)  # choose_impl(spec), its kernel asked once
@@ -341,6 +352,7 @@ def forward_from_spec(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any,
     dtype = fast_cupy.operand_dtype(spec) if kernel == "cupy" else spec.compute_dtype  # what the kernel reads
     qc, kc, vc = _in_dtype(xp, q, dtype), _in_dtype(xp, k, dtype), _in_dtype(xp, v, dtype)
     residuals: AttentionResiduals
+    returned = None
     if spec.impl == "dense":
         out, lse, probs = dense_forward(spec, qc, kc, vc)
         out, lse, factor = apply_sinks(spec, out, lse, overwrite=True)  # out: the kernel's own
@@ -348,9 +360,14 @@ def forward_from_spec(spec: AttentionSpec, q: Any, k: Any, v: Any) -> tuple[Any,
             probs = scaled_rows(xp, probs, factor, overwrite=True)  # (..., N, T, S): the sinks' share leaves each row
         residuals = DenseResiduals(spec, qc, kc, vc, out, lse, probs)
     else:
-        out, lse, _ = apply_sinks(spec, *_CHUNKED_KERNELS[kernel][0](spec, qc, kc, vc), overwrite=True)
+        if kernel == "cupy" and output and spec.sinks is None:  # the kernels write the output too
+            out, lse, returned = fast_cupy.forward_and_output(spec, qc, kc, vc)
+        else:
+            out, lse, _ = apply_sinks(spec, *_CHUNKED_KERNELS[kernel][0](spec, qc, kc, vc), overwrite=True)
         residuals = ChunkedResiduals(spec, qc, kc, vc, out, lse, kernel)
-    return out, residuals
+    if output and returned is None:
+        returned = _in_dtype(xp, out, spec.dtype)
+    return out, residuals, returned
 
 
 def attention_backward(dout, residuals, /, *, dlse=None) -> AttentionGrads:
@@ -699,7 +716,7 @@ def check_cotangent(
         raise TypeError(
             f"{name} must have dtype {dtype} (as the forward's {'lse' if name == 'dlse' else 'output'}), got {g.dtype}"
         )
-    return spec.xp.astype(g, spec.compute_dtype if into is None else into, copy=False)
+    return _in_dtype(spec.xp, g, spec.compute_dtype if into is None else into)
 
 
 def attention(q, k, v, /, **options):

@@ -84,6 +84,7 @@ __all__ = [
     "supports",
     "preferred",
     "forward",
+    "forward_and_output",
     "backward",
     "launch_shape",
     "kernel_source",
@@ -1473,6 +1474,35 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None
     with several key ranges (:func:`_splits`), each range's ``(O_r, lse_r)``
     merged as ``lse = logsumexp_r lse_r``, ``O = sum_r exp(lse_r - lse) O_r``.
     """
+    out, lse, _ = _forward(spec, q, k, v, runtime, None)
+    return out, lse
+
+
+def forward_and_output(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None = None) -> tuple:
+    """:func:`forward`'s ``(out, lse)`` and the call's output, ``out`` in
+    the inputs' dtype: for float16 inputs written by the kernels beside
+    ``out`` (the forward's, or the merge's with several key ranges), each
+    entry rounded to nearest even as a cast of ``out`` would round it, so
+    that no cast kernel runs after them; else ``out`` itself.
+    :func:`npattn.attention.attention_forward` takes it where no sinks
+    rescale ``out`` after the kernels.
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> x = np.zeros((1, 2, 3, 8), np.float16)
+    >>> spec = make_spec(x, x, x)
+    >>> spec.compute_dtype, operand_dtype(spec)  # out in the first, the call's output in the second
+    (dtype('float32'), dtype('float16'))
+    """
+    dtype = operand_dtype(spec)
+    out, lse, rounded = _forward(spec, q, k, v, runtime, None if dtype == spec.compute_dtype else dtype)
+    return out, lse, out if rounded is None else rounded
+
+
+def _forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None, rounded_dtype: Any) -> tuple:
+    """``(out, lse, out_rounded)``: :func:`forward`'s, and ``out`` again in
+    ``rounded_dtype`` (float16), written by the kernel that writes ``out``
+    (None where ``rounded_dtype`` is)."""
     runtime = runtime or _CUPY_RUNTIME
     xp, B, N, T, Hv = spec.xp, spec.num_batch, spec.num_heads, spec.q_len, spec.value_dim
     plan = _plan(runtime, spec, q, backward=False)
@@ -1480,18 +1510,24 @@ def forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | None
     kc, vc, kv_head_rows = _kv_operands(spec, k, v)
     call = plan.call(spec, kv_head_rows)
     forward_launch, *merge = plan.launches
-    dtype = spec.compute_dtype
-    outputs = ((B, N, T, Hv), dtype), ((B, N, T), dtype)
+    shape = (B, N, T, Hv)
+    outputs = (
+        (shape, spec.compute_dtype),
+        ((B, N, T), spec.compute_dtype),
+        None if rounded_dtype is None else (shape, rounded_dtype),
+    )
     if merge:  # each range's (O_r, lse_r): (splits, B, N, T, Hv) and (splits, B, N, T), merged into the outputs
         parts = _scratch(spec, plan.scratch)
-        runtime.launch(plan.module, *forward_launch, (qc, kc, vc, *parts, call.config), plan.shared_bytes[0])
-        out, lse = _empties(spec, *outputs)
-        runtime.launch(plan.module, *merge[0], (*parts, out, lse, call.config))
+        runtime.launch(plan.module, *forward_launch, (qc, kc, vc, *parts, None, call.config), plan.shared_bytes[0])
+        out, lse, out_rounded = _empties(spec, *outputs)
+        runtime.launch(plan.module, *merge[0], (*parts, out, lse, out_rounded, call.config))
     else:
-        out, lse = _empties(spec, *outputs)
-        runtime.launch(plan.module, *forward_launch, (qc, kc, vc, out, lse, call.config), plan.shared_bytes[0])
+        out, lse, out_rounded = _empties(spec, *outputs)
+        forward_arguments = (qc, kc, vc, out, lse, out_rounded, call.config)
+        runtime.launch(plan.module, *forward_launch, forward_arguments, plan.shared_bytes[0])
     bs = spec.batch_shape
-    return _shaped(xp, out, bs + (N, T, Hv)), _shaped(xp, lse, bs + (N, T))  # (..., N, T, Hv), (..., N, T)
+    out_rounded = None if out_rounded is None else _shaped(xp, out_rounded, bs + shape[1:])  # (..., N, T, Hv)
+    return _shaped(xp, out, bs + shape[1:]), _shaped(xp, lse, bs + (N, T)), out_rounded  # (..., N, T, Hv), (..., N, T)
 
 
 def backward(

@@ -258,12 +258,12 @@ def test_gpu_benchmark_counts_the_fused_paths_memory_without_a_gpu(capsys):
 def test_gpu_benchmark_times_the_decode_steps_python_without_a_gpu(capsys, monkeypatch):
     """``bench_gpu.py --host-time --base worktree`` times each decode row's
     call on the fused path's Python side (a fixed ``S``, twice, and ``S``
-    growing a key a call), this checkout's and the base's, on the CPU;
-    ``--base`` alone is an error."""
+    growing a key a call) and a training call's forward and backward, this
+    checkout's and the base's, on the CPU; ``--base`` alone is an error."""
     monkeypatch.setattr(sys, "path", list(sys.path))  # the base package's folder goes onto it
     assert _run_script("bench_gpu.py", ["--host-time", "--base", "worktree", "--repeats", "1"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("decode", "  "))]
-    assert len(rows) == 3 and "growing" in rows[2]
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("decode", "  ", "train"))]
+    assert len(rows) == 4 and "growing" in rows[2] and "fwd+bwd" in rows[3]
     for row in rows:
         now, now_launch, base, base_launch, ratio, launch_ratio = (float(x) for x in row.split()[-6:])
         assert 0 < now_launch < now and 0 < base_launch < base
@@ -636,7 +636,8 @@ def test_profiled_calls_run_once_each_between_start_and_stop(capsys, monkeypatch
     run: each workload's call is made once to warm up, then once between
     the profiler's start and stop (float64 with the dQ kernel, then with dQ
     summed by dK/dV and the forward keeping Q in shared memory, then
-    float16, then float16 on wgmma, its kernels built with ``TC_WGMMA``),
+    float16, then float16 on wgmma, its kernels built with ``TC_WGMMA``,
+    then a float16 decode step's forward over key ranges and their merge),
     and ``TENSOR_FUSED_DQ``, ``TENSOR_KEPT_Q`` and ``TENSOR_WGMMA`` are as
     they were after."""
     import numpy as np
@@ -660,7 +661,7 @@ def test_profiled_calls_run_once_each_between_start_and_stop(capsys, monkeypatch
     before = fast_cupy.TENSOR_FUSED_DQ, fast_cupy.TENSOR_KEPT_Q, fast_cupy.TENSOR_WGMMA
     with np.errstate(all="ignore"):  # the arrays the kernels would fill hold whatever was in memory
         status = profile_gpu["profile"](
-            cp, lambda: launched.append("start"), lambda: launched.append("stop"), (1, 2, 64, 64)
+            cp, lambda: launched.append("start"), lambda: launched.append("stop"), (1, 2, 64, 64), (4, 2, 700, 64)
         )
     assert status == 0 and before == (fast_cupy.TENSOR_FUSED_DQ, fast_cupy.TENSOR_KEPT_Q, fast_cupy.TENSOR_WGMMA)
     profiled = " ".join(launched).split("start ")[1:]
@@ -670,10 +671,11 @@ def test_profiled_calls_run_once_each_between_start_and_stop(capsys, monkeypatch
         ["npattn_forward_tc", "npattn_backward_d", "npattn_backward_dkdv_tc"],
         every,
         every,
+        ["npattn_forward_tc", "npattn_merge_splits"],
     ]
-    assert launched.count("npattn_forward_tc") == 8  # a warm-up call before each profiled one
+    assert launched.count("npattn_forward_tc") == 10  # a warm-up call before each profiled one
     q_bytes = 4 * 16 * 64 * 8  # Q kept: 4 warps' 16 rows of H=64 in float64
-    assert forward_shared == [0, 0, q_bytes, q_bytes, 0, 0, 0, 0]
-    assert on_wgmma == [False] * 16 + [True] * 6  # float16 on wgmma: the last two calls, warm-up and profiled
+    assert forward_shared == [0, 0, q_bytes, q_bytes, 0, 0, 0, 0, 0, 0]
+    assert on_wgmma == [False] * 16 + [True] * 6 + [False] * 2  # float16 on wgmma: its warm-up and profiled calls
     labels = [line.removeprefix("profiled: ") for line in capsys.readouterr().out.splitlines()]
-    assert labels == [label for label, _, _ in profile_gpu["WORKLOADS"]]
+    assert labels == [label for label, _, _ in profile_gpu["WORKLOADS"]] + [profile_gpu["DECODE_LABEL"]]

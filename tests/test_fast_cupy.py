@@ -46,11 +46,11 @@ from npattn.scores.sinks import apply_sinks, sinks_grad
 
 KERNEL_ARITY = {
     "npattn_backward_d": 5,
-    "npattn_merge_splits": 5,
-    "npattn_forward": 6,
+    "npattn_merge_splits": 6,
+    "npattn_forward": 7,
     "npattn_backward_dq": 9,
     "npattn_backward_dkdv": 9,
-    "npattn_forward_tc": 6,
+    "npattn_forward_tc": 7,
     "npattn_backward_dq_tc": 9,
     "npattn_backward_dkdv_tc": 11,
 }
@@ -991,7 +991,9 @@ def test_merge_kernel_merges_many_ranges(tensor_cores):
     lses[:, 1], lses[::5, 2], outs[:, 1] = -np.inf, -np.inf, 0.0
     out, lse = np.empty((N, Hv)), np.empty(N)
     config = fast_cupy._Call(spec, 4, splits).config
-    runtime.launch(module, "npattn_merge_splits", (N, 1, 1), fast_cupy.MERGE_THREADS, (outs, lses, out, lse, config))
+    runtime.launch(
+        module, "npattn_merge_splits", (N, 1, 1), fast_cupy.MERGE_THREADS, (outs, lses, out, lse, None, config)
+    )
     expected_out, expected_lse, _ = merge_partials(list(outs), list(lses))
     np.testing.assert_allclose(out, expected_out, rtol=1e-13, atol=1e-15)
     np.testing.assert_allclose(lse, expected_lse, rtol=1e-13)
@@ -1587,15 +1589,16 @@ def test_launch_shape_fits_static_shared_memory():
 #: The emulated tests that :func:`test_fused_kernels_run_clean_under_the_sanitizers`
 #: reruns (a ``-k`` expression): every option on the CUDA and the tensor
 #: cores, drawn problems, KV cache views read in place, misaligned inputs,
-#: key ranges and their merge, windows far out, fully masked rows; of the
-#: views on the CUDA cores (60-70 s each under the sanitizers) only the KV
-#: cache's.
+#: key ranges and their merge, windows far out, fully masked rows, float16
+#: outputs written by the kernels; of the views on the CUDA cores (60-70 s
+#: each under the sanitizers) only the KV cache's.
 SANITIZED_TESTS = (
     "test_emulated_kernels_match_generic_float64 or test_emulated_tensor_cores_match_float64"
     " or test_emulated_kernels_match_generic_on_drawn_problems or test_emulated_tensor_cores_on_drawn_problems"
     " or (test_kv_views_are_read_where_they_lie and (True] or cache-True-False))"
     " or test_misaligned_inputs or test_merge_kernel_merges or test_decoding_splits_the_keys"
     " or test_windows_wider or test_fully_masked_rows or test_float64_exp2_within_an_ulp"
+    " or test_float16_output_is_written_by_the_kernels"
 )
 
 
@@ -1804,6 +1807,39 @@ def test_public_api_reads_float16_as_it_is_on_the_tensor_cores(fused_on_numpy):
     fused = [x.astype(np.float64) for x in (out, res.lse, grads.dq, grads.dk, grads.dv)]
     _, exact = _public(*(x.astype(np.float64) for x in (q, k, v)), options, dout.astype(np.float64))
     _assert_within(fused, exact[:5], TENSOR_TOLERANCE["f16"] + 1e-3)
+
+
+#: float16 calls whose output the kernels write, by the kernel that writes
+#: it, and one whose sinks rescale ``out`` after the kernels (so cast).
+FLOAT16_OUTPUTS = {
+    "gqa causal bottom_right": "npattn_forward_tc",
+    "odd eighths": "npattn_forward",  # H = 24: on the CUDA cores (float16's tensor cores take heads in 16s)
+    "decode splits": "npattn_merge_splits",
+    "softcap alibi sinks": None,
+}
+
+
+@emulated
+@pytest.mark.parametrize("case", FLOAT16_OUTPUTS)
+def test_float16_output_is_written_by_the_kernels(fused_on_numpy, case):
+    """A float16 call's output: written by the kernel that writes ``out``
+    (the forward, or the merge of key ranges), each entry ``out`` rounded as
+    NumPy's cast rounds it, with no cast; where sinks rescale ``out``
+    after the kernels, cast from the rescaled ``out``."""
+    q, k, v, options = _problem(dtype=np.float16, **TENSOR_CASES[case])
+    writer = FLOAT16_OUTPUTS[case]
+    out, res = npattn.attention_forward(q, k, v, impl="chunked", **options)
+    assert res.kernel == "cupy" and out.dtype == np.float16 and res.out.dtype == np.float32
+    assert np.array_equal(out.view(np.uint16), res.out.astype(np.float16).view(np.uint16))  # the same bits
+    forward = next(i for i, (name, *_) in enumerate(fused_on_numpy.launches) if name.startswith("npattn_forward"))
+    written = [
+        (name, args[-2])
+        for (name, *_), args in zip(fused_on_numpy.launches[forward:], fused_on_numpy.arguments[forward:])
+    ]
+    assert [name for name, rounded in written if rounded is not None] == ([writer] if writer else [])
+    if writer:
+        assert next(rounded for name, rounded in written if name == writer).ctypes.data == out.ctypes.data
+    assert len(written) == (2 if "splits" in case else 1)
 
 
 @emulated

@@ -18,13 +18,16 @@
 // where the row sees no key). With config.splits > 1 (flash-decoding) the keys
 // are cut into that many ranges, grid.z runs batch element * splits, and
 // each range writes its own (O, lse) into slice `split` of `out` and `lse`,
-// which npattn.fast_cupy merges through lse.
+// which npattn.fast_cupy merges through lse. Where out_rounded is not null
+// (float16 inputs, one split), O is written there too, rounded to float16
+// as the caller's cast of `out` would round it: the call's output.
 extern "C" __global__ void __launch_bounds__(THREADS)
     npattn_forward(const tile_t* __restrict__ q,  // (B, N, T, H)
                    const tile_t* __restrict__ k,  // (B, KH, S, H), heads kv_head_rows rows apart
                    const tile_t* __restrict__ v,  // (B, KH, S, Hv), the same
                    scalar_t* __restrict__ out,      // (splits, B, N, T, Hv)
                    scalar_t* __restrict__ lse,      // (splits, B, N, T)
+                   tile_t* __restrict__ out_rounded,  // (B, N, T, Hv) or null: O again, as tile_t (one split)
                    const Config config) {
   __shared__ __align__(16) scalar_t key_tile[KEYS * HEAD_DIM];
   __shared__ __align__(16) scalar_t value_tile[KEYS * VALUE_DIM];
@@ -112,7 +115,9 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   for (int t = 0; t < TILE; ++t) {
     if (row_index[t] < 0) continue;
     const long long slot = (long long)split * pb.B * pb.N * pb.T + row_index[t];
-    store_lane<VALUE_DIM, DV>(out + slot * VALUE_DIM, acc[t], lane, l[t] > 0 ? 1 / l[t] : (scalar_t)0);
+    const scalar_t factor = l[t] > 0 ? 1 / l[t] : (scalar_t)0;
+    store_lane<VALUE_DIM, DV>(out + slot * VALUE_DIM, acc[t], lane, factor);
+    if (out_rounded) store_lane<VALUE_DIM, DV>(out_rounded + slot * VALUE_DIM, acc[t], lane, factor);
     if (lane == 0) lse[slot] = l[t] > 0 ? m[t] + fn_log(l[t]) : minus_inf;
   }
 }

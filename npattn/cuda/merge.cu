@@ -11,6 +11,9 @@
 // t + MERGE_THREADS, ..., then the block combines them; warp w sums w_s O_s
 // over the ranges s = w, w + MERGE_WARPS, ..., its lanes over the columns,
 // and the warps' sums are added in order (the same bits on every run).
+// Where out_rounded is not null (float16 inputs), O is written there too,
+// rounded to float16 as the caller's cast of `out` would round it
+// (entries.cuh's store_entry): the call's output.
 
 constexpr int MERGE_THREADS = 128;  // npattn/fast_cupy.py's MERGE_THREADS
 constexpr int MERGE_WARPS = MERGE_THREADS / 32;
@@ -39,6 +42,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
                         const scalar_t* __restrict__ lses,  // (splits, rows)
                         scalar_t* __restrict__ out,         // (rows, Hv)
                         scalar_t* __restrict__ lse,         // (rows,)
+                        tile_t* __restrict__ out_rounded,   // (rows, Hv) or null: O again, as tile_t
                         const Config config) {
   __shared__ scalar_t per_warp[MERGE_WARPS];
   __shared__ scalar_t sums[MERGE_WARPS][VALUE_DIM];
@@ -49,7 +53,10 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
   for (int s = threadIdx.x; s < splits; s += MERGE_THREADS) m = max(m, lses[s * rows + r]);
   m = merge_reduce<true>(m, per_warp);
   if (m == minus_inf) {  // the same for the whole block
-    for (int c = threadIdx.x; c < VALUE_DIM; c += MERGE_THREADS) out[r * VALUE_DIM + c] = 0;
+    for (int c = threadIdx.x; c < VALUE_DIM; c += MERGE_THREADS) {
+      out[r * VALUE_DIM + c] = 0;
+      if (out_rounded) store_entry(out_rounded + r * VALUE_DIM + c, (scalar_t)0);
+    }
     if (threadIdx.x == 0) lse[r] = minus_inf;
     return;
   }
@@ -71,7 +78,9 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
   for (int c = threadIdx.x; c < VALUE_DIM; c += MERGE_THREADS) {
     scalar_t merged = sums[0][c];
     for (int w = 1; w < MERGE_WARPS; ++w) merged += sums[w][c];
-    out[r * VALUE_DIM + c] = merged / total;
+    const scalar_t o = merged / total;
+    out[r * VALUE_DIM + c] = o;
+    if (out_rounded) store_entry(out_rounded + r * VALUE_DIM + c, o);
   }
   if (threadIdx.x == 0) lse[r] = m + fn_log(total);
 }

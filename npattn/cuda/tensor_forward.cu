@@ -27,6 +27,11 @@
 // wgmma, float16 at H = Hv = 64, 4 warps, 64 keys a tile: wgmma reads the
 // key and value tiles in shared memory once for the block, where each warp
 // reads them for its own mma.sync; npattn.fast_cupy.tensor_wgmma).
+//
+// Where out_rounded is not null (float16 inputs, one split), O is written
+// there too, each entry rounded to float16 as the caller's cast of `out`
+// would round it (entries.cuh's store_entry): the call's output, with no
+// cast of its own.
 #ifndef TC_KEPT_Q
 #define TC_KEPT_Q 0
 #endif
@@ -43,6 +48,7 @@ extern "C" __global__ void TC_FORWARD_BOUNDS
                       const tile_t* __restrict__ v,  // (B, KH, S, Hv), the same
                       scalar_t* __restrict__ out,       // (splits, B, N, T, Hv)
                       scalar_t* __restrict__ lse,       // (splits, B, N, T)
+                      tile_t* __restrict__ out_rounded,  // (B, N, T, Hv) or null: O again, as tile_t (one split)
                       const Config config) {
   constexpr int stages = TC_SPLIT_STAGES ? 1 : TC_STAGES;
   // 1024-byte aligned for wgmma's swizzle (ptx.cuh), whose tiles take TC_KEYS * 128 bytes each
@@ -181,7 +187,9 @@ extern "C" __global__ void TC_FORWARD_BOUNDS
     const scalar_t row_l = group_sum(l[i]);
     if (row_index[i] < 0) continue;
     const long long slot = (long long)split * pb.B * pb.N * pb.T + row_index[i];
-    store_row<VALUE_DIM>(out + slot * VALUE_DIM, acc, i, t, row_l > 0 ? 1 / row_l : (scalar_t)0);
+    const scalar_t factor = row_l > 0 ? 1 / row_l : (scalar_t)0;
+    store_row<VALUE_DIM>(out + slot * VALUE_DIM, acc, i, t, factor);
+    if (out_rounded) store_row<VALUE_DIM>(out_rounded + slot * VALUE_DIM, acc, i, t, factor);
     if (t == 0) lse[slot] = row_l > 0 ? m[i] * LN_2 + fn_log(row_l) : minus_inf;
   }
 }
