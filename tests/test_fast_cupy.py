@@ -1842,6 +1842,24 @@ def test_float16_output_is_written_by_the_kernels(fused_on_numpy, case):
     assert len(written) == (2 if "splits" in case else 1)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cupy"], indirect=True)
+@pytest.mark.parametrize("case", FLOAT16_OUTPUTS)
+def test_gpu_float16_output_is_the_cast_of_out(backend, case):
+    """On the GPU: a float16 call's output, written by the kernels (or cast,
+    with sinks), has the bits of CuPy's cast of the float32 ``out`` the
+    residuals keep, on the tensor cores, the CUDA cores and over key
+    ranges (test_float16_output_is_written_by_the_kernels on the CPU)."""
+    q, k, v, options = _problem(dtype=np.float16, **TENSOR_CASES[case])
+    out, res = npattn.attention_forward(
+        *(backend.asarray(x) for x in (q, k, v)), impl="chunked", **_on(backend, options)
+    )
+    assert res.kernel == "cupy" and out.dtype == np.float16
+    assert np.array_equal(
+        backend.to_numpy(out).view(np.uint16), backend.to_numpy(res.out.astype(np.float16)).view(np.uint16)
+    )
+
+
 @emulated
 def test_modes_read_kept_float16_residuals_in_the_compute_dtype(fused_on_numpy):
     """Second-order modes and the MHA weights' recomputation read float16
