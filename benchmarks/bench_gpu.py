@@ -80,7 +80,11 @@ whole call's wall time (synchronized before and after, as ``--targets``
 measures it), and the host's share: the wall time of ``DECODE_REPEATS``
 calls issued back to back without synchronizing, per call, against the
 host's own time to issue them (which the device time hides only where it
-is the longer). With ``--base REV``, that git revision of npattn (or a
+is the longer), and one synchronized call's timeline: for each launch,
+when the host issued it and when the device started and ended it (ms from
+the call's start), and the device's idle time before the first kernel and
+between kernels, where the call waited on the host. With ``--base REV``,
+that git revision of npattn (or a
 folder with a copy of the package, ``worktree`` for the files on disk)
 runs beside, call by call in turn on the same arrays, and each kernel's
 best device ms is printed for both with their ratio: a kernel change's
@@ -1003,10 +1007,12 @@ KERNEL_PRODUCTS = {"npattn_forward": 2, "npattn_backward_dq": 3, "npattn_backwar
 
 class _TimedLaunches:
     """``npattn.fast_cupy.Runtime`` that records CUDA events around each
-    launch of another runtime, to sum each kernel's device time."""
+    launch of another runtime, to sum each kernel's device time, and the
+    host's ``time.perf_counter()`` as it records each launch's first event."""
 
     def __init__(self, cp, inner):
         self.cp, self.inner, self.events = cp, inner, []
+        self.issued: list[float] = []  # each launch's host time, in the order of events
         self.grids: dict[str, tuple[int, int, int]] = {}  # each kernel's last grid
 
     def module(self, source, defines):
@@ -1020,6 +1026,7 @@ class _TimedLaunches:
 
     def launch(self, module, name, grid, threads, args, shared_bytes=0):
         start, end = self.cp.cuda.Event(), self.cp.cuda.Event()
+        self.issued.append(time.perf_counter())
         start.record()
         self.grids[name] = grid
         # a base revision's runtime, from before dynamic shared memory, takes no shared_bytes
@@ -1033,8 +1040,29 @@ class _TimedLaunches:
         totals: dict[str, float] = {}
         for name, start, end in self.events:
             totals[name] = totals.get(name, 0.0) + self.cp.cuda.get_elapsed_time(start, end)
-        self.events = []
+        self.events, self.issued = [], []
         return totals
+
+    def timeline(self, call) -> list[tuple[str, float, float, float]]:
+        """``call()`` once, the device synchronized before and after: each
+        launch's ``(kernel, issued, started, ended)``, ms from the call's
+        start (an event recorded, and the host's clock read, just before
+        it): when the host issued it, and when the device started and ended
+        it (its events'). A kernel started as soon as issued waited on the
+        host; one started as the one before ended, on the device."""
+        self.kernel_ms()  # synchronizes; earlier events dropped
+        origin = self.cp.cuda.Event()
+        origin.record()
+        host_origin = time.perf_counter()
+        call()
+        self.cp.cuda.runtime.deviceSynchronize()
+        elapsed = self.cp.cuda.get_elapsed_time
+        rows = [
+            (name, (issued - host_origin) * 1e3, elapsed(origin, start), elapsed(origin, end))
+            for (name, start, end), issued in zip(self.events, self.issued, strict=True)
+        ]
+        self.events, self.issued = [], []
+        return rows
 
 
 def _kernel_rows():
@@ -1134,6 +1162,20 @@ def _kernel_row(cp, timed: _TimedLaunches, problem: _Problem, arguments: tuple, 
         f"a call, of which the host issued for {issued / DECODE_REPEATS * 1e3:.3f} ms",
         flush=True,
     )
+    _print_timeline(timed.timeline(lambda: problem.npattn(backward)))
+
+
+def _print_timeline(rows: list[tuple[str, float, float, float]]) -> None:
+    """One synchronized call's launches (:meth:`_TimedLaunches.timeline`),
+    and the device's idle time before its first kernel and between kernels:
+    what the host's issuing adds to the call."""
+    print("  timeline, ms from the call's start: kernel, issued by the host, started and ended on the device")
+    idle, before = 0.0, rows[0][2]
+    for (name, issued, started, ended), previous in zip(rows, [None, *rows[:-1]]):
+        gap = 0.0 if previous is None else max(0.0, started - previous[3])
+        idle += gap
+        print(f"    {name:<26} {issued:8.3f} {started:8.3f} {ended:8.3f}" + (f"  (idle {gap:.3f})" if gap else ""))
+    print(f"    device idle: {before:.3f} ms before the first kernel, {idle:.3f} between kernels", flush=True)
 
 
 #: Tile sizes ``--tiles`` tries: keys per tile of the forward and dQ, query rows of dK/dV.

@@ -325,8 +325,9 @@ def _fake_gpu_bench(monkeypatch, runtime=None):
 
 def test_gpu_benchmark_kernel_breakdown_runs_its_python_side(capsys, monkeypatch):
     """``bench_gpu.py --kernels``'s own code (events around each launch, the
-    rates, the back-to-back calls) on NumPy in CuPy's place, kernels not run,
-    so that a GPU session's short device time is not lost to it."""
+    rates, the back-to-back calls, a call's timeline) on NumPy in CuPy's
+    place, kernels not run, so that a GPU session's short device time is
+    not lost to it."""
     import numpy as np
 
     bench_gpu, cp = _fake_gpu_bench(monkeypatch)
@@ -339,14 +340,17 @@ def test_gpu_benchmark_kernel_breakdown_runs_its_python_side(capsys, monkeypatch
         assert bench_gpu.kernels(cp, repeats=2) == 0
     out = capsys.readouterr().out
     kernels = [line.split()[0] for line in out.splitlines() if line.startswith("  npattn_")]
-    assert kernels == [
-        "npattn_forward_tc",
-        "npattn_backward_d",
-        "npattn_backward_dq_tc",
-        "npattn_backward_dkdv_tc",
-        "npattn_forward_tc",
-        "npattn_merge_splits",
-    ]
+    training = ["npattn_forward_tc", "npattn_backward_d", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"]
+    decode = ["npattn_forward_tc", "npattn_merge_splits"]
+    assert kernels == training + decode
+    timelines = [line.split() for line in out.splitlines() if line.startswith("    npattn_")]
+    assert [row[0] for row in timelines] == training + decode
+    for row in timelines:  # issued, started, ended: each fake event a "ms" after the one before
+        issued, started, ended = (float(x) for x in row[1:4])
+        assert issued >= 0 and ended == started + 1
+        assert (row[4:] == ["(idle", "1.000)"]) == (started > 1)  # a "ms" between one's end and the next's start
+    assert "device idle: 1.000 ms before the first kernel, 3.000 between kernels" in out
+    assert "device idle: 1.000 ms before the first kernel, 1.000 between kernels" in out
     assert out.count("TFLOP/s") == 3 and out.count("GB/s of k and v") == 1 and out.count("back to back") == 2
     # each launch spans one fake "ms"; 2 flops a multiply-add, B N T S H of them a product, halved by causal
     rates = [float(line.split()[3]) for line in out.splitlines() if line.endswith("TFLOP/s")]
