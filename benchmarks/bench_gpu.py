@@ -87,8 +87,9 @@ between kernels, where the call waited on the host. With ``--base REV``,
 that git revision of npattn (or a
 folder with a copy of the package, ``worktree`` for the files on disk)
 runs beside, call by call in turn on the same arrays, and each kernel's
-best device ms is printed for both with their ratio: a kernel change's
-effect, measured on one machine in one process.
+best device ms is printed for both with their ratio (a kernel change's
+effect, measured on one machine in one process), then each side's
+timeline.
 
 ``--tiles`` times each tensor-core kernel (forward, dQ, dK/dV) at each
 tile size of ``TILE_SIZES`` whose two tiles fit its shared memory (or, for
@@ -1119,6 +1120,9 @@ def kernels_against(cp, base, label: str, repeats: int) -> int:
             # every kernel's best summed: the call's kernels where one side launches fewer (--fused-dq)
             now, then = sum(best["now"].values()), sum(best["base"].values())
             print(f"  {'every kernel':<26} {now:9.3f} {then:9.3f} {now / then:9.3f}", flush=True)
+            for name, package in packages.items():
+                print(f"  {name}:", end="")
+                _print_timeline(timed[name].timeline(functools.partial(problem.npattn, backward, package=package)))
             del problem
             _free_pools(cp, None)
     return 0
@@ -1162,7 +1166,7 @@ def _kernel_row(cp, timed: _TimedLaunches, problem: _Problem, arguments: tuple, 
         f"a call, of which the host issued for {issued / DECODE_REPEATS * 1e3:.3f} ms",
         flush=True,
     )
-    _print_timeline(timed.timeline(lambda: problem.npattn(backward)))
+    _print_timeline(timed.timeline(functools.partial(problem.npattn, backward)))
 
 
 def _print_timeline(rows: list[tuple[str, float, float, float]]) -> None:

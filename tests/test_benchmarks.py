@@ -360,8 +360,8 @@ def test_gpu_benchmark_kernel_breakdown_runs_its_python_side(capsys, monkeypatch
 def test_gpu_benchmark_kernels_against_a_base_time_both_in_turn(capsys, monkeypatch):
     """``bench_gpu.py --kernels --base worktree``'s own code on NumPy in
     CuPy's place, kernels not run: each kernel of each package timed by its
-    own events, both packages' rows printed with their ratio, and their
-    sums."""
+    own events, both packages' rows printed with their ratio, their sums,
+    and a call's timeline for each."""
     import numpy as np
 
     bench_gpu, cp = _fake_gpu_bench(monkeypatch)
@@ -385,6 +385,12 @@ def test_gpu_benchmark_kernels_against_a_base_time_both_in_turn(capsys, monkeypa
         assert float(now) == float(then) == 1.0 and float(ratio) == 1.0
     (every,) = [line.split()[2:] for line in out if line.startswith("  every kernel")]
     assert [float(x) for x in every] == [4.0, 4.0, 1.0]  # the four kernels' ms summed
+    timelines = [line.split()[0] for line in out if line.startswith("    npattn_")]  # now's call, then base's
+    assert timelines == [line[0] for line in lines] * 2
+    assert [line for line in out if line.startswith("  ") and line.endswith("on the device")] == [
+        f"  {side}:  timeline, ms from the call's start: kernel, issued by the host, started and ended on the device"
+        for side in ("now", "base")
+    ]
 
 
 def test_gpu_benchmark_auto_rows_time_both_paths_and_say_which_auto_takes(capsys, monkeypatch):
