@@ -365,8 +365,8 @@ def _forward_and_output(
         else:
             out, lse, _ = apply_sinks(spec, *_CHUNKED_KERNELS[kernel][0](spec, qc, kc, vc), overwrite=True)
         residuals = ChunkedResiduals(spec, qc, kc, vc, out, lse, kernel)
-    if output and returned is None:
-        returned = _in_dtype(xp, out, spec.dtype)
+    if output:  # the inputs' dtype, whatever the kernels wrote (a no-op where they wrote it)
+        returned = _in_dtype(xp, out if returned is None else returned, spec.dtype)
     return out, residuals, returned
 
 
