@@ -1121,8 +1121,8 @@ def kernels_against(cp, base, label: str, repeats: int) -> int:
             now, then = sum(best["now"].values()), sum(best["base"].values())
             print(f"  {'every kernel':<26} {now:9.3f} {then:9.3f} {now / then:9.3f}", flush=True)
             for name, package in packages.items():
-                print(f"  {name}:", end="")
-                _print_timeline(timed[name].timeline(functools.partial(problem.npattn, backward, package=package)))
+                call = functools.partial(problem.npattn, backward, package=package)
+                _print_timeline(timed[name].timeline(call), f"{name}'s timeline")
             del problem
             _free_pools(cp, None)
     return 0
@@ -1169,11 +1169,11 @@ def _kernel_row(cp, timed: _TimedLaunches, problem: _Problem, arguments: tuple, 
     _print_timeline(timed.timeline(functools.partial(problem.npattn, backward)))
 
 
-def _print_timeline(rows: list[tuple[str, float, float, float]]) -> None:
+def _print_timeline(rows: list[tuple[str, float, float, float]], label: str = "timeline") -> None:
     """One synchronized call's launches (:meth:`_TimedLaunches.timeline`),
-    and the device's idle time before its first kernel and between kernels:
-    what the host's issuing adds to the call."""
-    print("  timeline, ms from the call's start: kernel, issued by the host, started and ended on the device")
+    under ``label``, and the device's idle time before its first kernel and
+    between kernels: what the host's issuing adds to the call."""
+    print(f"  {label}, ms from the call's start: kernel, issued by the host, started and ended on the device")
     idle, before = 0.0, rows[0][2]
     for (name, issued, started, ended), previous in zip(rows, [None, *rows[:-1]]):
         gap = 0.0 if previous is None else max(0.0, started - previous[3])

@@ -1526,8 +1526,9 @@ def _forward(spec: AttentionSpec, q: Any, k: Any, v: Any, runtime: Runtime | Non
         forward_arguments = (qc, kc, vc, out, lse, out_rounded, call.config)
         runtime.launch(plan.module, *forward_launch, forward_arguments, plan.shared_bytes[0])
     bs = spec.batch_shape
-    out_rounded = None if out_rounded is None else _shaped(xp, out_rounded, bs + shape[1:])  # (..., N, T, Hv)
-    return _shaped(xp, out, bs + shape[1:]), _shaped(xp, lse, bs + (N, T)), out_rounded  # (..., N, T, Hv), (..., N, T)
+    out_shape = bs + (N, T, Hv)
+    out_rounded = None if out_rounded is None else _shaped(xp, out_rounded, out_shape)  # (..., N, T, Hv)
+    return _shaped(xp, out, out_shape), _shaped(xp, lse, bs + (N, T)), out_rounded  # (..., N, T, Hv), (..., N, T)
 
 
 def backward(

@@ -388,7 +388,7 @@ def test_gpu_benchmark_kernels_against_a_base_time_both_in_turn(capsys, monkeypa
     timelines = [line.split()[0] for line in out if line.startswith("    npattn_")]  # now's call, then base's
     assert timelines == [line[0] for line in lines] * 2
     assert [line for line in out if line.startswith("  ") and line.endswith("on the device")] == [
-        f"  {side}:  timeline, ms from the call's start: kernel, issued by the host, started and ended on the device"
+        f"  {side}'s timeline, ms from the call's start: kernel, issued by the host, started and ended on the device"
         for side in ("now", "base")
     ]
 
