@@ -147,13 +147,13 @@ _TENSOR_SOURCES = _COMMON_SOURCES + ("ptx.cuh", "exp2.cuh", "operands.cuh", "ten
 
 #: The kernels' source files (``npattn/cuda``), in order, by kind: the
 #: CUDA-core kernels (every dtype and head size), and the tensor-core
-#: forward (with the merge of key ranges) and backward (with ``D``), compiled
-#: apart so that each sizes its own tiles (:func:`tensor_precision`,
-#: :func:`tensor_tile`).
+#: forward (with the merge of key ranges) and backward (with ``D``'s own
+#: kernel, for the dK/dV kernel that sums dQ), compiled apart so that each
+#: sizes its own tiles (:func:`tensor_precision`, :func:`tensor_tile`).
 SOURCES = {
-    "cuda_cores": _COMMON_SOURCES + ("tiles.cuh", "backward_d.cu", "merge.cu", "forward.cu", "backward.cu"),
+    "cuda_cores": _COMMON_SOURCES + ("tiles.cuh", "delta.cuh", "merge.cu", "forward.cu", "backward.cu"),
     "tensor_forward": _TENSOR_SOURCES + ("merge.cu", "tensor_forward.cu"),
-    "tensor_backward": _TENSOR_SOURCES + ("backward_d.cu", "tensor_backward.cu"),
+    "tensor_backward": _TENSOR_SOURCES + ("delta.cuh", "backward_d.cu", "tensor_backward.cu"),
 }
 
 #: Largest ``H`` and ``Hv`` the tensor-core kernels take (their operands
@@ -1343,7 +1343,8 @@ class _Plan(NamedTuple):
     worked out by :func:`_plan` (and kept there for a spec that recurs):
     ``launches`` of ``module``'s kernels
     (the forward's, then the merge's where the keys are cut into ``splits``
-    ranges; or ``D``'s, ``dQ``'s and ``dK``/``dV``'s); ``calls``, the
+    ranges; or ``dQ``'s (with ``D``), or ``D``'s where the dK/dV kernel
+    sums dQ, and ``dK``/``dV``'s); ``calls``, the
     kernels' :class:`_Call` by the rows between kv heads
     (:func:`_kv_operands`), kept where the spec has no per-batch arrays
     (whose copies, and so addresses, are a call's own); and ``scratch``,
@@ -1430,11 +1431,11 @@ def _forward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: s
 
 
 def _backward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: str | None) -> _Plan:
-    """:func:`backward`'s launches: ``D``'s (a warp per row), then ``dQ``'s
-    over (row blocks, kv heads, batch), unless the dK/dV kernel sums dQ
-    (:func:`tensor_fused_dq`), and ``dK``/``dV``'s over (key blocks, kv
-    heads, batch), with the dynamic shared memory of the operands they keep
-    there on ``like``'s device."""
+    """:func:`backward`'s launches: ``dQ``'s over (row blocks, kv heads,
+    batch), which writes ``D`` too, or, where the dK/dV kernel sums dQ
+    (:func:`tensor_fused_dq`), ``D``'s own (a warp per row); then
+    ``dK``/``dV``'s over (key blocks, kv heads, batch), with the dynamic
+    shared memory of the operands they keep there on ``like``'s device."""
     B, K = spec.num_batch, spec.num_kv_heads
     shared_bytes, dq_flags = (0, 0), None
     if precision is None:
@@ -1456,13 +1457,12 @@ def _backward_plan(runtime: Runtime, spec: AttentionSpec, like: Any, precision: 
         dq_flags = B * K * (1 + tiles) if fused else 0  # a kv head's ticket counter, then its tiles' flags
         threads, suffix, block_rows = 32 * warps, "_tc", TENSOR_WARP_ROWS * warps
         row_blocks, key_blocks = -(-spec.group_size * spec.q_len // block_rows), -(-spec.kv_len // block_rows)
-    rows = B * spec.num_heads * spec.q_len
-    dq_launch = () if dq_flags else (("npattn_backward_dq" + suffix, (row_blocks, K, B), threads),)
-    launches = (
-        ("npattn_backward_d", (-(-rows // (BLOCK_THREADS // 32)), 1, 1), BLOCK_THREADS),
-        *dq_launch,
-        ("npattn_backward_dkdv" + suffix, (key_blocks, K, B), threads),
-    )
+    if dq_flags:
+        rows = B * spec.num_heads * spec.q_len
+        first: _Launch = ("npattn_backward_d", (-(-rows // (BLOCK_THREADS // 32)), 1, 1), BLOCK_THREADS)
+    else:
+        first = ("npattn_backward_dq" + suffix, (row_blocks, K, B), threads)
+    launches = (first, ("npattn_backward_dkdv" + suffix, (key_blocks, K, B), threads))
     return _Plan(module, launches, 1, {}, shared_bytes=shared_bytes, dq_flags=dq_flags)
 
 
@@ -1546,13 +1546,13 @@ def backward(
     but for the gradients' dtype: :func:`operand_dtype` (float16 for
     float16 inputs, else the compute dtype).
 
-    ``D = rowsum(dO * O) - dlse`` in ``npattn_backward_d``
-    (``npattn/cuda/backward_d.cu``), then ``dQ`` (and the ALiBi slopes'
-    per-row sums ``-sum_j dS_ij |p_i - j|``) in ``npattn_backward_dq`` and
-    ``dK``, ``dV`` in ``npattn_backward_dkdv`` (``npattn/cuda/backward.cu``;
-    on the tensor cores their ``_tc`` twins of ``tensor_backward.cu``, whose
-    dK/dV kernel sums dQ too where :func:`tensor_fused_dq` says, so that
-    no dQ kernel runs).
+    ``D = rowsum(dO * O) - dlse`` (``npattn/cuda/delta.cuh``) and ``dQ``
+    (and the ALiBi slopes' per-row sums ``-sum_j dS_ij |p_i - j|``) in
+    ``npattn_backward_dq``, then ``dK``, ``dV`` in ``npattn_backward_dkdv``
+    (``npattn/cuda/backward.cu``; on the tensor cores their ``_tc`` twins
+    of ``tensor_backward.cu``, whose dK/dV kernel sums dQ too where
+    :func:`tensor_fused_dq` says, so that no dQ kernel runs and
+    ``npattn_backward_d`` writes ``D`` before it).
     ``q``, ``k``, ``v`` and ``dout`` may come in the compute dtype or in
     :func:`operand_dtype`; they are read in the latter.
     """
@@ -1563,7 +1563,7 @@ def backward(
     qc, doc = _operands(spec, q, dout)
     kc, vc, kv_head_rows = _kv_operands(spec, k, v)
     call = plan.call(spec, kv_head_rows)
-    d_launch, *dq_launch, dkdv_launch = plan.launches
+    first_launch, dkdv_launch = plan.launches  # dQ's (or, where dK/dV sums dQ, D's), then dK/dV's
     grads, rows = operand_dtype(spec), ((B, N, T), spec.compute_dtype)
     D, dq, dk, dv, slope_rows = _empties(  # slope_rows: ALiBi's per-row sums, None without ALiBi
         spec,
@@ -1574,17 +1574,16 @@ def backward(
         rows if spec.alibi_slopes is not None else None,
     )
     outc, lsec, dlsec = (None if x is None else _contiguous(x) for x in (out, lse, dlse))
-    runtime.launch(plan.module, *d_launch, (doc, outc, dlsec, D, call.config))
     inputs = (qc, kc, vc, doc, lsec, D)
     dq_shared, dkdv_shared = plan.shared_bytes
-    sums: tuple[Any, ...] = ()  # the tensor-core dK/dV kernel's dQ and flags where it sums dQ
-    if plan.dq_flags:
+    if plan.dq_flags:  # the tensor-core dK/dV kernel sums dQ: its dQ and flags
         dq, flags = _zeros(spec, ((B, N, T, H), grads), ((plan.dq_flags,), np.int32))
-        sums = (dq, flags)
-    elif plan.dq_flags is not None:
-        sums = (None, None)
-    if dq_launch:
-        runtime.launch(plan.module, *dq_launch[0], (*inputs, dq, slope_rows, call.config), dq_shared)
+        sums: tuple[Any, ...] = (dq, flags)
+        runtime.launch(plan.module, *first_launch, (doc, outc, dlsec, D, call.config))
+    else:
+        sums = () if plan.dq_flags is None else (None, None)
+        dq_arguments = (*inputs, outc, dlsec, dq, slope_rows, call.config)
+        runtime.launch(plan.module, *first_launch, dq_arguments, dq_shared)
     runtime.launch(plan.module, *dkdv_launch, (*inputs, dk, dv, *sums, call.config), dkdv_shared)
     alibi_total = None if slope_rows is None else xp.reshape(xp.sum(slope_rows, axis=-1), bs + (N,))  # (..., N)
     params = param_grads_from_heads(spec, alibi_total)

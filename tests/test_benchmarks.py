@@ -340,7 +340,7 @@ def test_gpu_benchmark_kernel_breakdown_runs_its_python_side(capsys, monkeypatch
         assert bench_gpu.kernels(cp, repeats=2) == 0
     out = capsys.readouterr().out
     kernels = [line.split()[0] for line in out.splitlines() if line.startswith("  npattn_")]
-    training = ["npattn_forward_tc", "npattn_backward_d", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"]
+    training = ["npattn_forward_tc", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"]
     decode = ["npattn_forward_tc", "npattn_merge_splits"]
     assert kernels == training + decode
     timelines = [line.split() for line in out.splitlines() if line.startswith("    npattn_")]
@@ -349,7 +349,7 @@ def test_gpu_benchmark_kernel_breakdown_runs_its_python_side(capsys, monkeypatch
         issued, started, ended = (float(x) for x in row[1:4])
         assert issued >= 0 and ended == started + 1
         assert (row[4:] == ["(idle", "1.000)"]) == (started > 1)  # a "ms" between one's end and the next's start
-    assert "device idle: 1.000 ms before the first kernel, 3.000 between kernels" in out
+    assert "device idle: 1.000 ms before the first kernel, 2.000 between kernels" in out
     assert "device idle: 1.000 ms before the first kernel, 1.000 between kernels" in out
     assert out.count("TFLOP/s") == 3 and out.count("GB/s of k and v") == 1 and out.count("back to back") == 2
     # each launch spans one fake "ms"; 2 flops a multiply-add, B N T S H of them a product, halved by causal
@@ -375,16 +375,11 @@ def test_gpu_benchmark_kernels_against_a_base_time_both_in_turn(capsys, monkeypa
         assert bench_gpu.kernels_against(cp, base, "worktree", repeats=2) == 0
     out = capsys.readouterr().out.splitlines()
     lines = [line.split() for line in out if line.startswith("  npattn_")]
-    assert [line[0] for line in lines] == [
-        "npattn_forward_tc",
-        "npattn_backward_d",
-        "npattn_backward_dq_tc",
-        "npattn_backward_dkdv_tc",
-    ]
+    assert [line[0] for line in lines] == ["npattn_forward_tc", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"]
     for _, now, then, ratio in lines:  # each launch spans one fake "ms": its own two events
         assert float(now) == float(then) == 1.0 and float(ratio) == 1.0
     (every,) = [line.split()[2:] for line in out if line.startswith("  every kernel")]
-    assert [float(x) for x in every] == [4.0, 4.0, 1.0]  # the four kernels' ms summed
+    assert [float(x) for x in every] == [3.0, 3.0, 1.0]  # the three kernels' ms summed
     timelines = [line.split()[0] for line in out if line.startswith("    npattn_")]  # now's call, then base's
     assert timelines == [line[0] for line in lines] * 2
     assert [line for line in out if line.startswith("  ") and line.endswith("on the device")] == [
@@ -675,7 +670,7 @@ def test_profiled_calls_run_once_each_between_start_and_stop(capsys, monkeypatch
         )
     assert status == 0 and before == (fast_cupy.TENSOR_FUSED_DQ, fast_cupy.TENSOR_KEPT_Q, fast_cupy.TENSOR_WGMMA)
     profiled = " ".join(launched).split("start ")[1:]
-    every = ["npattn_forward_tc", "npattn_backward_d", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"]
+    every = ["npattn_forward_tc", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"]
     assert [call.split(" stop")[0].split() for call in profiled] == [
         every,
         ["npattn_forward_tc", "npattn_backward_d", "npattn_backward_dkdv_tc"],

@@ -48,10 +48,10 @@ KERNEL_ARITY = {
     "npattn_backward_d": 5,
     "npattn_merge_splits": 6,
     "npattn_forward": 7,
-    "npattn_backward_dq": 9,
+    "npattn_backward_dq": 11,
     "npattn_backward_dkdv": 9,
     "npattn_forward_tc": 7,
-    "npattn_backward_dq_tc": 9,
+    "npattn_backward_dq_tc": 11,
     "npattn_backward_dkdv_tc": 11,
 }
 #: The kernels that read ``k`` and ``v`` (arguments 1 and 2) where they lie:
@@ -69,7 +69,6 @@ KIND_KERNELS = {
     "cuda_cores": (
         "npattn_forward",
         "npattn_merge_splits",
-        "npattn_backward_d",
         "npattn_backward_dq",
         "npattn_backward_dkdv",
     ),
@@ -381,7 +380,6 @@ def test_emulated_tensor_cores_match_float64(case, dtype, precision):
     assert launched == [
         "npattn_forward_tc",
         *merged,
-        "npattn_backward_d",
         "npattn_backward_dq_tc",
         "npattn_backward_dkdv_tc",
     ]
@@ -446,7 +444,7 @@ def test_emulated_backward_with_operands_kept_in_shared_memory(monkeypatch, case
         * {"f16": 16, "tf32x3": 16, "f64": 32}[precision]
         for n in kept
     ]
-    assert [shared for name, shared in launched if name.startswith("npattn_backward_d")] == [0, *expected]
+    assert [shared for name, shared in launched if name.startswith("npattn_backward_d")] == expected
     assert all(shared == 0 for name, shared in launched if name.startswith(("npattn_forward", "npattn_merge")))
     _assert_within(fused, exact, TENSOR_TOLERANCE[precision])
 
@@ -1007,6 +1005,62 @@ def test_fully_masked_rows():
     assert np.all(out[1] == 0) and np.all(lse[1] == -np.inf) and np.all(dq[1] == 0)
 
 
+#: Calls whose D (the backward's rowsum(dO * O) - dlse) is checked row by
+#: row: (options, dtype, whether the dK/dV kernel sums dQ). Fully masked
+#: rows (the second batch element's, O = 0) on the CUDA cores and the
+#: tensor cores, a block's last warp past the stacked rows, float16's dO
+#: read as float16, and float64's D kernel where no dQ kernel runs.
+D_MATRIX = {
+    "cuda cores": (CASES["lengths bottom_right"], np.float64, False),
+    "tensor cores": (TENSOR_CASES["lengths bottom_right"], np.float64, False),
+    "rows past the last": (TENSOR_CASES["two warps"], np.float64, False),
+    "float16": (TENSOR_CASES["lengths bottom_right"], np.float16, False),
+    "dkdv sums dq": (TENSOR_CASES["lengths bottom_right"], np.float64, True),
+}
+
+
+@emulated
+@pytest.mark.parametrize("case", D_MATRIX)
+def test_backward_writes_d_for_every_row(monkeypatch, case):
+    """``D = rowsum(dO * O) - dlse`` (``npattn/cuda/delta.cuh``) as the dK/dV
+    kernel reads it: written by the dQ kernel for its rows (or, where the
+    dK/dV kernel sums dQ, by ``npattn_backward_d``), every row of it, those
+    that see no key included (``D = -dlse``), its arrays filled with NaN
+    before the kernels run; against NumPy's float64 sum of the same ``dO``
+    and ``O``."""
+    call, dtype, fused_dq = D_MATRIX[case]
+    if fused_dq:
+        monkeypatch.setattr(fast_cupy, "TENSOR_FUSED_DQ", frozenset({"f64"}))
+    empties = fast_cupy._empties
+
+    def poisoned(spec, *requests):  # what a kernel leaves unwritten stays NaN
+        arrays = empties(spec, *requests)
+        for a in arrays:
+            if a is not None and a.dtype.kind == "f":
+                a.fill(np.nan)
+        return arrays
+
+    monkeypatch.setattr(fast_cupy, "_empties", poisoned)
+    q, k, v, options = _problem(dtype=dtype, **call)
+    spec = _spec(q, k, v, options)
+    rng = np.random.default_rng(2)
+    dout = rng.standard_normal((*q.shape[:-1], v.shape[-1])).astype(dtype)
+    dlse = rng.standard_normal(q.shape[:-1]).astype(spec.compute_dtype)
+    runtime = EmulatedRuntime()
+    out, lse = fast_cupy.forward(spec, q, k, v, runtime=runtime)
+    fast_cupy.backward(spec, q, k, v, out, lse, dout, dlse, runtime=runtime)
+    first = runtime.launches[-2][0]  # the launch before dK/dV's: dQ's, or D's own
+    on_tensor_cores = fast_cupy.tensor_precision(spec) is not None
+    assert first == ("npattn_backward_d" if fused_dq else "npattn_backward_dq" + ("_tc" if on_tensor_cores else ""))
+    D = runtime.arguments[-2][3 if fused_dq else 5].reshape(dlse.shape)
+    expected = np.sum(dout.astype(np.float64) * out.astype(np.float64), axis=-1) - dlse
+    masked = lse == -np.inf  # the rows that see no key: O = 0
+    assert not np.isnan(D).any() and masked.any() == ("q_lengths" in call)
+    np.testing.assert_array_equal(D[masked], -dlse[masked])
+    tolerance = 1e-12 if spec.compute_dtype == np.float64 else 1e-5
+    np.testing.assert_allclose(D, expected, rtol=tolerance, atol=tolerance)
+
+
 @emulated
 @pytest.mark.parametrize("heads", [dict(), dict(H=16, Hv=8)], ids=["cuda cores", "tensor cores"])
 @pytest.mark.parametrize("case", ["plain", "softcap alibi sinks", "dropout", "lengths bottom_right"])
@@ -1382,10 +1436,9 @@ def test_repeated_calls_launch_from_their_specs_plans(fused_on_numpy, monkeypatc
     steps.append(step())
     assert steps[1][0] is steps[2][0] is steps[3][0]
     launched = list(zip(fused_on_numpy.launches, fused_on_numpy.arguments))
-    tensor = ["npattn_forward_tc", "npattn_merge_splits", "npattn_backward_d", "npattn_backward_dq_tc"]
-    tensor.append("npattn_backward_dkdv_tc")
+    tensor = ["npattn_forward_tc", "npattn_merge_splits", "npattn_backward_dq_tc", "npattn_backward_dkdv_tc"]
     assert [launch[0] for launch, _ in launched] == tensor * 3 + [name.removesuffix("_tc") for name in tensor]
-    for (launch, args), (again, args_again) in zip(launched[5:10], launched[10:15]):
+    for (launch, args), (again, args_again) in zip(launched[4:8], launched[8:12]):
         assert launch == again and args[-1] is args_again[-1]  # the plans' Configs, as they were
     for _, got in steps:
         for value, expected in zip(got, want):
@@ -1798,11 +1851,7 @@ def test_public_api_reads_float16_as_it_is_on_the_tensor_cores(fused_on_numpy):
     assert res.kernel == "cupy" and res.q is q and res.k is k and res.v is v
     assert out.dtype == np.float16 and res.out.dtype == res.lse.dtype == np.float32
     grads = npattn.attention_backward(dout, res)
-    assert [name for name, *_ in fused_on_numpy.launches][-3:] == [
-        "npattn_backward_d",
-        "npattn_backward_dq_tc",
-        "npattn_backward_dkdv_tc",
-    ]
+    assert [name for name, *_ in fused_on_numpy.launches][-2:] == ["npattn_backward_dq_tc", "npattn_backward_dkdv_tc"]
     assert grads.dq.dtype == grads.dk.dtype == grads.dv.dtype == np.float16
     fused = [x.astype(np.float64) for x in (out, res.lse, grads.dq, grads.dk, grads.dv)]
     _, exact = _public(*(x.astype(np.float64) for x in (q, k, v)), options, dout.astype(np.float64))

@@ -16,7 +16,8 @@
 //
 // Each thread group holds TILE rows (dq) or keys (dkdv), so that a
 // slice read from shared memory serves all of them. `lse` and `D` come in
-// shape (B, N, T); D from npattn_backward_d (backward_d.cu).
+// shape (B, N, T); D (delta.cuh) from the dq kernel, which works it out for
+// its rows and writes it before the dkdv kernel runs.
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     npattn_backward_dq(const tile_t* __restrict__ q,     // (B, N, T, H)
@@ -24,7 +25,9 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                        const tile_t* __restrict__ v,     // (B, KH, S, Hv), the same
                        const tile_t* __restrict__ dout,  // (B, N, T, Hv)
                        const scalar_t* __restrict__ lse,   // (B, N, T)
-                       const scalar_t* __restrict__ D,     // (B, N, T)
+                       scalar_t* __restrict__ D,           // (B, N, T): written here (delta.cuh)
+                       const scalar_t* __restrict__ out,   // (B, N, T, Hv)
+                       const scalar_t* __restrict__ dlse,  // (B, N, T) or null
                        tile_t* __restrict__ dq,            // (B, N, T, H)
                        scalar_t* __restrict__ slope_rows,  // (B, N, T): -sum_j dS_ij |p_i - j|, with ALiBi
                        const Config config) {
@@ -49,7 +52,10 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 #pragma unroll
     for (int u = 0; u < DH; ++u) dq_lane[t][u] = 0;
     row_lse[t] = lse[index];
-    row_D[t] = D[index];
+    // D_i (delta.cuh) over the row's LANES lanes, each the columns lane, lane + LANES, ...
+    row_D[t] = lanes_sum(delta_share<LANES>(dout + index * VALUE_DIM, out + index * VALUE_DIM, lane));
+    row_D[t] -= dlse ? dlse[index] : 0;
+    if (lane == 0 && row_index[t] >= 0) D[index] = row_D[t];  // for npattn_backward_dkdv
     slope_grad[t] = 0;
   }
   long long first, end;

@@ -3,9 +3,10 @@
 // TC_FUSED_DQ's, below, in an order its flags fix), with
 // every product on the tensor cores (operands.cuh):
 //
-//   npattn_backward_dq_tc:   per 16 query rows a warp, over key tiles
-//                            S = Q K^T, dP = dO V^T, dR (entry_backward),
-//                            dQ += dR K
+//   npattn_backward_dq_tc:   per 16 query rows a warp, first their D
+//                            (delta.cuh, written for the dkdv kernel), then
+//                            over key tiles S = Q K^T, dP = dO V^T,
+//                            dR (entry_backward), dQ += dR K
 //   npattn_backward_dkdv_tc: per 16 keys a warp, over tiles of query rows
 //                            S^T = K Q^T, dP^T = V dO^T, dR^T,
 //                            dV += (P drop)^T dO,  dK += dR^T Q
@@ -24,7 +25,8 @@
 // they feed each tile.
 //
 // With TC_FUSED_DQ (float64, plain scores: npattn.fast_cupy.tensor_fused_dq)
-// the dkdv kernel sums dQ too, and the dq kernel is not launched:
+// the dkdv kernel sums dQ too, and the dq kernel is not launched (D comes
+// from npattn_backward_d, backward_d.cu):
 //
 //   dQ_tile += scale dR_tile,block K_block
 //
@@ -96,8 +98,10 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                           const tile_t* __restrict__ v,     // (B, KH, S, Hv), the same
                           const tile_t* __restrict__ dout,  // (B, N, T, Hv)
                           const scalar_t* __restrict__ lse,   // (B, N, T)
-                          const scalar_t* __restrict__ D,     // (B, N, T)
-                          tile_t* __restrict__ dq,         // (B, N, T, H)
+                          scalar_t* __restrict__ D,           // (B, N, T): written here (delta.cuh)
+                          const scalar_t* __restrict__ out,   // (B, N, T, Hv)
+                          const scalar_t* __restrict__ dlse,  // (B, N, T) or null
+                          tile_t* __restrict__ dq,            // (B, N, T, H)
                           scalar_t* __restrict__ slope_rows,  // (B, N, T): -sum_j dS_ij |p_i - j|, with ALiBi
                           const Config config) {
   __shared__ __align__(TC_WGMMA ? 1024 : 16) tile_t key_tile[TC_STAGES][TC_KEYS * tile_stride<HEAD_DIM>];
@@ -110,7 +114,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   const long long stacked = (long long)pb.G * pb.T;
 
   Row rows[2];
-  long long row_index[2];
+  long long index[2], row_index[2];  // into (B, N, T) arrays: the last real row's past the rows; -1 there
   const tile_t *q_rows[2], *dout_rows[2];
   const bool plain = pb.softcap == 0 && !pb.slopes;
   const scalar_t scale_log2 = pb.scale * LOG2_E;
@@ -118,13 +122,17 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const long long r = block_first_row() + warp * 16 + g + 8 * i;
-    long long index;
-    rows[i] = stacked_row(pb, b, h, r, stacked, index);
-    row_index[i] = r < stacked ? index : -1;
-    q_rows[i] = q + index * HEAD_DIM;
-    dout_rows[i] = dout + index * VALUE_DIM;
-    row_lse[i] = lse[index];
-    row_D[i] = D[index];
+    rows[i] = stacked_row(pb, b, h, r, stacked, index[i]);
+    row_index[i] = r < stacked ? index[i] : -1;
+    q_rows[i] = q + index[i] * HEAD_DIM;
+    dout_rows[i] = dout + index[i] * VALUE_DIM;
+    row_lse[i] = lse[index[i]];
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {  // D_i (delta.cuh), each of the row's 4 lanes summing columns t, t + 4, ..
+    row_D[i] = group_sum(delta_share<4>(dout_rows[i], out + index[i] * VALUE_DIM, t));
+    row_D[i] -= dlse ? dlse[index[i]] : 0;
+    if (t == 0 && row_index[i] >= 0) D[index[i]] = row_D[i];  // for npattn_backward_dkdv_tc
   }
   extern __shared__ __align__(16) Piece kept_pieces[];  // TC_KEPT_DQ operands' fragments
   using QOperand = RowOperand<HEAD_DIM, TC_KEPT_DQ >= 1, TC_THREADS>;
