@@ -25,9 +25,11 @@ The score pipeline's units run inside the kernels, transcribed once in
 ``npattn/cuda/pipeline.cuh`` from :mod:`npattn.scores`: softcap, ALiBi
 (its slopes' gradient summed per query row, then over rows), causal/window
 with either alignment, lengths, segment ids, and dropout with the hashed
-keep mask of :mod:`npattn.dropout`, bit for bit. Sinks are merged outside
-the kernels as on every path. A call with a boolean ``mask``, a ``bias``,
-score or mask modifications runs the generic chunked path instead
+keep mask of :mod:`npattn.dropout`, bit for bit, and the user's boolean
+``mask`` (read where it lies, through its strides, in kernels built for
+masked calls). Sinks are merged outside the kernels as on every path. A
+call with a ``bias``, score or mask modifications runs the generic chunked
+path instead
 (:func:`supports`), as do large float64 calls on the CUDA cores
 (:func:`preferred`), every
 namespace but CuPy, and CuPy with ``NPATTN_FAST_CUPY=0``. ``block_q`` and
@@ -66,6 +68,7 @@ the addresses of its per-batch arrays reach them by value, as one struct
 from __future__ import annotations
 
 import functools
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -186,9 +189,9 @@ TENSOR_BACKWARD_WARPS = {"f16": 4, "tf32x3": 4, "f64": 8}
 def supports(spec: AttentionSpec) -> bool:
     """Whether the fused kernels run ``spec``: CuPy arrays computing in
     float32 or float64 (float16 inputs compute in float32), ``H`` and ``Hv``
-    up to :data:`MAX_HEAD_DIM`, no boolean mask, bias, score or mask
-    modification, at most :data:`MAX_GRID_YZ` batch elements and kv heads,
-    and ``NPATTN_FAST_CUPY`` not ``0``. Empty calls take the generic path."""
+    up to :data:`MAX_HEAD_DIM`, no bias, score or mask modification (a
+    boolean mask is taken), at most :data:`MAX_GRID_YZ` batch elements and
+    kv heads, and ``NPATTN_FAST_CUPY`` not ``0``. Empty calls take the generic path."""
     return (
         os.environ.get("NPATTN_FAST_CUPY", "1") != "0"
         and array_api_compat.is_cupy_namespace(spec.xp)
@@ -212,7 +215,6 @@ def _kernels_take(spec: AttentionSpec) -> bool:
     """The part of :func:`supports` that does not depend on the namespace."""
     return (
         spec.compute_dtype in (np.float32, np.float64)
-        and spec.mask is None
         and spec.bias is None
         and not spec.score_mods
         and spec.mask_mod is None
@@ -413,7 +415,7 @@ def _module(runtime: Runtime, spec: AttentionSpec, shape: LaunchShape) -> Any:
     scalar = "double" if spec.compute_dtype == np.float64 else "float"
     defines = (
         ("scalar_t", scalar),
-        ("PLAIN_SCORES", str(int(plain_scores(spec)))),
+        *_score_defines(spec),
         ("OPERANDS_F16", str(int(operand_dtype(spec) == np.float16))),
         ("HEAD_DIM", str(spec.head_dim)),
         ("VALUE_DIM", str(spec.value_dim)),
@@ -426,11 +428,21 @@ def _module(runtime: Runtime, spec: AttentionSpec, shape: LaunchShape) -> Any:
     return _compiled(runtime, "cuda_cores", defines)
 
 
+def _score_defines(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
+    """The definitions that pick ``pipeline.cuh``'s build of the score
+    pipeline for ``spec``: ``PLAIN_SCORES`` (:func:`plain_scores`), and
+    ``USER_MASK`` where the call has a boolean mask (which then holds an
+    offset in every ``Row``; calls without one build the kernels as they
+    were)."""
+    plain = (("PLAIN_SCORES", str(int(plain_scores(spec)))),)
+    return plain if spec.mask is None else plain + (("USER_MASK", "1"),)
+
+
 def plain_scores(spec: AttentionSpec) -> bool:
     """Whether ``spec``'s call runs the kernels built for plain scores
-    (``PLAIN_SCORES``, ``pipeline.cuh``): no softcap, ALiBi, dropout or
-    segment ids, options those kernels leave out at compile time, so that
-    their branches and the registers those hold leave them too (ptxas for
+    (``PLAIN_SCORES``, ``pipeline.cuh``): no softcap, ALiBi, dropout,
+    segment ids or boolean mask, options those kernels leave out at compile
+    time, so that their branches and the registers those hold leave them too (ptxas for
     sm_90, H=64: the float32 forward 167 registers against 201, the float64
     dQ spilling 184 bytes against 356; ``benchmarks/count_sass.py``). Other
     calls run the kernels built for every option.
@@ -441,7 +453,13 @@ def plain_scores(spec: AttentionSpec) -> bool:
     >>> plain_scores(make_spec(x, x, x, causal=True)), plain_scores(make_spec(x, x, x, softcap=30.0))
     (True, False)
     """
-    return spec.softcap is None and spec.alibi_slopes is None and not spec.dropout_p and not spec.has_segments
+    return (
+        spec.softcap is None
+        and spec.alibi_slopes is None
+        and not spec.dropout_p
+        and not spec.has_segments
+        and spec.mask is None
+    )
 
 
 def _compiled(runtime: Runtime, kind: str, defines: tuple[tuple[str, str], ...]) -> Any:
@@ -580,9 +598,9 @@ def _tensor_module(
     (:func:`tensor_kept_operands`) and its dK/dV kernel summing dQ where
     ``fused_dq`` (:func:`tensor_fused_dq`), the forward with Q kept there
     where ``kept[0]``, its blocks a multiprocessor (:func:`tensor_kept_q`),
-    and its products on ``wgmma`` (:func:`tensor_wgmma`): looked up by these
-    and :func:`plain_scores` alone (1 µs; building its definitions takes 2.5
-    more, 2-core EPYC)."""
+    and its products on ``wgmma`` (:func:`tensor_wgmma`): looked up by these,
+    :func:`plain_scores` and whether a mask is given alone (1 µs; building
+    its definitions takes 2.5 more, 2-core EPYC)."""
     key = (
         runtime,
         precision,
@@ -591,6 +609,7 @@ def _tensor_module(
         warps,
         backward,
         plain_scores(spec),
+        spec.mask is not None,
         kept,
         fused_dq,
         wgmma,
@@ -603,7 +622,7 @@ def _tensor_module(
     return module
 
 
-_TENSOR_MODULES: dict[tuple[Runtime, str, int, int, int, bool, bool, tuple[int, int], bool, bool], Any] = {}
+_TENSOR_MODULES: dict[tuple[Runtime, str, int, int, int, bool, bool, bool, tuple[int, int], bool, bool], Any] = {}
 
 
 def _tensor_defines(
@@ -624,7 +643,7 @@ def _tensor_defines(
     tile = tensor_tile(spec, precision, backward)
     defines = (
         ("scalar_t", "double" if precision == "f64" else "float"),
-        ("PLAIN_SCORES", str(int(plain_scores(spec)))),
+        *_score_defines(spec),
         ("OPERANDS_F16", str(int(precision == "f16"))),
         ("PRECISION", TENSOR_PRECISIONS[precision][0]),
         ("HEAD_DIM", str(spec.head_dim)),
@@ -800,6 +819,10 @@ def tensor_wgmma(spec: AttentionSpec, precision: str, device: Any, backward: boo
 #: each, by precision.
 TENSOR_ROW_BYTES = {"f16": 40 + 8 + 8, "tf32x3": 40 + 8 + 8, "f64": 48 + 16 + 8}
 
+#: Bytes a ``Row`` holds more in the kernels built for a boolean mask
+#: (``USER_MASK``: its offset to the row's entries, an int64).
+MASK_ROW_BYTES = 8
+
 
 def _tile_stride(width: int, precision: str) -> int:
     """Entries between rows of a tile in shared memory (``tile_stride``,
@@ -956,7 +979,8 @@ def _static_shared_bytes(spec: AttentionSpec, precision: str, tile: int, backwar
     block's key span and ``exp2.cuh``'s table."""
     item = TENSOR_PRECISIONS[precision][1]
     padded = _tile_stride(spec.head_dim, precision) + _tile_stride(spec.value_dim, precision)
-    per_stage = tile * (padded * item + (TENSOR_ROW_BYTES[precision] if backward else 0))
+    row_bytes = TENSOR_ROW_BYTES[precision] + (MASK_ROW_BYTES if spec.mask is not None else 0)
+    per_stage = tile * (padded * item + (row_bytes if backward else 0))
     return stages * per_stage + 256
 
 
@@ -965,7 +989,8 @@ def _tiles_fit(spec: AttentionSpec, precision: str, tile: int, backward: bool, s
     fit CUDA's 48 KiB of static shared memory: a key and a value tile each
     in the forward (rows :func:`_tile_stride` entries apart); in the
     backward, the largest kernel's, dK/dV's: a query and a ``dO`` tile each,
-    with :data:`TENSOR_ROW_BYTES` per query row."""
+    with :data:`TENSOR_ROW_BYTES` per query row (and :data:`MASK_ROW_BYTES`
+    with a mask)."""
     return _static_shared_bytes(spec, precision, tile, backward, stages) <= 48 * 1024
 
 
@@ -1069,6 +1094,11 @@ _CONFIG_INTS = (
     "q_segments",
     "kv_segments",
     "slopes",
+    "mask",
+    "mask_stride_b",
+    "mask_stride_n",
+    "mask_stride_i",
+    "mask_stride_j",
 )
 _CONFIG_FLOATS = ("scale", "softcap", "keep_scale")
 #: ``pipeline.cuh``'s ``struct Config``, field for field: the call's scalar
@@ -1107,6 +1137,7 @@ class _Call:
             self.optional = _per_batch_arrays(spec, offset if per_batch_offset else None)
         else:  # a plain call's (a decode step's): none
             self.optional = _NO_ARRAYS
+        mask_strides = _mask_strides(self.optional[-1])
         self.config = _config(
             (
                 B,
@@ -1125,6 +1156,7 @@ class _Call:
                 int(spec.dropout_p > 0),
                 kv_head_rows,
                 *(0 if a is None else _address(a) for a in self.optional),
+                *mask_strides,
                 spec.scale,
                 spec.softcap or 0.0,
                 1.0 / (1.0 - spec.dropout_p),
@@ -1133,18 +1165,19 @@ class _Call:
 
 
 #: :class:`_Call`'s ``optional`` where a call has no per-batch array.
-_NO_ARRAYS = (None,) * 6
+_NO_ARRAYS = (None,) * 7
 
 
 def _has_per_batch_arrays(spec: AttentionSpec) -> bool:
     """Whether ``spec`` holds arrays the kernels read by address: per-batch
-    query offsets (``bottom_right`` with lengths), lengths, segment ids or
-    ALiBi slopes."""
+    query offsets (``bottom_right`` with lengths), lengths, segment ids,
+    ALiBi slopes or a boolean mask."""
     return not (  # one chain of identity tests (0.15 µs; any() over a tuple takes 0.5)
         spec.q_lengths is None
         and spec.kv_lengths is None
         and spec.q_segment_ids is None
         and spec.alibi_slopes is None
+        and spec.mask is None
         and not hasattr(spec.q_offset, "shape")
     )
 
@@ -1152,7 +1185,8 @@ def _has_per_batch_arrays(spec: AttentionSpec) -> bool:
 def _per_batch_arrays(spec: AttentionSpec, offsets: Any) -> tuple:
     """:class:`_Call`'s optional arrays, each None where ``spec`` has none:
     the per-batch query ``offsets`` (bottom_right with lengths), the
-    lengths, segment ids and ALiBi slopes, flattened over the batch axes."""
+    lengths, segment ids and ALiBi slopes, flattened over the batch axes,
+    and the boolean mask (:func:`_flat_mask`)."""
     xp, B = spec.xp, spec.num_batch
 
     def flat(a: Any, shape: tuple[int, ...], dtype: Any) -> Any:
@@ -1170,7 +1204,48 @@ def _per_batch_arrays(spec: AttentionSpec, offsets: Any) -> tuple:
         flat(spec.q_segment_ids if segments else None, (B, spec.q_len), xp.int64),
         flat(spec.kv_segment_ids if segments else None, (B, spec.kv_len), xp.int64),
         flat(slopes, (B, spec.num_heads), spec.compute_dtype),
+        _flat_mask(spec),
     )
+
+
+def _flat_mask(spec: AttentionSpec) -> Any:
+    """The call's boolean mask (None without one) as the kernels read it:
+    ``(B | 1, N | 1, T | 1, S | 1)``, its batch axes flattened into one, a
+    view of the user's array where they flatten (one batch axis, or none it
+    varies along), else a copy of the mask over the batch axes it
+    broadcasts along; read where it lies, through its strides
+    (:func:`_mask_strides`).
+
+    >>> import numpy as np
+    >>> from npattn.options import make_spec
+    >>> q, kv = np.zeros((2, 3, 4, 5, 8)), np.zeros((2, 3, 4, 6, 8))  # batch (2, 3), T=5, S=6
+    >>> _flat_mask(make_spec(q, kv, kv, mask=np.ones((2, 1, 1, 5, 6), bool))).shape  # copied over the 3
+    (6, 1, 5, 6)
+    >>> _flat_mask(make_spec(q, kv, kv, mask=np.ones((5, 6), bool))).shape  # a view
+    (1, 1, 5, 6)
+    """
+    mask = spec.mask
+    if mask is None:
+        return None
+    rows = tuple(mask.shape[-3:])  # (N | 1, T | 1, S | 1)
+    if math.prod(mask.shape[:-3]) > 1:
+        mask = spec.xp.broadcast_to(mask, spec.batch_shape + rows)  # (..., N | 1, T | 1, S | 1)
+    return spec.xp.reshape(mask, (-1, *rows))  # (B | 1, N | 1, T | 1, S | 1)
+
+
+def _mask_strides(mask: Any) -> tuple[int, int, int, int]:
+    """The entries between a :func:`_flat_mask`'s neighbours along each of
+    its four axes (``pipeline.cuh``'s ``Config.mask_stride_*``), 0 along
+    those of length 1 (which it broadcasts along), or zeros without a mask.
+
+    >>> import numpy as np
+    >>> _mask_strides(np.ones((1, 4, 5, 6), bool)[:, ::-1, :, ::2])
+    (0, -30, 6, 2)
+    """
+    if mask is None:
+        return (0, 0, 0, 0)
+    b, n, i, j = (0 if size == 1 else stride // mask.itemsize for size, stride in zip(mask.shape, mask.strides))
+    return (b, n, i, j)
 
 
 #: Alignment of the arrays the kernels read, in bytes: they read rows in

@@ -171,6 +171,21 @@ def _segments(rng, batch, length, documents):
 
 
 _SEGMENT_RNG = np.random.default_rng(5)
+
+
+def _mask(shape, keep=0.6, seed=6):
+    """A boolean mask of ``shape`` (True = may attend), each entry kept with probability ``keep``."""
+    return np.random.default_rng(seed).random(shape) < keep
+
+
+def _mask_hiding_rows(shape, rows):
+    """:func:`_mask` with every key of these ``rows`` (index tuples) hidden: fully masked rows."""
+    mask = _mask(shape)
+    for row in rows:
+        mask[row] = False
+    return mask
+
+
 #: name -> shape keywords and attention options; every option the kernels take.
 CASES = {
     "plain": dict(T=37, S=45),
@@ -200,6 +215,13 @@ CASES = {
         batch=(1,), N=4, K=2, T=1, S=700, causal=True, align="bottom_right", kv_lengths=np.array([0])
     ),
     "scale and 3-d": dict(batch=(), T=12, S=10, scale=0.3),
+    # the user's mask: over the batch, one row of it hiding every key; over the heads of a GQA group;
+    # over the keys of a decode step, hiding the first key range's and others
+    "mask": dict(T=21, S=30, causal=True, align="bottom_right", mask=_mask_hiding_rows((2, 1, 21, 30), [(0, 0, 3)])),
+    "mask per head": dict(N=4, K=2, T=20, S=33, mask=_mask((4, 1, 33), keep=0.5)),
+    "decode splits mask": dict(
+        batch=(1,), N=4, K=2, T=1, S=700, causal=True, align="bottom_right", mask=_mask(700) & (np.arange(700) >= 400)
+    ),
 }
 
 
@@ -295,6 +317,11 @@ TENSOR_CASES = {
         "two warps": dict(N=4, K=1, T=7, S=90, window=(30, 0), align="bottom_right"),
         # scores hundreds apart: exp2's arguments past -1022 (float64's flushed to 0), and past -126
         "peaked scores": dict(batch=(1,), N=2, K=1, T=40, S=70, scale=60.0),
+        "mask": {},
+        "mask per head": {},
+        "decode splits mask": {},
+        # a mask hiding a few keys of tiles every row's range takes whole: no tile skips the test per score
+        "whole tiles mask": dict(batch=(1,), N=2, K=2, T=70, S=200, mask=_mask((70, 200), keep=0.97)),
     }.items()
 }
 
@@ -890,22 +917,24 @@ def test_tensor_tiles_fit_static_shared_memory():
     of each in a forward of split stages (the forward's: key and value
     tiles, rows padded by 16 bytes or, in float64 at widths a multiple of
     16, swizzled unpadded; the backward's largest, dK/dV's: query and dO
-    tiles, and a ``Row``, lse, D and row index per query row; ptxas reports
-    44032 bytes for float16 at H=Hv=64, as computed here) stays within
+    tiles, and a ``Row`` (with a mask, its offset in it), lse, D and row
+    index per query row; ptxas reports 44032 bytes for float16 at H=Hv=64,
+    as computed here) stays within
     CUDA's 48 KiB for every head size they take; and the tiles halved to fit
     are the sizes tensor_tile's docstring names."""
     for dtype, precision, widest in TENSOR_DTYPES:
         step, item = (16 if precision == "f16" else 8), np.dtype(dtype).itemsize
-        for H, Hv in itertools.product(range(step, widest + 1, step), repeat=2):
+        for H, Hv, masked in itertools.product(range(step, widest + 1, step), range(step, widest + 1, step), (0, 1)):
             q, k, v, _ = _problem(batch=(1,), N=1, K=1, T=64, S=8, H=H, Hv=Hv, dtype=dtype)
-            spec = make_spec(q, k, v)
+            spec = make_spec(q, k, v, mask=np.ones((64, 8), bool) if masked else None)
             assert fast_cupy.tensor_precision(spec) == precision
             for backward in (False, True):
                 tile = fast_cupy.tensor_tile(spec, precision, backward)
                 stride = H + 16 // item if precision != "f64" or H % 16 else H
                 value_stride = Hv + 16 // item if precision != "f64" or Hv % 16 else Hv
                 rows = tile * (stride + value_stride) * item
-                per_row = fast_cupy.TENSOR_ROW_BYTES[precision] if backward else 0
+                row_bytes = fast_cupy.TENSOR_ROW_BYTES[precision] + masked * fast_cupy.MASK_ROW_BYTES
+                per_row = row_bytes if backward else 0
                 stages = 1 if not backward and fast_cupy.tensor_split_stages(spec, precision) else 2
                 assert stages * (rows + tile * per_row) <= 48 * 1024, (dtype, H, Hv, backward)
                 assert tile % 16 == 0
@@ -1122,7 +1151,7 @@ def _fused(q, k, v, dout, dlse=None, runtime=None, **options):
 @emulated
 @settings(max_examples=25, deadline=None)
 @given(
-    case=attention_cases(max_len=40, features=tuple(f for f in FEATURES + VARIANTS if f not in ("mask", "bias"))),
+    case=attention_cases(max_len=40, features=(*(f for f in FEATURES + VARIANTS if f != "bias"), "masked_row")),
     use_dlse=st.booleans(),
 )
 def test_emulated_kernels_match_generic_on_drawn_problems(case, use_dlse):
@@ -1146,7 +1175,7 @@ def test_emulated_kernels_match_generic_on_drawn_problems(case, use_dlse):
 @emulated
 @settings(max_examples=30, deadline=None)
 @given(
-    case=attention_cases(max_len=70, features=tuple(f for f in FEATURES + VARIANTS if f not in ("mask", "bias"))),
+    case=attention_cases(max_len=70, features=(*(f for f in FEATURES + VARIANTS if f != "bias"), "masked_row")),
     dtype=st.sampled_from([np.float16, np.float32, np.float64]),
     seed=st.integers(0, 2**32 - 1),
 )
@@ -1231,6 +1260,47 @@ def _kv_view(layout: str, k: np.ndarray) -> np.ndarray:
     shifted = buffer[1:].reshape(k.shape)
     shifted[...] = k
     return shifted
+
+
+#: Masks of one call with two batch axes (B = 2 x 3, N=2, T=9, S=11), each
+#: by how the kernels read it: a view of the user's array (True) through its
+#: strides, or a copy over the batch axes it broadcasts along (False).
+MASK_LAYOUTS = {
+    "C order": (lambda: _mask((2, 3, 2, 9, 11)), True),
+    "keys reversed": (lambda: _mask((2, 3, 2, 9, 11))[..., ::-1], True),
+    "rows and keys swapped": (lambda: np.swapaxes(_mask((2, 3, 2, 11, 9)), -1, -2), True),
+    "a broadcast view": (lambda: np.broadcast_to(_mask((9, 11)), (2, 3, 2, 9, 11)), True),
+    "padding, per batch element": (lambda: _mask((2, 3, 1, 1, 11), keep=0.7), True),
+    "along the first batch axis": (lambda: _mask((2, 1, 1, 9, 11)), False),
+    "along the second, over the keys": (lambda: _mask((3, 1, 9, 1)), False),
+}
+
+
+@emulated
+@pytest.mark.parametrize("tensor_cores", ["1", "0"])
+@pytest.mark.parametrize("layout", list(MASK_LAYOUTS))
+def test_masks_are_read_through_their_strides(layout, tensor_cores, monkeypatch):
+    """A boolean mask in any layout gives the generic path's numbers, float64,
+    on the tensor cores and the CUDA cores: read where it lies through its
+    strides (negative, zero along broadcast axes, keys not adjacent), or
+    copied only where its batch axes do not flatten into one; never
+    written."""
+    monkeypatch.setenv("NPATTN_CUPY_TENSOR_CORES", tensor_cores)
+    make, in_place = MASK_LAYOUTS[layout]
+    mask = make()
+    before = mask.copy()
+    q, k, v, options = _problem(batch=(2, 3), T=9, S=11, H=16, Hv=16, mask=mask)
+    spec = _spec(q, k, v, options)
+    assert fast_cupy.tensor_precision(spec) == ("f64" if tensor_cores == "1" else None)
+    assert np.shares_memory(fast_cupy._flat_mask(spec), mask) == in_place
+    rng = np.random.default_rng(1)
+    dout, dlse = rng.standard_normal((*q.shape[:-1], 16)), rng.standard_normal(q.shape[:-1])
+    fused = _fused(q, k, v, dout, dlse, mask=mask)
+    generic = _chunked(q, k, v, dout, dlse, mask=mask)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), fused, generic):
+        assert not np.isnan(a).any(), name
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12, err_msg=name)
+    np.testing.assert_array_equal(mask, before)
 
 
 def test_head_rows_of_each_layout():
@@ -1334,7 +1404,7 @@ def test_supports_only_cupy_and_the_kernels_options():
         make_spec(q, k, v, softcap=1.0, alibi_slopes=np.ones(2), sinks=np.ones(2), align="top_left")
     )
     mask = np.ones((11, 13), dtype=bool)
-    assert not fast_cupy._kernels_take(make_spec(q, k, v, mask=mask))
+    assert fast_cupy._kernels_take(make_spec(q, k, v, mask=mask))
     assert not fast_cupy._kernels_take(make_spec(q, k, v, bias=np.zeros((11, 13))))
     many = np.broadcast_to(np.zeros(()), (fast_cupy.MAX_GRID_YZ + 1, 1, 2, 4))  # batch elements past the grid's z
     assert not fast_cupy._kernels_take(make_spec(many, many, many))
@@ -1619,8 +1689,8 @@ def test_splits_stay_within_the_grid():
 
 
 #: Bytes of ``pipeline.cuh``'s ``Row`` at most (float64: four int64, a
-#: double and a uint32, padded to 8 bytes).
-ROW_BYTES = 48
+#: double and a uint32, padded to 8 bytes, and with a mask an int64).
+ROW_BYTES = 56
 
 
 def test_launch_shape_fits_static_shared_memory():

@@ -8,11 +8,12 @@
 //   3. s  <- s - m_n |p_i - j|                          alibi.py
 //   5. hidden unless  i < q_len, j < kv_len,             visibility.py
 //                     p_i - left <= j <= p_i + right,
-//                     q_seg_i == kv_seg_j
+//                     q_seg_i == kv_seg_j,
+//                     mask[b, n, i, j]                  (the user's bool mask)
 //   7. keep_ij = mix32(... ^ j) >= threshold            dropout.py
 //
-// Steps 4 (user score modifications) and the user's mask or bias are not
-// here: npattn.fast_cupy leaves such calls to the generic chunked path.
+// Steps 4 (user score modifications) and the user's bias are not here:
+// npattn.fast_cupy leaves such calls to the generic chunked path.
 // Sinks (step 6) are merged outside the kernels, as on every path.
 //
 // Compiled with scalar_t defined as float or double (the compute dtype).
@@ -43,6 +44,11 @@ struct Config {
   long long q_segments;      // address of (B, T) int64, or 0
   long long kv_segments;     // address of (B, S) int64, or 0
   long long slopes;          // address of ALiBi's (B, N) scalar_t, or 0
+  long long mask;            // address of the user's bool mask, or 0: entry (b, n, i, j) at
+  long long mask_stride_b;   //   mask + b stride_b + n stride_n + i stride_i + j stride_j,
+  long long mask_stride_n;   //   its strides in entries (bytes), 0 along the axes it
+  long long mask_stride_i;   //   broadcasts over
+  long long mask_stride_j;
   double scale;              // softmax scale (rounded to scalar_t by read_problem)
   double softcap;            // softcap c, 0: none
   double keep_scale;         // 1 / (1 - dropout_p)
@@ -87,6 +93,8 @@ struct Problem {
   const long long* q_segments;   // (B, T) or null
   const long long* kv_segments;  // (B, S) or null
   const scalar_t* slopes;        // ALiBi (B, N), or null
+  const unsigned char* mask;     // the user's bool mask (USER_MASK builds), or null
+  long long mask_stride_b, mask_stride_n, mask_stride_i, mask_stride_j;
 };
 
 // PLAIN_SCORES 1: kernels built for calls with plain scores and no segment
@@ -96,6 +104,13 @@ struct Problem {
 // kernels; 0: every option read from the call's Config.
 #ifndef PLAIN_SCORES
 #define PLAIN_SCORES 0
+#endif
+
+// USER_MASK 1: kernels built for calls with the user's bool mask, whose
+// Row holds its offset to the row's entries; 0: no mask (the pointer
+// compile-time null, Row as it was).
+#ifndef USER_MASK
+#define USER_MASK 0
 #endif
 
 __device__ __forceinline__ Problem read_problem(const Config& config) {
@@ -124,6 +139,11 @@ __device__ __forceinline__ Problem read_problem(const Config& config) {
   pb.q_segments = reinterpret_cast<const long long*>(config.q_segments);
   pb.kv_segments = reinterpret_cast<const long long*>(config.kv_segments);
   pb.slopes = reinterpret_cast<const scalar_t*>(config.slopes);
+  pb.mask = USER_MASK ? reinterpret_cast<const unsigned char*>(config.mask) : nullptr;
+  pb.mask_stride_b = config.mask_stride_b;
+  pb.mask_stride_n = config.mask_stride_n;
+  pb.mask_stride_i = config.mask_stride_i;
+  pb.mask_stride_j = config.mask_stride_j;
 #if PLAIN_SCORES
   pb.dropout = false;
   pb.softcap = 0;
@@ -142,6 +162,9 @@ struct Row {
   long long segment;
   scalar_t slope;
   unsigned int hash;    // dropout: mix32(mix32(mix32(b ^ seed) ^ n) ^ row)
+#if USER_MASK
+  long long mask_row;   // b stride_b + n stride_n + i stride_i: the row's entries of the mask, stride_j apart
+#endif
 };
 
 __device__ __forceinline__ long long batch_offset(const Problem& pb, int b) {
@@ -172,12 +195,23 @@ __device__ __forceinline__ Row make_row(const Problem& pb, int b, int n, int i) 
   // only dropout reads the hash (dK/dV makes a Row per query row and tile)
   const unsigned int row_number = (unsigned int)(pb.row0 + i);
   row.hash = pb.dropout ? mix32(mix32(mix32((unsigned int)b ^ pb.seed_hash) ^ (unsigned int)n) ^ row_number) : 0u;
+#if USER_MASK
+  row.mask_row = b * pb.mask_stride_b + n * pb.mask_stride_n + i * pb.mask_stride_i;
+#endif
   return row;
 }
+
+// Whether a row's key range [first_key, end_key) alone says which keys it
+// sees (no segment ids or mask hide keys within it), so that a tile inside
+// every row's range needs no test per score.
+__device__ __forceinline__ bool ranges_decide_visibility(const Problem& pb) { return !pb.kv_segments && !USER_MASK; }
 
 // Step 5: whether key j is visible to the row.
 __device__ __forceinline__ bool visible(const Problem& pb, const Row& row, int b, long long j) {
   if (j < row.first_key || j >= row.end_key) return false;
+#if USER_MASK
+  if (!pb.mask[row.mask_row + j * pb.mask_stride_j]) return false;
+#endif
   return !pb.kv_segments || pb.kv_segments[(long long)b * pb.S + j] == row.segment;
 }
 

@@ -195,7 +195,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 }
 
 // Whether every row of a tile of TC_KEYS rows has keys [first, last] in its
-// range [first_key, end_key) (window and lengths; segment ids aside): a
+// range [first_key, end_key) (window and lengths; segment ids and masks aside): a
 // warp-wide answer, each lane reading TC_KEYS / 32 rows.
 __device__ __forceinline__ bool rows_see_keys(const Row* tile_rows, long long first, long long last, int lane) {
   long long latest_first = 0, earliest_end = (long long)1 << 62;
@@ -472,7 +472,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     const long long my_key = key(0), warp_first = my_key - g, warp_last = warp_first + 15;  // this warp's keys
     const bool seen = rows_see_keys(tile_rows[stage], warp_first, warp_last, lane);  // every thread: it shuffles
     // The common tile: dR = P (dP - D), and P for dV.
-    if (plain && !pb.dropout && !pb.kv_segments && seen && warp_last < pb.S) {
+    if (plain && !pb.dropout && ranges_decide_visibility(pb) && seen && warp_last < pb.S) {
 #pragma unroll
       for (int nb = 0; nb < TC_KEYS / 8; ++nb)
 #pragma unroll

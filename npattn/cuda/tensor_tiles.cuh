@@ -108,7 +108,8 @@ __device__ __forceinline__ void split_pipelined_tiles(long long first, long long
 
 // Which keys of the tile [first, first + count) this thread's two rows see:
 // `all[i]` where every key of the tile passes row i's window and lengths and
-// no segment ids are given, so that its scores need no visibility test.
+// nothing else hides keys (ranges_decide_visibility), so that its scores
+// need no visibility test.
 struct KeyRange {
   long long first;
   int count;
@@ -123,7 +124,7 @@ __device__ __forceinline__ KeyRange key_range(const Problem& pb, const Row (&row
   range.count = (int)(tile_end - tile);
 #pragma unroll
   for (int i = 0; i < 2; ++i)
-    range.all[i] = !pb.kv_segments && rows[i].first_key <= tile && tile_end <= rows[i].end_key;
+    range.all[i] = ranges_decide_visibility(pb) && rows[i].first_key <= tile && tile_end <= rows[i].end_key;
   return range;
 }
 
