@@ -3,6 +3,7 @@
     python benchmarks/bench_gpu.py            # B=1, N=8, H=64, T=S in {1024, 4096, 8192, 16384}
     python benchmarks/bench_gpu.py --quick    # small shapes, a smoke run (seconds)
     python benchmarks/bench_gpu.py --targets  # issue 18's table: the fused CuPy path against torch
+    python benchmarks/bench_gpu.py --scores   # the same with a boolean mask or a bias (and its gradient)
     python benchmarks/bench_gpu.py --count-memory  # the fused path's arrays, counted on the CPU
     python benchmarks/bench_gpu.py --kernels  # where the fused path's time goes, kernel by kernel
     python benchmarks/bench_gpu.py --kernels --base HEAD~3  # each kernel against a revision's, interleaved
@@ -25,6 +26,13 @@ forward+backward's) and, at T=S=4096, the fused kernels on the CUDA cores
 decoding T=1 against S=32768 with N=32 query heads on 8 kv heads, H=128,
 float16 (torch with ``enable_gqa=True``, forward only); and the peak
 memory of forward+backward at T=S=16384.
+
+``--scores`` prints the same columns for float16 and float32 at B=1, N=8,
+H=64, T=S=4096, forward+backward, with the user's scores: a padding mask
+``(B, 1, 1, S)`` (its last eighth of keys hidden), a boolean mask ``(T,
+S)`` (each key kept with probability 0.9, the diagonal always), and a bias
+``(N, T, S)`` in the inputs' dtype whose gradient both libraries return
+(torch's ``attn_mask``, boolean or additive, with ``requires_grad``).
 
 Prints one table. For each dtype (float32, float16; bfloat16 is reported as
 skipped because CuPy has no bfloat16), each length and each mask (non-causal,
@@ -392,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-torch", action="store_true", help="leave out torch SDPA")
     parser.add_argument("--targets", action="store_true", help="issue 18's table: fused CuPy path vs torch")
+    parser.add_argument("--scores", action="store_true", help="--targets' columns with a mask or a bias")
     parser.add_argument(
         "--count-memory", action="store_true", help="the fused path's arrays at their peak, counted on the CPU"
     )
@@ -456,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     torch, why_no_torch = (None, "--no-torch") if args.no_torch else _torch_cuda()
     if args.targets:
         return targets(cp, torch, why_no_torch, args.repeats)
+    if args.scores:
+        return scores(cp, torch, why_no_torch, args.repeats)
     if args.kernels:
         if args.base is not None:
             return kernels_against(cp, _workload_helpers()["load_base"](args.base), args.base, args.repeats)
@@ -800,9 +811,10 @@ DECODE = ("float16", 1, 32, 8, 1, 32768, 128, False)
 
 
 class _Problem:
-    """q (B, N, T, H), k and v (B, K, S, H), dout like q, on CuPy and on torch."""
+    """q (B, N, T, H), k and v (B, K, S, H), dout like q, on CuPy and on
+    torch; with ``scores`` (one of :data:`SCORES`) a mask or a bias too."""
 
-    def __init__(self, cp, torch, dtype, B, N, K, T, S, H, causal, seed=0):
+    def __init__(self, cp, torch, dtype, B, N, K, T, S, H, causal, seed=0, scores=None):
         rng = np.random.default_rng(seed)
         shapes = [(B, N, T, H), (B, K, S, H), (B, K, S, H), (B, N, T, H)]
         host = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
@@ -812,12 +824,19 @@ class _Problem:
         if torch is not None:
             self.tensors = [torch.tensor(a, device="cuda").to(getattr(torch, dtype)) for a in host]
         self.options = dict(causal=causal, align="bottom_right" if causal and T != S else None)
+        self.scores, self.torch_scores = {}, None  # npattn's mask= or bias=, and torch's attn_mask
+        if scores is not None:
+            name, user = SCORES[scores](rng, B, N, T, S)
+            user = user.astype(dtype) if name == "bias" else user
+            self.scores = {name: cp.asarray(user)}
+            if torch is not None:
+                self.torch_scores = torch.tensor(user, device="cuda")
 
     def npattn(self, backward: bool, settings: dict[str, str] | None = None, impl: str = "chunked", package=npattn):
         """One call of ``package``'s (this npattn's, or ``--base``'s)."""
         q, k, v, dout = self.arrays
         with _environment(settings or {}):
-            out, res = package.attention_forward(q, k, v, impl=impl, **self.options)
+            out, res = package.attention_forward(q, k, v, impl=impl, **self.options, **self.scores)
             if backward:
                 package.attention_backward(dout, res)
         return out
@@ -826,6 +845,9 @@ class _Problem:
         torch = self.torch
         q, k, v = (x.detach().requires_grad_(backward) for x in self.tensors[:3])
         kwargs = dict(enable_gqa=True) if self.gqa else {}
+        if self.torch_scores is not None:
+            bias = self.torch_scores.is_floating_point()
+            kwargs["attn_mask"] = self.torch_scores.detach().requires_grad_(backward and bias)
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal, **kwargs)
         if backward:
             out.backward(self.tensors[3])
@@ -855,8 +877,8 @@ def _target_rows():
     yield "float16 decode T=1 S=32768 N=32 K=8 H=128 fwd", DECODE, False, True
 
 
-def _target_row(cp, torch, label, arguments, backward, with_generic, repeats) -> None:
-    problem = _Problem(cp, torch, *arguments)
+def _target_row(cp, torch, label, arguments, backward, with_generic, repeats, scores=None) -> None:
+    problem = _Problem(cp, torch, *arguments, scores=scores)
     csync, tsync = cp.cuda.runtime.deviceSynchronize, torch.cuda.synchronize
     ours = problem.npattn(backward).astype(cp.float32)
     theirs = cp.from_dlpack(problem.sdpa(backward).detach().float().contiguous())
@@ -909,6 +931,48 @@ def targets(cp, torch, why_no_torch, repeats: int) -> int:
         reps = repeats if backward else DECODE_REPEATS
         _target_row(cp, torch, label, arguments, backward, with_generic, reps)
         _free_pools(cp, torch)
+    return 0
+
+
+# --- the user's mask or bias ------------------------------------------------------------
+
+
+def _padding_mask(rng, B, N, T, S):
+    """``("mask", (B, 1, 1, S))``: the last eighth of each batch element's keys hidden."""
+    return "mask", np.broadcast_to(np.arange(S) < S - S // 8, (B, 1, 1, S)).copy()
+
+
+def _random_mask(rng, B, N, T, S):
+    """``("mask", (T, S))``: each key kept with probability 0.9, the
+    diagonal always (no row hidden whole: torch's rows would be NaN)."""
+    return "mask", (rng.random((T, S)) < 0.9) | np.eye(T, S, dtype=bool)
+
+
+def _bias(rng, B, N, T, S):
+    """``("bias", (N, T, S))``: standard normal, float32 (cast to the inputs' dtype)."""
+    return "bias", rng.standard_normal((N, T, S), dtype=np.float32)
+
+
+#: ``--scores``' kinds of the user's scores: ``make(rng, B, N, T, S) -> (option, host array)``.
+SCORES = {"padding mask": _padding_mask, "mask": _random_mask, "bias": _bias}
+
+
+def scores(cp, torch, why_no_torch, repeats: int) -> int:
+    """Print ``--targets``' columns for calls with the user's mask or bias
+    (see the module's docstring)."""
+    if torch is None:
+        print(f"skipped: the table compares with torch SDPA on CUDA ({why_no_torch})")
+        return 0
+    host = _workload_helpers()["cpu_model"]()
+    print(f"npattn fused CuPy path vs torch {torch.__version__} SDPA on {_device_name(cp)}, host {host}")
+    print(f"best of {repeats}, interleaved torch, fused, torch; cores and generic: best of 2")
+    header = f"{'workload':<46} {'torch ms':>9} {'fused ms':>9} {'x torch':>8} {'fwd share':>9}"
+    print(f"{header} {'cores x':>10} {'generic x':>10} {'max|diff|':>10}")
+    for dtype in ("float16", "float32"):
+        for kind in SCORES:
+            label = f"{dtype} T=S=4096 {kind} fwd+bwd"
+            _target_row(cp, torch, label, (dtype, 1, 8, 8, 4096, 4096, 64, False), True, True, repeats, kind)
+            _free_pools(cp, torch)
     return 0
 
 

@@ -26,10 +26,11 @@ The score pipeline's units run inside the kernels, transcribed once in
 (its slopes' gradient summed per query row, then over rows), causal/window
 with either alignment, lengths, segment ids, and dropout with the hashed
 keep mask of :mod:`npattn.dropout`, bit for bit, and the user's boolean
-``mask`` (read where it lies, through its strides, in kernels built for
-masked calls). Sinks are merged outside the kernels as on every path. A
-call with a ``bias``, score or mask modifications runs the generic chunked
-path instead
+``mask`` and ``bias`` (read where they lie, through their strides, in
+kernels built for such calls; the dQ kernels write ``dS``, the bias's
+gradient before its broadcast axes are summed). Sinks are merged outside
+the kernels as on every path. A call with score or mask modifications
+runs the generic chunked path instead
 (:func:`supports`), as do large float64 calls on the CUDA cores
 (:func:`preferred`), every
 namespace but CuPy, and CuPy with ``NPATTN_FAST_CUPY=0``. ``block_q`` and
@@ -79,6 +80,7 @@ import array_api_compat
 import numpy as np
 
 from .dropout import _seed_hash, keep_threshold
+from .namespace import sum_to_shape
 from .options import RECURRING_SPECS, AttentionSpec
 from .scores.pipeline import param_grads_from_heads
 from .scores.visibility import window_reach
@@ -189,8 +191,8 @@ TENSOR_BACKWARD_WARPS = {"f16": 4, "tf32x3": 4, "f64": 8}
 def supports(spec: AttentionSpec) -> bool:
     """Whether the fused kernels run ``spec``: CuPy arrays computing in
     float32 or float64 (float16 inputs compute in float32), ``H`` and ``Hv``
-    up to :data:`MAX_HEAD_DIM`, no bias, score or mask modification (a
-    boolean mask is taken), at most :data:`MAX_GRID_YZ` batch elements and
+    up to :data:`MAX_HEAD_DIM`, no score or mask modification (a boolean
+    mask and a bias are taken), at most :data:`MAX_GRID_YZ` batch elements and
     kv heads, and ``NPATTN_FAST_CUPY`` not ``0``. Empty calls take the generic path."""
     return (
         os.environ.get("NPATTN_FAST_CUPY", "1") != "0"
@@ -215,7 +217,6 @@ def _kernels_take(spec: AttentionSpec) -> bool:
     """The part of :func:`supports` that does not depend on the namespace."""
     return (
         spec.compute_dtype in (np.float32, np.float64)
-        and spec.bias is None
         and not spec.score_mods
         and spec.mask_mod is None
         and spec.block_mask is None
@@ -431,18 +432,22 @@ def _module(runtime: Runtime, spec: AttentionSpec, shape: LaunchShape) -> Any:
 def _score_defines(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
     """The definitions that pick ``pipeline.cuh``'s build of the score
     pipeline for ``spec``: ``PLAIN_SCORES`` (:func:`plain_scores`), and
-    ``USER_MASK`` where the call has a boolean mask (which then holds an
-    offset in every ``Row``; calls without one build the kernels as they
-    were)."""
-    plain = (("PLAIN_SCORES", str(int(plain_scores(spec)))),)
-    return plain if spec.mask is None else plain + (("USER_MASK", "1"),)
+    ``USER_MASK`` and ``USER_BIAS`` where the call has a boolean mask or a
+    bias (each then an offset in every ``Row``; calls without them build
+    the kernels as they were)."""
+    mask, bias = spec.mask is not None, spec.bias is not None
+    return (
+        ("PLAIN_SCORES", str(int(plain_scores(spec)))),
+        *((("USER_MASK", "1"),) if mask else ()),
+        *((("USER_BIAS", "1"),) if bias else ()),
+    )
 
 
 def plain_scores(spec: AttentionSpec) -> bool:
     """Whether ``spec``'s call runs the kernels built for plain scores
     (``PLAIN_SCORES``, ``pipeline.cuh``): no softcap, ALiBi, dropout,
-    segment ids or boolean mask, options those kernels leave out at compile
-    time, so that their branches and the registers those hold leave them too (ptxas for
+    segment ids, boolean mask or bias, options those kernels leave out at
+    compile time, so that their branches and the registers those hold leave them too (ptxas for
     sm_90, H=64: the float32 forward 167 registers against 201, the float64
     dQ spilling 184 bytes against 356; ``benchmarks/count_sass.py``). Other
     calls run the kernels built for every option.
@@ -459,6 +464,7 @@ def plain_scores(spec: AttentionSpec) -> bool:
         and not spec.dropout_p
         and not spec.has_segments
         and spec.mask is None
+        and spec.bias is None
     )
 
 
@@ -599,8 +605,8 @@ def _tensor_module(
     ``fused_dq`` (:func:`tensor_fused_dq`), the forward with Q kept there
     where ``kept[0]``, its blocks a multiprocessor (:func:`tensor_kept_q`),
     and its products on ``wgmma`` (:func:`tensor_wgmma`): looked up by these,
-    :func:`plain_scores` and whether a mask is given alone (1 µs; building
-    its definitions takes 2.5 more, 2-core EPYC)."""
+    :func:`plain_scores` and whether a mask and a bias are given alone (1
+    µs; building its definitions takes 2.5 more, 2-core EPYC)."""
     key = (
         runtime,
         precision,
@@ -610,6 +616,7 @@ def _tensor_module(
         backward,
         plain_scores(spec),
         spec.mask is not None,
+        spec.bias is not None,
         kept,
         fused_dq,
         wgmma,
@@ -622,7 +629,7 @@ def _tensor_module(
     return module
 
 
-_TENSOR_MODULES: dict[tuple[Runtime, str, int, int, int, bool, bool, bool, tuple[int, int], bool, bool], Any] = {}
+_TENSOR_MODULES: dict[tuple[Runtime, str, int, int, int, bool, bool, bool, bool, tuple[int, int], bool, bool], Any] = {}
 
 
 def _tensor_defines(
@@ -819,8 +826,9 @@ def tensor_wgmma(spec: AttentionSpec, precision: str, device: Any, backward: boo
 #: each, by precision.
 TENSOR_ROW_BYTES = {"f16": 40 + 8 + 8, "tf32x3": 40 + 8 + 8, "f64": 48 + 16 + 8}
 
-#: Bytes a ``Row`` holds more in the kernels built for a boolean mask
-#: (``USER_MASK``: its offset to the row's entries, an int64).
+#: Bytes a ``Row`` holds more in the kernels built for a boolean mask or a
+#: bias (``USER_MASK``, ``USER_BIAS``: for each its offset to the row's
+#: entries, an int64).
 MASK_ROW_BYTES = 8
 
 
@@ -979,7 +987,8 @@ def _static_shared_bytes(spec: AttentionSpec, precision: str, tile: int, backwar
     block's key span and ``exp2.cuh``'s table."""
     item = TENSOR_PRECISIONS[precision][1]
     padded = _tile_stride(spec.head_dim, precision) + _tile_stride(spec.value_dim, precision)
-    row_bytes = TENSOR_ROW_BYTES[precision] + (MASK_ROW_BYTES if spec.mask is not None else 0)
+    masks = (spec.mask is not None) + (spec.bias is not None)
+    row_bytes = TENSOR_ROW_BYTES[precision] + masks * MASK_ROW_BYTES
     per_stage = tile * (padded * item + (row_bytes if backward else 0))
     return stages * per_stage + 256
 
@@ -990,7 +999,7 @@ def _tiles_fit(spec: AttentionSpec, precision: str, tile: int, backward: bool, s
     in the forward (rows :func:`_tile_stride` entries apart); in the
     backward, the largest kernel's, dK/dV's: a query and a ``dO`` tile each,
     with :data:`TENSOR_ROW_BYTES` per query row (and :data:`MASK_ROW_BYTES`
-    with a mask)."""
+    with a mask, and again with a bias)."""
     return _static_shared_bytes(spec, precision, tile, backward, stages) <= 48 * 1024
 
 
@@ -1099,6 +1108,12 @@ _CONFIG_INTS = (
     "mask_stride_n",
     "mask_stride_i",
     "mask_stride_j",
+    "bias",
+    "bias_stride_b",
+    "bias_stride_n",
+    "bias_stride_i",
+    "bias_stride_j",
+    "bias_grad",
 )
 _CONFIG_FLOATS = ("scale", "softcap", "keep_scale")
 #: ``pipeline.cuh``'s ``struct Config``, field for field: the call's scalar
@@ -1123,12 +1138,14 @@ class _Call:
     """The kernels' shared argument for one call: ``pipeline.cuh``'s
     ``Config`` (:data:`CONFIG_DTYPE`, one entry, passed by value), which
     holds the addresses of the optional per-batch arrays (``optional``,
-    each flattened over the batch axes and contiguous on the device, kept
-    here for the call) where six arguments of their own held them (each a
-    conversion in CuPy's launch). ``kv_head_rows``: the rows of ``k`` and ``v`` from
-    one kv head's first key to the next's (:func:`_kv_operands`)."""
+    each flattened over the batch axes, kept here for the call: contiguous
+    on the device, but for the mask and the bias, read through their
+    strides) where arguments of their own held them (each a conversion in
+    CuPy's launch). ``kv_head_rows``: the rows of ``k`` and ``v`` from one
+    kv head's first key to the next's (:func:`_kv_operands`); ``bias_grad``:
+    the backward's ``(B, N, T, S)`` zeros for ``dS``, with a bias."""
 
-    def __init__(self, spec: AttentionSpec, kv_head_rows: int, splits: int = 1):
+    def __init__(self, spec: AttentionSpec, kv_head_rows: int, splits: int = 1, bias_grad: Any = None):
         B = spec.num_batch
         reach = window_reach(spec)  # a window side wider than this hides nothing
         offset = spec.q_offset if spec.q_offset is not None else 0
@@ -1137,7 +1154,7 @@ class _Call:
             self.optional = _per_batch_arrays(spec, offset if per_batch_offset else None)
         else:  # a plain call's (a decode step's): none
             self.optional = _NO_ARRAYS
-        mask_strides = _mask_strides(self.optional[-1])
+        *per_batch, mask, bias = self.optional
         self.config = _config(
             (
                 B,
@@ -1155,8 +1172,10 @@ class _Call:
                 splits,
                 int(spec.dropout_p > 0),
                 kv_head_rows,
-                *(0 if a is None else _address(a) for a in self.optional),
-                *mask_strides,
+                *(0 if a is None else _address(a) for a in per_batch),
+                *_strided(mask),
+                *_strided(bias),
+                0 if bias_grad is None else _address(bias_grad),
                 spec.scale,
                 spec.softcap or 0.0,
                 1.0 / (1.0 - spec.dropout_p),
@@ -1165,19 +1184,20 @@ class _Call:
 
 
 #: :class:`_Call`'s ``optional`` where a call has no per-batch array.
-_NO_ARRAYS = (None,) * 7
+_NO_ARRAYS = (None,) * 8
 
 
 def _has_per_batch_arrays(spec: AttentionSpec) -> bool:
     """Whether ``spec`` holds arrays the kernels read by address: per-batch
     query offsets (``bottom_right`` with lengths), lengths, segment ids,
-    ALiBi slopes or a boolean mask."""
+    ALiBi slopes, a boolean mask or a bias."""
     return not (  # one chain of identity tests (0.15 µs; any() over a tuple takes 0.5)
         spec.q_lengths is None
         and spec.kv_lengths is None
         and spec.q_segment_ids is None
         and spec.alibi_slopes is None
         and spec.mask is None
+        and spec.bias is None
         and not hasattr(spec.q_offset, "shape")
     )
 
@@ -1186,7 +1206,8 @@ def _per_batch_arrays(spec: AttentionSpec, offsets: Any) -> tuple:
     """:class:`_Call`'s optional arrays, each None where ``spec`` has none:
     the per-batch query ``offsets`` (bottom_right with lengths), the
     lengths, segment ids and ALiBi slopes, flattened over the batch axes,
-    and the boolean mask (:func:`_flat_mask`)."""
+    and the boolean mask and the bias, the latter in the compute dtype
+    (:func:`_flat_scores_operand`)."""
     xp, B = spec.xp, spec.num_batch
 
     def flat(a: Any, shape: tuple[int, ...], dtype: Any) -> Any:
@@ -1204,48 +1225,59 @@ def _per_batch_arrays(spec: AttentionSpec, offsets: Any) -> tuple:
         flat(spec.q_segment_ids if segments else None, (B, spec.q_len), xp.int64),
         flat(spec.kv_segment_ids if segments else None, (B, spec.kv_len), xp.int64),
         flat(slopes, (B, spec.num_heads), spec.compute_dtype),
-        _flat_mask(spec),
+        _flat_scores_operand(spec, spec.mask),
+        _flat_scores_operand(spec, _compute_dtype_bias(spec)),
     )
 
 
-def _flat_mask(spec: AttentionSpec) -> Any:
-    """The call's boolean mask (None without one) as the kernels read it:
-    ``(B | 1, N | 1, T | 1, S | 1)``, its batch axes flattened into one, a
-    view of the user's array where they flatten (one batch axis, or none it
-    varies along), else a copy of the mask over the batch axes it
-    broadcasts along; read where it lies, through its strides
-    (:func:`_mask_strides`).
+def _compute_dtype_bias(spec: AttentionSpec) -> Any:
+    """The call's bias in the compute dtype (a copy where it comes in
+    another), or None."""
+    bias = spec.bias
+    return bias if bias is None or bias.dtype == spec.compute_dtype else spec.xp.astype(bias, spec.compute_dtype)
+
+
+def _flat_scores_operand(spec: AttentionSpec, a: Any) -> Any:
+    """A boolean mask or a bias of the call, at its full rank (``spec.mask``,
+    ``spec.bias``; None: None), as the kernels read it: ``(B | 1, N | 1, T |
+    1, S | 1)``, its batch axes flattened into one, a view of the user's
+    array where they flatten (one batch axis, or none it varies along),
+    else a copy over the batch axes it broadcasts along; read where it lies,
+    through its strides (:func:`_strided`).
 
     >>> import numpy as np
     >>> from npattn.options import make_spec
     >>> q, kv = np.zeros((2, 3, 4, 5, 8)), np.zeros((2, 3, 4, 6, 8))  # batch (2, 3), T=5, S=6
-    >>> _flat_mask(make_spec(q, kv, kv, mask=np.ones((2, 1, 1, 5, 6), bool))).shape  # copied over the 3
+    >>> spec = make_spec(q, kv, kv, mask=np.ones((2, 1, 1, 5, 6), bool))
+    >>> _flat_scores_operand(spec, spec.mask).shape  # copied over the 3
     (6, 1, 5, 6)
-    >>> _flat_mask(make_spec(q, kv, kv, mask=np.ones((5, 6), bool))).shape  # a view
+    >>> spec = make_spec(q, kv, kv, mask=np.ones((5, 6), bool))
+    >>> _flat_scores_operand(spec, spec.mask).shape  # a view
     (1, 1, 5, 6)
     """
-    mask = spec.mask
-    if mask is None:
+    if a is None:
         return None
-    rows = tuple(mask.shape[-3:])  # (N | 1, T | 1, S | 1)
-    if math.prod(mask.shape[:-3]) > 1:
-        mask = spec.xp.broadcast_to(mask, spec.batch_shape + rows)  # (..., N | 1, T | 1, S | 1)
-    return spec.xp.reshape(mask, (-1, *rows))  # (B | 1, N | 1, T | 1, S | 1)
+    rows = tuple(a.shape[-3:])  # (N | 1, T | 1, S | 1)
+    if math.prod(a.shape[:-3]) > 1:
+        a = spec.xp.broadcast_to(a, spec.batch_shape + rows)  # (..., N | 1, T | 1, S | 1)
+    return spec.xp.reshape(a, (-1, *rows))  # (B | 1, N | 1, T | 1, S | 1)
 
 
-def _mask_strides(mask: Any) -> tuple[int, int, int, int]:
-    """The entries between a :func:`_flat_mask`'s neighbours along each of
-    its four axes (``pipeline.cuh``'s ``Config.mask_stride_*``), 0 along
-    those of length 1 (which it broadcasts along), or zeros without a mask.
+def _strided(a: Any) -> tuple[int, int, int, int, int]:
+    """The address of a :func:`_flat_scores_operand` and the entries
+    between neighbours along each of its four axes (``pipeline.cuh``'s
+    ``Config.mask`` and ``mask_stride_*``, or ``bias`` and
+    ``bias_stride_*``), 0 along those of length 1 (which it broadcasts
+    along); zeros for None.
 
     >>> import numpy as np
-    >>> _mask_strides(np.ones((1, 4, 5, 6), bool)[:, ::-1, :, ::2])
+    >>> _strided(np.ones((1, 4, 5, 6), bool)[:, ::-1, :, ::2])[1:]
     (0, -30, 6, 2)
     """
-    if mask is None:
-        return (0, 0, 0, 0)
-    b, n, i, j = (0 if size == 1 else stride // mask.itemsize for size, stride in zip(mask.shape, mask.strides))
-    return (b, n, i, j)
+    if a is None:
+        return (0, 0, 0, 0, 0)
+    b, n, i, j = (0 if size == 1 else stride // a.itemsize for size, stride in zip(a.shape, a.strides))
+    return (_address(a), b, n, i, j)
 
 
 #: Alignment of the arrays the kernels read, in bytes: they read rows in
@@ -1622,8 +1654,10 @@ def backward(
     float16 inputs, else the compute dtype).
 
     ``D = rowsum(dO * O) - dlse`` (``npattn/cuda/delta.cuh``) and ``dQ``
-    (and the ALiBi slopes' per-row sums ``-sum_j dS_ij |p_i - j|``) in
-    ``npattn_backward_dq``, then ``dK``, ``dV`` in ``npattn_backward_dkdv``
+    (and the ALiBi slopes' per-row sums ``-sum_j dS_ij |p_i - j|``, and
+    with a bias ``dS`` itself, zeros where no row sees a key, summed over
+    the bias's broadcast axes here: ``(B, N, T, S)`` entries of the compute
+    dtype for the call) in ``npattn_backward_dq``, then ``dK``, ``dV`` in ``npattn_backward_dkdv``
     (``npattn/cuda/backward.cu``; on the tensor cores their ``_tc`` twins
     of ``tensor_backward.cu``, whose dK/dV kernel sums dQ too where
     :func:`tensor_fused_dq` says, so that no dQ kernel runs and
@@ -1637,7 +1671,8 @@ def backward(
     plan = _plan(runtime, spec, q, backward=True)
     qc, doc = _operands(spec, q, dout)
     kc, vc, kv_head_rows = _kv_operands(spec, k, v)
-    call = plan.call(spec, kv_head_rows)
+    bias_grad = None if spec.bias is None else _zeros(spec, ((B, N, T, S), spec.compute_dtype))[0]  # dS
+    call = plan.call(spec, kv_head_rows) if bias_grad is None else _Call(spec, kv_head_rows, bias_grad=bias_grad)
     first_launch, dkdv_launch = plan.launches  # dQ's (or, where dK/dV sums dQ, D's), then dK/dV's
     grads, rows = operand_dtype(spec), ((B, N, T), spec.compute_dtype)
     D, dq, dk, dv, slope_rows = _empties(  # slope_rows: ALiBi's per-row sums, None without ALiBi
@@ -1666,6 +1701,15 @@ def backward(
         _shaped(xp, dq, bs + (N, T, H)),  # (..., N, T, H)
         _shaped(xp, dk, bs + (K, S, H)),  # (..., K, S, H)
         _shaped(xp, dv, bs + (K, S, Hv)),  # (..., K, S, Hv)
-        None,
+        None if bias_grad is None else _bias_grad(spec, bias_grad),
         params,
     )
+
+
+def _bias_grad(spec: AttentionSpec, ds: Any) -> Any:
+    """``dbias``: the dQ kernels' ``dS`` ``(B, N, T, S)`` summed over the
+    bias's broadcast axes, in its shape (``spec.bias_shape``) and the
+    compute dtype (as :func:`npattn.chunked.chunked_backward` returns it)."""
+    xp = spec.xp
+    full = xp.reshape(ds, spec.batch_shape + tuple(ds.shape[1:]))  # (..., N, T, S)
+    return xp.reshape(sum_to_shape(xp, full, tuple(spec.bias.shape)), spec.bias_shape)

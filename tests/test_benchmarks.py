@@ -408,6 +408,30 @@ def test_gpu_benchmark_auto_rows_time_both_paths_and_say_which_auto_takes(capsys
     assert all(line.split()[-1] == "chunked" and float(line.split()[-2]) > 0 for line in lines)
 
 
+def test_gpu_benchmark_scores_rows_give_npattn_each_kind_of_scores(monkeypatch):
+    """``bench_gpu.py --scores``' problems on NumPy in CuPy's place (no
+    torch): each kind reaches npattn's call as its option (a padding mask,
+    a mask hiding no row whole, a bias in the inputs' dtype), which the
+    fused path takes, forward and backward (kernels not run)."""
+    import numpy as np
+
+    bench_gpu, cp = _fake_gpu_bench(monkeypatch)
+    expected = {"padding mask": ("mask", (1, 1, 1, 64)), "mask": ("mask", (64, 64)), "bias": ("bias", (2, 64, 64))}
+    assert list(bench_gpu.SCORES) == list(expected)
+    for kind, (name, shape) in expected.items():
+        problem = bench_gpu._Problem(cp, None, "float16", 1, 2, 2, 64, 64, 16, False, scores=kind)
+        (option,) = problem.scores.items()
+        assert option[0] == name and option[1].shape == shape
+        assert option[1].dtype == (np.float16 if name == "bias" else np.bool_)
+        if name == "mask":
+            assert option[1].any(axis=-1).all() and not option[1].all()  # some keys hidden, no row whole
+        q, k, v, _ = problem.arrays
+        with np.errstate(all="ignore"):  # the arrays the kernels would fill hold whatever was in memory
+            _, res = bench_gpu.attention_forward(q, k, v, impl="chunked", **problem.options, **problem.scores)
+            assert res.kernel == "cupy"
+            problem.npattn(True)
+
+
 def test_gpu_benchmark_cache_rows_time_views_copies_and_c_order_keys(capsys, monkeypatch):
     """``bench_gpu.py --cache``'s own code on NumPy in CuPy's place, kernels
     not run: a row per cache size, with the three steps' times and ratios."""

@@ -178,6 +178,12 @@ def _mask(shape, keep=0.6, seed=6):
     return np.random.default_rng(seed).random(shape) < keep
 
 
+def _bias(shape, hidden=0.0, seed=8):
+    """A float64 bias of ``shape``, standard normal, each entry -inf (hidden) with probability ``hidden``."""
+    rng = np.random.default_rng(seed)
+    return np.where(rng.random(shape) < hidden, -np.inf, rng.standard_normal(shape))
+
+
 def _mask_hiding_rows(shape, rows):
     """:func:`_mask` with every key of these ``rows`` (index tuples) hidden: fully masked rows."""
     mask = _mask(shape)
@@ -222,7 +228,27 @@ CASES = {
     "decode splits mask": dict(
         batch=(1,), N=4, K=2, T=1, S=700, causal=True, align="bottom_right", mask=_mask(700) & (np.arange(700) >= 400)
     ),
+    # the user's bias (dbias summed over its broadcast axes): -inf entries hiding keys, and every key of
+    # batch 1's row 5; over the batch and the rows, per head of a GQA group; with every other unit
+    "bias": dict(T=21, S=30, causal=True, align="bottom_right", bias=_bias((2, 1, 21, 30), hidden=0.2)),
+    "bias per head": dict(N=4, K=2, T=20, S=33, bias=_bias((4, 1, 33))),
+    "bias with every unit": dict(
+        N=4,
+        K=2,
+        T=19,
+        S=23,
+        causal=True,
+        align="top_left",
+        softcap=2.0,
+        alibi_slopes=np.array([0.5, 0.25, 0.1, 0.0]),
+        dropout_p=0.3,
+        seed=7,
+        mask=_mask((2, 1, 19, 23), keep=0.8),
+        bias=_bias((19, 23), hidden=0.1),
+    ),
+    "decode splits bias": dict(batch=(1,), N=4, K=2, T=1, S=700, causal=True, align="bottom_right", bias=_bias(700)),
 }
+CASES["bias"]["bias"][1, 0, 5] = -np.inf
 
 
 def _spec(q, k, v, options):
@@ -320,6 +346,12 @@ TENSOR_CASES = {
         "mask": {},
         "mask per head": {},
         "decode splits mask": {},
+        "bias": {},
+        "bias per head": {},
+        "bias with every unit": {},
+        "decode splits bias": {},
+        # a bias hiding no key: its tiles test each score all the same (an entry might be -inf)
+        "whole tiles bias": dict(batch=(1,), N=2, K=2, T=70, S=200, bias=_bias((2, 1, 200))),
         # a mask hiding a few keys of tiles every row's range takes whole: no tile skips the test per score
         "whole tiles mask": dict(batch=(1,), N=2, K=2, T=70, S=200, mask=_mask((70, 200), keep=0.97)),
     }.items()
@@ -341,8 +373,8 @@ def _tensor_paths(case: str, dtype, cases=TENSOR_CASES, runtime=None):
     """The fused kernels (emulated, on ``runtime`` or a new
     EmulatedRuntime; the tensor cores for TENSOR_CASES) on ``dtype`` inputs,
     and the generic path in float64 on the same values: (out, lse, dq, dk,
-    dv, the ALiBi slopes' gradient or None) each, the launched kernels'
-    names and the tensor cores' precision chosen."""
+    dv, the ALiBi slopes' gradient or None, the bias's or None) each, the
+    launched kernels' names and the tensor cores' precision chosen."""
     q, k, v, options = _problem(dtype=dtype, **cases[case])
     spec = _spec(q, k, v, options)
     rng = np.random.default_rng(1)
@@ -352,21 +384,21 @@ def _tensor_paths(case: str, dtype, cases=TENSOR_CASES, runtime=None):
     operand = fast_cupy.operand_dtype(spec)  # float16 stays float16, as forward_from_spec passes it
     assert q.dtype == operand
     out, lse = fast_cupy.forward(spec, q, k, v, runtime=runtime)
-    dq, dk, dv, _, params = fast_cupy.backward(
+    dq, dk, dv, dbias, params = fast_cupy.backward(
         spec, q, k, v, out, lse, dout.astype(operand), g_lse.astype(spec.compute_dtype), runtime=runtime
     )
     assert out.dtype == lse.dtype == spec.compute_dtype and dq.dtype == dk.dtype == dv.dtype == operand
-    fused = (out, lse, dq, dk, dv, params.get("alibi_slopes"))
+    fused = (out, lse, dq, dk, dv, params.get("alibi_slopes"), dbias)
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
     spec64 = _spec(q64, k64, v64, options)
     out, lse = chunked_forward(spec64, q64, k64, v64)
-    dq, dk, dv, _, params = chunked_backward(spec64, q64, k64, v64, out, lse, dout, g_lse)
-    exact = (out, lse, dq, dk, dv, params.get("alibi_slopes"))
+    dq, dk, dv, dbias, params = chunked_backward(spec64, q64, k64, v64, out, lse, dout, g_lse)
+    exact = (out, lse, dq, dk, dv, params.get("alibi_slopes"), dbias)
     return fused, exact, [name for name, *_ in runtime.launches], fast_cupy.tensor_precision(spec)
 
 
 def _assert_within(fused, exact, tolerance):
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dalibi_slopes"), fused, exact):
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dalibi_slopes", "dbias"), fused, exact):
         if b is None:
             assert a is None, name
             continue
@@ -630,7 +662,7 @@ def test_emulated_kernels_on_wgmma_write_the_same_bits(monkeypatch, case):
 
     def both(runtime):
         out, lse = fast_cupy.forward(spec, q, k, v, runtime=runtime)
-        return out, lse, *fast_cupy.backward(spec, q, k, v, out, lse, dout, None, runtime=runtime)[:3]
+        return out, lse, *fast_cupy.backward(spec, q, k, v, out, lse, dout, None, runtime=runtime)[:4]
 
     runtime = EmulatedRuntime()
     on_mma = both(runtime)
@@ -917,23 +949,24 @@ def test_tensor_tiles_fit_static_shared_memory():
     of each in a forward of split stages (the forward's: key and value
     tiles, rows padded by 16 bytes or, in float64 at widths a multiple of
     16, swizzled unpadded; the backward's largest, dK/dV's: query and dO
-    tiles, and a ``Row`` (with a mask, its offset in it), lse, D and row
+    tiles, and a ``Row`` (with a mask and a bias, their offsets in it), lse, D and row
     index per query row; ptxas reports 44032 bytes for float16 at H=Hv=64,
     as computed here) stays within
     CUDA's 48 KiB for every head size they take; and the tiles halved to fit
     are the sizes tensor_tile's docstring names."""
     for dtype, precision, widest in TENSOR_DTYPES:
         step, item = (16 if precision == "f16" else 8), np.dtype(dtype).itemsize
-        for H, Hv, masked in itertools.product(range(step, widest + 1, step), range(step, widest + 1, step), (0, 1)):
+        for H, Hv, masks in itertools.product(range(step, widest + 1, step), range(step, widest + 1, step), (0, 2)):
             q, k, v, _ = _problem(batch=(1,), N=1, K=1, T=64, S=8, H=H, Hv=Hv, dtype=dtype)
-            spec = make_spec(q, k, v, mask=np.ones((64, 8), bool) if masked else None)
+            both = dict(mask=np.ones((64, 8), bool), bias=np.zeros((64, 8))) if masks else {}
+            spec = make_spec(q, k, v, **both)
             assert fast_cupy.tensor_precision(spec) == precision
             for backward in (False, True):
                 tile = fast_cupy.tensor_tile(spec, precision, backward)
                 stride = H + 16 // item if precision != "f64" or H % 16 else H
                 value_stride = Hv + 16 // item if precision != "f64" or Hv % 16 else Hv
                 rows = tile * (stride + value_stride) * item
-                row_bytes = fast_cupy.TENSOR_ROW_BYTES[precision] + masked * fast_cupy.MASK_ROW_BYTES
+                row_bytes = fast_cupy.TENSOR_ROW_BYTES[precision] + masks * fast_cupy.MASK_ROW_BYTES
                 per_row = row_bytes if backward else 0
                 stages = 1 if not backward and fast_cupy.tensor_split_stages(spec, precision) else 2
                 assert stages * (rows + tile * per_row) <= 48 * 1024, (dtype, H, Hv, backward)
@@ -1093,25 +1126,31 @@ def test_backward_writes_d_for_every_row(monkeypatch, case):
 
 @emulated
 @pytest.mark.parametrize("heads", [dict(), dict(H=16, Hv=8)], ids=["cuda cores", "tensor cores"])
-@pytest.mark.parametrize("case", ["plain", "softcap alibi sinks", "dropout", "lengths bottom_right"])
+@pytest.mark.parametrize(
+    "case", ["plain", "softcap alibi sinks", "dropout", "lengths bottom_right", "bias with every unit"]
+)
 def test_emulated_kernels_central_differences(case, heads):
     """<dout, d out> + <dlse, d lse> along random directions of q, k, v (and
-    the ALiBi slopes), from the kernels' backward and from central
-    differences of their forward, float64: on the CUDA cores (CASES' heads,
-    ``Hv=6``) and on the float64 tensor cores."""
+    the ALiBi slopes and the bias), from the kernels' backward and from
+    central differences of their forward, float64: on the CUDA cores
+    (CASES' heads, ``Hv=6``) and on the float64 tensor cores. A bias's -inf
+    entries (hidden keys) stay -inf in every step."""
     shape = dict(CASES[case], **heads)
     shape.update(T=9, S=10 if "align" in shape else 9)  # T != S needs an alignment
     if "q_lengths" in shape:
         shape.update(q_lengths=np.array([9, 0]), kv_lengths=np.array([6, 10]))
+    for name, make in (("mask", _mask), ("bias", lambda shape: _bias(shape, hidden=0.1))):
+        if name in shape:
+            shape[name] = make((shape["T"], shape["S"]))
     q, k, v, options = _problem(rng_seed=3, **shape)
     rng = np.random.default_rng(4)
     dout = rng.standard_normal((*q.shape[:-1], v.shape[-1]))
     dlse = rng.standard_normal(q.shape[:-1])
     runtime = EmulatedRuntime()
-    slopes = options.get("alibi_slopes")
+    params = [name for name in ("alibi_slopes", "bias") if name in options]
 
-    def loss(q, k, v, slopes):
-        opts = dict(options) if slopes is None else dict(options, alibi_slopes=slopes)
+    def loss(q, k, v, *values):
+        opts = dict(options, **dict(zip(params, values)))
         out, lse = fast_cupy.forward(_spec(q, k, v, opts), q, k, v, runtime=runtime)
         finite = np.isfinite(lse)
         return np.sum(out * dout) + np.sum(np.where(finite, lse, 0) * dlse)
@@ -1120,16 +1159,15 @@ def test_emulated_kernels_central_differences(case, heads):
     assert fast_cupy.tensor_precision(spec) == ("f64" if heads else None)
     out, lse = fast_cupy.forward(spec, q, k, v, runtime=runtime)
     dlse_used = np.where(np.isfinite(lse), dlse, 0)
-    dq, dk, dv, _, params = fast_cupy.backward(spec, q, k, v, out, lse, dout, dlse_used, runtime=runtime)
-    inputs = [q, k, v] + ([slopes] if slopes is not None else [])
-    grads = [dq, dk, dv] + ([params["alibi_slopes"]] if slopes is not None else [])
+    dq, dk, dv, dbias, grads_of = fast_cupy.backward(spec, q, k, v, out, lse, dout, dlse_used, runtime=runtime)
+    inputs = [q, k, v] + [options[name] for name in params]
+    grads = [dq, dk, dv] + [dbias if name == "bias" else grads_of[name] for name in params]
     eps = 1e-6
     for index, (x, g) in enumerate(zip(inputs, grads)):
-        direction = rng.standard_normal(x.shape)
+        direction = np.where(np.isfinite(x), rng.standard_normal(x.shape), 0)  # -inf + eps * 0 stays -inf
         plus, minus = list(inputs), list(inputs)
         plus[index], minus[index] = x + eps * direction, x - eps * direction
-        pad = [None] * (4 - len(inputs))
-        numeric = (loss(*plus, *pad) - loss(*minus, *pad)) / (2 * eps)
+        numeric = (loss(*plus) - loss(*minus)) / (2 * eps)
         np.testing.assert_allclose(np.sum(g * direction), numeric, rtol=1e-6, atol=1e-8, err_msg=f"input {index}")
 
 
@@ -1151,7 +1189,7 @@ def _fused(q, k, v, dout, dlse=None, runtime=None, **options):
 @emulated
 @settings(max_examples=25, deadline=None)
 @given(
-    case=attention_cases(max_len=40, features=(*(f for f in FEATURES + VARIANTS if f != "bias"), "masked_row")),
+    case=attention_cases(max_len=40, features=(*FEATURES, *VARIANTS, "masked_row")),
     use_dlse=st.booleans(),
 )
 def test_emulated_kernels_match_generic_on_drawn_problems(case, use_dlse):
@@ -1175,7 +1213,7 @@ def test_emulated_kernels_match_generic_on_drawn_problems(case, use_dlse):
 @emulated
 @settings(max_examples=30, deadline=None)
 @given(
-    case=attention_cases(max_len=70, features=(*(f for f in FEATURES + VARIANTS if f != "bias"), "masked_row")),
+    case=attention_cases(max_len=70, features=(*FEATURES, *VARIANTS, "masked_row")),
     dtype=st.sampled_from([np.float16, np.float32, np.float64]),
     seed=st.integers(0, 2**32 - 1),
 )
@@ -1262,45 +1300,62 @@ def _kv_view(layout: str, k: np.ndarray) -> np.ndarray:
     return shifted
 
 
-#: Masks of one call with two batch axes (B = 2 x 3, N=2, T=9, S=11), each
-#: by how the kernels read it: a view of the user's array (True) through its
-#: strides, or a copy over the batch axes it broadcasts along (False).
-MASK_LAYOUTS = {
-    "C order": (lambda: _mask((2, 3, 2, 9, 11)), True),
-    "keys reversed": (lambda: _mask((2, 3, 2, 9, 11))[..., ::-1], True),
-    "rows and keys swapped": (lambda: np.swapaxes(_mask((2, 3, 2, 11, 9)), -1, -2), True),
-    "a broadcast view": (lambda: np.broadcast_to(_mask((9, 11)), (2, 3, 2, 9, 11)), True),
-    "padding, per batch element": (lambda: _mask((2, 3, 1, 1, 11), keep=0.7), True),
-    "along the first batch axis": (lambda: _mask((2, 1, 1, 9, 11)), False),
-    "along the second, over the keys": (lambda: _mask((3, 1, 9, 1)), False),
+#: Masks or biases of one call with two batch axes (B = 2 x 3, N=2, T=9,
+#: S=11), each made by ``draw(shape)``, and by how the kernels read it: a
+#: view of the user's array (True) through its strides, or a copy over the
+#: batch axes it broadcasts along (False).
+SCORE_OPERAND_LAYOUTS = {
+    "C order": (lambda draw: draw((2, 3, 2, 9, 11)), True),
+    "keys reversed": (lambda draw: draw((2, 3, 2, 9, 11))[..., ::-1], True),
+    "rows and keys swapped": (lambda draw: np.swapaxes(draw((2, 3, 2, 11, 9)), -1, -2), True),
+    "a broadcast view": (lambda draw: np.broadcast_to(draw((9, 11)), (2, 3, 2, 9, 11)), True),
+    "padding, per batch element": (lambda draw: draw((2, 3, 1, 1, 11)), True),
+    "along the first batch axis": (lambda draw: draw((2, 1, 1, 9, 11)), False),
+    "along the second, over the keys": (lambda draw: draw((3, 1, 9, 1)), False),
+}
+
+#: How each kind of operand is drawn: a mask, a float64 bias with -inf
+#: entries, and a float32 one (cast to the compute dtype, float64: a copy).
+SCORE_OPERANDS = {
+    "mask": lambda shape: _mask(shape, keep=0.7),
+    "bias": lambda shape: _bias(shape, hidden=0.2),
+    "float32 bias": lambda shape: _bias(shape).astype(np.float32),
 }
 
 
 @emulated
 @pytest.mark.parametrize("tensor_cores", ["1", "0"])
-@pytest.mark.parametrize("layout", list(MASK_LAYOUTS))
-def test_masks_are_read_through_their_strides(layout, tensor_cores, monkeypatch):
-    """A boolean mask in any layout gives the generic path's numbers, float64,
-    on the tensor cores and the CUDA cores: read where it lies through its
-    strides (negative, zero along broadcast axes, keys not adjacent), or
-    copied only where its batch axes do not flatten into one; never
-    written."""
+@pytest.mark.parametrize("operand", list(SCORE_OPERANDS))
+@pytest.mark.parametrize("layout", list(SCORE_OPERAND_LAYOUTS))
+def test_masks_and_biases_are_read_through_their_strides(layout, operand, tensor_cores, monkeypatch):
+    """A boolean mask or a bias in any layout gives the generic path's
+    numbers, ``dbias`` included, float64, on the tensor cores and the CUDA
+    cores: read where it lies through its strides (negative, zero along
+    broadcast axes, keys not adjacent), or copied only where its batch
+    axes do not flatten into one (or a bias's dtype is not the compute
+    dtype); never written."""
     monkeypatch.setenv("NPATTN_CUPY_TENSOR_CORES", tensor_cores)
-    make, in_place = MASK_LAYOUTS[layout]
-    mask = make()
-    before = mask.copy()
-    q, k, v, options = _problem(batch=(2, 3), T=9, S=11, H=16, Hv=16, mask=mask)
+    make, in_place = SCORE_OPERAND_LAYOUTS[layout]
+    name = "mask" if operand == "mask" else "bias"
+    array = make(SCORE_OPERANDS[operand])
+    before = array.copy()
+    q, k, v, options = _problem(batch=(2, 3), T=9, S=11, H=16, Hv=16, **{name: array})
     spec = _spec(q, k, v, options)
     assert fast_cupy.tensor_precision(spec) == ("f64" if tensor_cores == "1" else None)
-    assert np.shares_memory(fast_cupy._flat_mask(spec), mask) == in_place
+    read = fast_cupy._flat_scores_operand(spec, spec.mask if name == "mask" else fast_cupy._compute_dtype_bias(spec))
+    assert np.shares_memory(read, array) == (in_place and operand != "float32 bias")
     rng = np.random.default_rng(1)
     dout, dlse = rng.standard_normal((*q.shape[:-1], 16)), rng.standard_normal(q.shape[:-1])
-    fused = _fused(q, k, v, dout, dlse, mask=mask)
-    generic = _chunked(q, k, v, dout, dlse, mask=mask)
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), fused, generic):
-        assert not np.isnan(a).any(), name
-        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12, err_msg=name)
-    np.testing.assert_array_equal(mask, before)
+    fused = _fused(q, k, v, dout, dlse, **options)
+    generic = _chunked(q, k, v, dout, dlse, **options)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), fused, generic):
+        if b is None:
+            assert a is None, name
+            continue
+        assert not np.isnan(a).any() and a.shape == b.shape, name
+        tolerance = 1e-12 if b.dtype == np.float64 else 1e-6  # the float32 bias's gradient: in its dtype
+        np.testing.assert_allclose(a.astype(b.dtype), b, rtol=tolerance, atol=tolerance, err_msg=name)
+    np.testing.assert_array_equal(array, before)
 
 
 def test_head_rows_of_each_layout():
@@ -1405,7 +1460,7 @@ def test_supports_only_cupy_and_the_kernels_options():
     )
     mask = np.ones((11, 13), dtype=bool)
     assert fast_cupy._kernels_take(make_spec(q, k, v, mask=mask))
-    assert not fast_cupy._kernels_take(make_spec(q, k, v, bias=np.zeros((11, 13))))
+    assert fast_cupy._kernels_take(make_spec(q, k, v, bias=np.zeros((11, 13))))
     many = np.broadcast_to(np.zeros(()), (fast_cupy.MAX_GRID_YZ + 1, 1, 2, 4))  # batch elements past the grid's z
     assert not fast_cupy._kernels_take(make_spec(many, many, many))
     mod = npattn.ScoreMod(lambda s, idx, p: s, lambda ds, s, idx, p: (ds, {}))
@@ -1689,8 +1744,9 @@ def test_splits_stay_within_the_grid():
 
 
 #: Bytes of ``pipeline.cuh``'s ``Row`` at most (float64: four int64, a
-#: double and a uint32, padded to 8 bytes, and with a mask an int64).
-ROW_BYTES = 56
+#: double and a uint32, padded to 8 bytes, and with a mask and a bias an
+#: int64 each).
+ROW_BYTES = 64
 
 
 def test_launch_shape_fits_static_shared_memory():
@@ -1802,7 +1858,7 @@ def _public(q, k, v, options, dout, generic=False, dlse=None):
         grads = npattn.attention_backward(dout, res, dlse=dlse)
     finally:
         os.environ.pop("NPATTN_FAST_CUPY", None)
-    return res.kernel, [out, res.lse, grads.dq, grads.dk, grads.dv, grads.dsinks, grads.dalibi_slopes]
+    return res.kernel, [out, res.lse, grads.dq, grads.dk, grads.dv, grads.dsinks, grads.dalibi_slopes, grads.dbias]
 
 
 @pytest.mark.gpu
@@ -2112,15 +2168,19 @@ def test_gpu_kernels_on_wgmma_match_those_on_mma(backend, case, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cupy"], indirect=True)
 @pytest.mark.parametrize(
-    "dtype, unshipped", [(np.float32, False), (np.float64, False), (np.float64, True), (np.float16, True)]
+    "dtype, unshipped, bias",
+    [(np.float32, False, False), (np.float64, False, False), (np.float64, True, False), (np.float16, True, False)]
+    + [(np.float32, False, True)],
 )
-def test_gpu_fused_is_deterministic(backend, dtype, unshipped, monkeypatch):
+def test_gpu_fused_is_deterministic(backend, dtype, unshipped, bias, monkeypatch):
     """Two runs give the same bits, float64's with its dK/dV kernel summing
     dQ too (its key blocks' adds in a fixed order) and without, float16's
-    on wgmma (on an H100 or H200)."""
+    on wgmma (on an H100 or H200), and with a bias broadcast over the batch
+    and the heads (``dbias`` summed over them)."""
     monkeypatch.setattr(fast_cupy, "TENSOR_FUSED_DQ", frozenset({"f64"} if unshipped else ()))
     monkeypatch.setattr(fast_cupy, "TENSOR_WGMMA", {"f16": (True, True)} if unshipped else {})
-    q, k, v, options = _problem(N=8, K=2, T=500, S=700, H=64, Hv=64, causal=True, align="bottom_right")
+    biased = {"bias": backend.asarray(_bias((500, 700), hidden=0.1))} if bias else {}
+    q, k, v, options = _problem(N=8, K=2, T=500, S=700, H=64, Hv=64, causal=True, align="bottom_right", **biased)
     dout = np.random.default_rng(1).standard_normal((*q.shape[:-1], 64))
     args = [backend.asarray(x.astype(dtype)) for x in (q, k, v, dout)]
     first = _public(*args[:3], options, args[3])[1]

@@ -60,13 +60,15 @@ class _Recorder:
 def _targets_specs():
     """Issue 18's shapes (B=1, N=8, H=64, float16, float32, float64; H=128
     in float16 and float32; the decode step, T=1 against N=32 on 8 kv heads),
-    plain, with a softcap (the build for every option) and with a mask
-    (``USER_MASK``, whose rows take more of dK/dV's shared memory)."""
+    plain, with a softcap (the build for every option) and with a mask and
+    a bias (``USER_MASK`` and ``USER_BIAS``, whose rows take more of dK/dV's
+    shared memory)."""
     for dtype in (np.float16, np.float32, np.float64):
         for H in (64, 128) if dtype != np.float64 else (64,):
             x = np.zeros((1, 8, 4096, H), dtype)
             step = np.zeros((1, 32, 1, H), dtype)
-            for options in ({}, {"softcap": 30.0}, {"mask": np.ones((1, 4096), bool)}):
+            masked = {"mask": np.ones((1, 4096), bool), "bias": np.zeros((1, 4096))}
+            for options in ({}, {"softcap": 30.0}, masked):
                 yield _spec(x, x, x, options)
                 yield _spec(step, x, x, dict(options, causal=True, align="bottom_right"))
 

@@ -7,8 +7,9 @@
 //     dS_ij = P_ij (dP_ij - D_i),   D_i = rowsum(dO_i * O_i) - dlse_i
 //     dR_ij = dS_ij (1 - t_ij^2)    through the softcap (t = tanh(s / c))
 //
-//   npattn_backward_dq:   dQ_i  = scale sum_j dR_ij k_j, and the ALiBi
-//                         slope's share -sum_j dS_ij |p_i - j| of row i
+//   npattn_backward_dq:   dQ_i  = scale sum_j dR_ij k_j, the ALiBi
+//                         slope's share -sum_j dS_ij |p_i - j| of row i,
+//                         and dS_ij itself, the bias's gradient, with a bias
 //   npattn_backward_dkdv: dK_j  = scale sum_i dR_ij q_i,
 //                         dV_j  = sum_i P_ij drop_ij dO_i,
 //                         i over the G query heads of kv head h, stacked
@@ -77,7 +78,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         const scalar_t dp = lanes_sum(lane_dot<DV>(dout_lane[t], value_lane));
         if (j >= end || !visible(pb, rows[t], b, j)) continue;
         scalar_t dropped;
-        const scalar_t dr = entry_backward(pb, rows[t], j, product, dp, row_lse[t], row_D[t], dropped, slope_grad[t]);
+        const scalar_t dr = entry_backward(pb, rows[t], j, product, dp, row_lse[t], row_D[t], dropped, slope_grad[t],
+                                           lane == 0 ? bias_grad_at(pb, row_index[t], j) : nullptr);
         lane_axpy<DH>(dq_lane[t], dr, key_lane);
       }
     }

@@ -5,15 +5,16 @@
 //
 //   1. s   = scale * q_i . k_j                          (the kernels' products)
 //   2. s  <- c tanh(s / c)                              softcap.py
-//   3. s  <- s - m_n |p_i - j|                          alibi.py
+//   3. s  <- s + bias[b, n, i, j] - m_n |p_i - j|       (the user's bias), alibi.py
 //   5. hidden unless  i < q_len, j < kv_len,             visibility.py
 //                     p_i - left <= j <= p_i + right,
 //                     q_seg_i == kv_seg_j,
-//                     mask[b, n, i, j]                  (the user's bool mask)
+//                     mask[b, n, i, j],                 (the user's bool mask)
+//                     bias[b, n, i, j] > -inf           (a -inf bias entry acts as a mask)
 //   7. keep_ij = mix32(... ^ j) >= threshold            dropout.py
 //
-// Steps 4 (user score modifications) and the user's bias are not here:
-// npattn.fast_cupy leaves such calls to the generic chunked path.
+// Step 4 (user score modifications) is not here: npattn.fast_cupy leaves
+// such calls to the generic chunked path.
 // Sinks (step 6) are merged outside the kernels, as on every path.
 //
 // Compiled with scalar_t defined as float or double (the compute dtype).
@@ -49,6 +50,12 @@ struct Config {
   long long mask_stride_n;   //   its strides in entries (bytes), 0 along the axes it
   long long mask_stride_i;   //   broadcasts over
   long long mask_stride_j;
+  long long bias;            // address of the user's bias in scalar_t, or 0: its strides as the mask's
+  long long bias_stride_b;
+  long long bias_stride_n;
+  long long bias_stride_i;
+  long long bias_stride_j;
+  long long bias_grad;       // address of (B, N, T, S) scalar_t zeros for dS (the dQ kernels'), or 0
   double scale;              // softmax scale (rounded to scalar_t by read_problem)
   double softcap;            // softcap c, 0: none
   double keep_scale;         // 1 / (1 - dropout_p)
@@ -95,6 +102,9 @@ struct Problem {
   const scalar_t* slopes;        // ALiBi (B, N), or null
   const unsigned char* mask;     // the user's bool mask (USER_MASK builds), or null
   long long mask_stride_b, mask_stride_n, mask_stride_i, mask_stride_j;
+  const scalar_t* bias;          // the user's bias (USER_BIAS builds), or null
+  long long bias_stride_b, bias_stride_n, bias_stride_i, bias_stride_j;
+  scalar_t* bias_grad;           // dS (B, N, T, S), written by the dQ kernels (USER_BIAS builds), or null
 };
 
 // PLAIN_SCORES 1: kernels built for calls with plain scores and no segment
@@ -111,6 +121,13 @@ struct Problem {
 // compile-time null, Row as it was).
 #ifndef USER_MASK
 #define USER_MASK 0
+#endif
+
+// USER_BIAS 1: kernels built for calls with the user's bias, whose Row
+// holds its offset to the row's entries and whose dQ kernels write dS, the
+// bias's gradient before its broadcast axes are summed; 0: no bias.
+#ifndef USER_BIAS
+#define USER_BIAS 0
 #endif
 
 __device__ __forceinline__ Problem read_problem(const Config& config) {
@@ -144,6 +161,12 @@ __device__ __forceinline__ Problem read_problem(const Config& config) {
   pb.mask_stride_n = config.mask_stride_n;
   pb.mask_stride_i = config.mask_stride_i;
   pb.mask_stride_j = config.mask_stride_j;
+  pb.bias = USER_BIAS ? reinterpret_cast<const scalar_t*>(config.bias) : nullptr;
+  pb.bias_stride_b = config.bias_stride_b;
+  pb.bias_stride_n = config.bias_stride_n;
+  pb.bias_stride_i = config.bias_stride_i;
+  pb.bias_stride_j = config.bias_stride_j;
+  pb.bias_grad = USER_BIAS ? reinterpret_cast<scalar_t*>(config.bias_grad) : nullptr;
 #if PLAIN_SCORES
   pb.dropout = false;
   pb.softcap = 0;
@@ -164,6 +187,9 @@ struct Row {
   unsigned int hash;    // dropout: mix32(mix32(mix32(b ^ seed) ^ n) ^ row)
 #if USER_MASK
   long long mask_row;   // b stride_b + n stride_n + i stride_i: the row's entries of the mask, stride_j apart
+#endif
+#if USER_BIAS
+  long long bias_row;   // the same, of the bias
 #endif
 };
 
@@ -198,13 +224,33 @@ __device__ __forceinline__ Row make_row(const Problem& pb, int b, int n, int i) 
 #if USER_MASK
   row.mask_row = b * pb.mask_stride_b + n * pb.mask_stride_n + i * pb.mask_stride_i;
 #endif
+#if USER_BIAS
+  row.bias_row = b * pb.bias_stride_b + n * pb.bias_stride_n + i * pb.bias_stride_i;
+#endif
   return row;
 }
 
+// The user's bias at (row, key j) (USER_BIAS builds; 0 otherwise), 0 past
+// the last key, which it does not hold: the tensor-core forward scores a
+// partial tile's every column before it hides those past the keys' end.
+__device__ __forceinline__ scalar_t bias_entry(const Problem& pb, const Row& row, long long j) {
+#if USER_BIAS
+  return j < pb.S ? pb.bias[row.bias_row + j * pb.bias_stride_j] : (scalar_t)0;
+#else
+  return 0;
+#endif
+}
+
 // Whether a row's key range [first_key, end_key) alone says which keys it
-// sees (no segment ids or mask hide keys within it), so that a tile inside
-// every row's range needs no test per score.
-__device__ __forceinline__ bool ranges_decide_visibility(const Problem& pb) { return !pb.kv_segments && !USER_MASK; }
+// sees (no segment ids, mask or -inf bias entries hide keys within it), so
+// that a tile inside every row's range needs no test per score.
+__device__ __forceinline__ bool ranges_decide_visibility(const Problem& pb) {
+  return !pb.kv_segments && !USER_MASK && !USER_BIAS;
+}
+
+// Whether the scores are scale * q . k alone (no softcap, ALiBi or bias),
+// so that a kernel may compute them in base 2 without the pipeline's units.
+__device__ __forceinline__ bool plain_scores(const Problem& pb) { return pb.softcap == 0 && !pb.slopes && !USER_BIAS; }
 
 // Step 5: whether key j is visible to the row.
 __device__ __forceinline__ bool visible(const Problem& pb, const Row& row, int b, long long j) {
@@ -212,6 +258,7 @@ __device__ __forceinline__ bool visible(const Problem& pb, const Row& row, int b
 #if USER_MASK
   if (!pb.mask[row.mask_row + j * pb.mask_stride_j]) return false;
 #endif
+  if (USER_BIAS && bias_entry(pb, row, j) == negative_infinity((scalar_t)0)) return false;
   return !pb.kv_segments || pb.kv_segments[(long long)b * pb.S + j] == row.segment;
 }
 
@@ -225,6 +272,7 @@ __device__ __forceinline__ scalar_t score(const Problem& pb, const Row& row, lon
     capped_tanh = fn_tanh(s / pb.softcap);
     s = pb.softcap * capped_tanh;
   }
+  if (USER_BIAS) s += bias_entry(pb, row, j);
   if (pb.slopes) s -= row.slope * (scalar_t)llabs(row.position - j);
   return s;
 }
@@ -248,13 +296,27 @@ __device__ __forceinline__ scalar_t score_backward(const Problem& pb, const Row&
 
 // One entry (row, key j) of the backward, given the two products:
 // returns dR_ij (through steps 3-2) and sets the dropped probability
-// P_ij drop_ij; adds the ALiBi slope's share to `slope_grad`.
+// P_ij drop_ij; adds the ALiBi slope's share to `slope_grad`; writes dS_ij,
+// the bias's gradient, to `score_grad` where that is not null
+// (bias_grad_at).
 __device__ __forceinline__ scalar_t entry_backward(const Problem& pb, const Row& row, long long j, scalar_t product,
                                                    scalar_t dp, scalar_t row_lse, scalar_t row_D,
-                                                   scalar_t& dropped, scalar_t& slope_grad) {
+                                                   scalar_t& dropped, scalar_t& slope_grad,
+                                                   scalar_t* score_grad = nullptr) {
   scalar_t capped_tanh;
   const scalar_t p = fn_exp(score(pb, row, j, product, capped_tanh) - row_lse);
   const scalar_t drop = dropout_factor(pb, row, j);
   dropped = p * drop;
-  return score_backward(pb, row, j, p * (dp * drop - row_D), capped_tanh, slope_grad);
+  const scalar_t ds = p * (dp * drop - row_D);
+  if (score_grad) *score_grad = ds;
+  return score_backward(pb, row, j, ds, capped_tanh, slope_grad);
+}
+
+// Where the dQ kernels write dS_ij of key j and the row of (B, N, T) index
+// `row_index` (-1: a thread's row past the last, which writes nothing):
+// entry (row_index, j) of the bias's gradient before its broadcast axes
+// are summed; null without a bias. Each entry is written once, by the
+// thread that computes it; the entries no row sees stay 0.
+__device__ __forceinline__ scalar_t* bias_grad_at(const Problem& pb, long long row_index, long long j) {
+  return USER_BIAS && row_index >= 0 ? pb.bias_grad + row_index * pb.S + j : nullptr;
 }

@@ -81,11 +81,13 @@ __device__ __forceinline__ scalar_t plain_entry_backward(scalar_t product, scala
 }
 
 // dR_ij of one entry, and P_ij drop_ij in `dropped`: entry_backward
-// (pipeline.cuh), or, where the scores are plain, its formulas in base 2.
+// (pipeline.cuh, which writes dS_ij to `score_grad` where given), or, where
+// the scores are plain (no bias), its formulas in base 2.
 __device__ __forceinline__ scalar_t tensor_entry_backward(const Problem& pb, bool plain, const Row& row, long long j,
                                                        scalar_t product, scalar_t dp, scalar_t row_lse, scalar_t row_D,
-                                                       scalar_t& dropped, scalar_t& slope_grad) {
-  if (!plain) return entry_backward(pb, row, j, product, dp, row_lse, row_D, dropped, slope_grad);
+                                                       scalar_t& dropped, scalar_t& slope_grad,
+                                                       scalar_t* score_grad = nullptr) {
+  if (!plain) return entry_backward(pb, row, j, product, dp, row_lse, row_D, dropped, slope_grad, score_grad);
   const scalar_t p = fast_exp2((product * pb.scale - row_lse) * LOG2_E);
   const scalar_t drop = pb.dropout ? dropout_factor(pb, row, j) : (scalar_t)1;
   dropped = p * drop;
@@ -116,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   Row rows[2];
   long long index[2], row_index[2];  // into (B, N, T) arrays: the last real row's past the rows; -1 there
   const tile_t *q_rows[2], *dout_rows[2];
-  const bool plain = pb.softcap == 0 && !pb.slopes;
+  const bool plain = plain_scores(pb);
   const scalar_t scale_log2 = pb.scale * LOG2_E;
   scalar_t row_lse[2], row_D[2], slope_grad[2] = {(scalar_t)0, (scalar_t)0};
 #pragma unroll
@@ -177,7 +179,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
           scalar_t dropped;
           s[nb][e] = sees(range, pb, rows, b, i, offset)
                          ? tensor_entry_backward(pb, plain, rows[i], tile + offset, s[nb][e], dp[nb][e], row_lse[i],
-                                                 row_D[i], dropped, slope_grad[i])
+                                                 row_D[i], dropped, slope_grad[i],
+                                                 bias_grad_at(pb, row_index[i], tile + offset))
                          : (scalar_t)0;  // dR
         }
     }
@@ -374,7 +377,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
   auto key = [&](int i) { return (long long)key_block() * TC_ROWS + warp * 16 + g + 8 * i; };
 
   const tile_t *k_rows[2], *v_rows[2];
-  const bool plain = pb.softcap == 0 && !pb.slopes;
+  const bool plain = plain_scores(pb);
   const scalar_t scale_log2 = pb.scale * LOG2_E;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {

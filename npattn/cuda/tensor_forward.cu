@@ -62,7 +62,7 @@ extern "C" __global__ void TC_FORWARD_BOUNDS
   const int h = blockIdx.y, b = blockIdx.z / splits, split = blockIdx.z % splits;
   const long long stacked = (long long)pb.G * pb.T;
   const scalar_t minus_inf = negative_infinity((scalar_t)0);
-  const bool plain = pb.softcap == 0 && !pb.slopes;  // scores are scale * q . k: no unit of the pipeline to run
+  const bool plain = plain_scores(pb);  // scores are scale * q . k: no unit of the pipeline to run
   const scalar_t scale_log2 = pb.scale * LOG2_E;
 
   // This thread's rows: g and g + 8 of its warp's 16.
