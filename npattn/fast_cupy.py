@@ -1152,9 +1152,10 @@ class _Call:
         per_batch_offset = hasattr(offset, "shape")  # bottom_right with lengths
         if _has_per_batch_arrays(spec):
             self.optional = _per_batch_arrays(spec, offset if per_batch_offset else None)
+            *per_batch, mask, bias = self.optional
+            addresses = (*(0 if a is None else _address(a) for a in per_batch), *_strided(mask), *_strided(bias))
         else:  # a plain call's (a decode step's): none
-            self.optional = _NO_ARRAYS
-        *per_batch, mask, bias = self.optional
+            self.optional, addresses = _NO_ARRAYS, _NO_ADDRESSES
         self.config = _config(
             (
                 B,
@@ -1172,9 +1173,7 @@ class _Call:
                 splits,
                 int(spec.dropout_p > 0),
                 kv_head_rows,
-                *(0 if a is None else _address(a) for a in per_batch),
-                *_strided(mask),
-                *_strided(bias),
+                *addresses,
                 0 if bias_grad is None else _address(bias_grad),
                 spec.scale,
                 spec.softcap or 0.0,
@@ -1185,6 +1184,10 @@ class _Call:
 
 #: :class:`_Call`'s ``optional`` where a call has no per-batch array.
 _NO_ARRAYS = (None,) * 8
+
+#: ``Config``'s addresses and strides where a call has no per-batch array:
+#: the six arrays', then the mask's and the bias's address and four strides.
+_NO_ADDRESSES = (0,) * 16
 
 
 def _has_per_batch_arrays(spec: AttentionSpec) -> bool:
