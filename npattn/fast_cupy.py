@@ -192,8 +192,9 @@ def supports(spec: AttentionSpec) -> bool:
     """Whether the fused kernels run ``spec``: CuPy arrays computing in
     float32 or float64 (float16 inputs compute in float32), ``H`` and ``Hv``
     up to :data:`MAX_HEAD_DIM`, no score or mask modification (a boolean
-    mask and a bias are taken), at most :data:`MAX_GRID_YZ` batch elements and
-    kv heads, and ``NPATTN_FAST_CUPY`` not ``0``. Empty calls take the generic path."""
+    mask and a bias are taken), at most :data:`MAX_GRID_YZ` batch elements
+    and kv heads, and ``NPATTN_FAST_CUPY`` not ``0``. Empty calls take the
+    generic path."""
     return (
         os.environ.get("NPATTN_FAST_CUPY", "1") != "0"
         and array_api_compat.is_cupy_namespace(spec.xp)
@@ -447,7 +448,8 @@ def plain_scores(spec: AttentionSpec) -> bool:
     """Whether ``spec``'s call runs the kernels built for plain scores
     (``PLAIN_SCORES``, ``pipeline.cuh``): no softcap, ALiBi, dropout,
     segment ids, boolean mask or bias, options those kernels leave out at
-    compile time, so that their branches and the registers those hold leave them too (ptxas for
+    compile time, so that their branches and the registers those hold leave
+    them too (ptxas for
     sm_90, H=64: the float32 forward 167 registers against 201, the float64
     dQ spilling 184 bytes against 356; ``benchmarks/count_sass.py``). Other
     calls run the kernels built for every option.
@@ -826,10 +828,10 @@ def tensor_wgmma(spec: AttentionSpec, precision: str, device: Any, backward: boo
 #: each, by precision.
 TENSOR_ROW_BYTES = {"f16": 40 + 8 + 8, "tf32x3": 40 + 8 + 8, "f64": 48 + 16 + 8}
 
-#: Bytes a ``Row`` holds more in the kernels built for a boolean mask or a
-#: bias (``USER_MASK``, ``USER_BIAS``: for each its offset to the row's
-#: entries, an int64).
-MASK_ROW_BYTES = 8
+#: Bytes a ``Row`` holds more for each of a boolean mask and a bias, in the
+#: kernels built for them (``USER_MASK``, ``USER_BIAS``): the offset of the
+#: row's entries in it, an int64.
+ROW_OFFSET_BYTES = 8
 
 
 def _tile_stride(width: int, precision: str) -> int:
@@ -987,8 +989,8 @@ def _static_shared_bytes(spec: AttentionSpec, precision: str, tile: int, backwar
     block's key span and ``exp2.cuh``'s table."""
     item = TENSOR_PRECISIONS[precision][1]
     padded = _tile_stride(spec.head_dim, precision) + _tile_stride(spec.value_dim, precision)
-    masks = (spec.mask is not None) + (spec.bias is not None)
-    row_bytes = TENSOR_ROW_BYTES[precision] + masks * MASK_ROW_BYTES
+    offsets = (spec.mask is not None) + (spec.bias is not None)
+    row_bytes = TENSOR_ROW_BYTES[precision] + offsets * ROW_OFFSET_BYTES
     per_stage = tile * (padded * item + (row_bytes if backward else 0))
     return stages * per_stage + 256
 
@@ -998,7 +1000,7 @@ def _tiles_fit(spec: AttentionSpec, precision: str, tile: int, backward: bool, s
     fit CUDA's 48 KiB of static shared memory: a key and a value tile each
     in the forward (rows :func:`_tile_stride` entries apart); in the
     backward, the largest kernel's, dK/dV's: a query and a ``dO`` tile each,
-    with :data:`TENSOR_ROW_BYTES` per query row (and :data:`MASK_ROW_BYTES`
+    with :data:`TENSOR_ROW_BYTES` per query row (and :data:`ROW_OFFSET_BYTES`
     with a mask, and again with a bias)."""
     return _static_shared_bytes(spec, precision, tile, backward, stages) <= 48 * 1024
 
@@ -1660,7 +1662,8 @@ def backward(
     (and the ALiBi slopes' per-row sums ``-sum_j dS_ij |p_i - j|``, and
     with a bias ``dS`` itself, zeros where no row sees a key, summed over
     the bias's broadcast axes here: ``(B, N, T, S)`` entries of the compute
-    dtype for the call) in ``npattn_backward_dq``, then ``dK``, ``dV`` in ``npattn_backward_dkdv``
+    dtype for the call) in ``npattn_backward_dq``, then ``dK``, ``dV`` in
+    ``npattn_backward_dkdv``
     (``npattn/cuda/backward.cu``; on the tensor cores their ``_tc`` twins
     of ``tensor_backward.cu``, whose dK/dV kernel sums dQ too where
     :func:`tensor_fused_dq` says, so that no dQ kernel runs and
